@@ -1,0 +1,1 @@
+//! The C ABI of foxedge (see issue: C ABI). Not yet implemented.

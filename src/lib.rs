@@ -1,0 +1,1 @@
+//! foxedge: the facade. Backend selection, the FoX model runner, sessions.
