@@ -21,10 +21,7 @@ pub enum Error {
     /// A scalar argument is out of its domain (NaN bound, ln eps > 0, zero block size...).
     BadArgument(&'static str),
     /// A fixed-capacity structure would exceed its capacity.
-    Capacity {
-        what: &'static str,
-        capacity: usize,
-    },
+    Capacity { what: &'static str, capacity: usize },
     /// A q or k vector exceeded the logit bound that a streaming threshold was derived from.
     BoundViolated { observed: f32, bound: f32 },
 }

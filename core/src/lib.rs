@@ -6,8 +6,11 @@
 #![no_std]
 #![forbid(unsafe_code)]
 
+pub mod boundary;
 pub mod error;
+pub mod gate;
 pub mod shape;
+pub mod threshold;
 
 pub use error::{Error, Result};
 pub use shape::{AttentionShape, Layout};
