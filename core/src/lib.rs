@@ -8,6 +8,7 @@
 
 pub mod boundary;
 pub mod error;
+pub mod eviction;
 pub mod gate;
 pub mod shape;
 pub mod threshold;
