@@ -63,6 +63,15 @@ impl Certificate {
         })
     }
 
+    /// `U = 0`, nothing evicted (a placeholder for fixed-size storage).
+    pub(crate) const fn empty() -> Self {
+        Self {
+            u: 0.0,
+            lse: f64::NEG_INFINITY,
+            evicted: 0,
+        }
+    }
+
     /// The logit bound `U` (nats).
     #[inline]
     pub fn u(&self) -> f64 {

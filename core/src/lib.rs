@@ -10,6 +10,7 @@ pub mod boundary;
 pub mod error;
 pub mod eviction;
 pub mod gate;
+pub mod retention;
 pub mod shape;
 pub mod threshold;
 
