@@ -35,6 +35,12 @@
 //! `AsRef<[T]> + AsMut<[T]>`: `&mut [T]`, arrays, `heapless::Vec`, or `Vec` on std, so the
 //! capacity and budgets are runtime values.
 //!
+//! A "head" is a cache head. With grouped-query attention one kv head serves several
+//! query heads, each with its own gates and `U`: pass for that kv head the cumulative sum of
+//! the group's element-wise largest log gate (`max_h log f^h_l`) and `U = max_h U_h`. Then
+//! `2U + c_t - c_j` bounds every query head of the group, since a sum of maxima is at least
+//! the maximum of the sums.
+//!
 //! `c` values are cumulative log gates relative to each head's gate origin
 //! ([`crate::gate::GateStream`]). When the facade re-bases a head's stream by `shift`, it
 //! calls [`RetentionPolicy::rebase`] with the same `shift`.
@@ -870,6 +876,34 @@ where
         Ok(&r[..hs.live as usize])
     }
 
+    /// Copies `c_j` of head `h`'s live slots into `out[..live]` (slot order), for a decode
+    /// kernel that adds `D = c_t - c_j`. Returns `live`.
+    ///
+    /// Errors: `h >= heads` ([`Error::BadArgument`]); `out.len() < live`
+    /// ([`Error::BadLength`]).
+    pub fn copy_c(&self, h: usize, out: &mut [f64]) -> Result<usize> {
+        let live = self.slots(h)?;
+        if out.len() < live.len() {
+            return Err(Error::BadLength {
+                what: "retention copy_c out (minimum)",
+                expected: live.len(),
+                got: out.len(),
+            });
+        }
+        for (o, s) in out.iter_mut().zip(live) {
+            *o = s.c;
+        }
+        Ok(live.len())
+    }
+
+    /// Head `h`'s latest `c_t` (relative to its origin; 0 before the first append).
+    ///
+    /// Errors: `h >= heads` ([`Error::BadArgument`]).
+    pub fn latest_c(&self, h: usize) -> Result<f64> {
+        self.check_head(h)?;
+        Ok(self.heads.as_ref()[h].c_t)
+    }
+
     /// Slots of head `h` in age order, oldest first (sinks, then the others).
     ///
     /// Errors: `h >= heads` ([`Error::BadArgument`]).
@@ -964,6 +998,36 @@ where
     /// Tokens appended so far (the same for every head).
     pub fn appended(&self) -> u64 {
         self.heads.as_ref()[0].pushed
+    }
+}
+
+/// A policy owning fixed-capacity `heapless` storage (`SLOTS` slot rows, `HEADS` heads):
+/// for no_std users whose sizes are known at compile time. The storage lives inline.
+pub type FixedPolicy<const SLOTS: usize, const HEADS: usize> =
+    RetentionPolicy<heapless::Vec<Slot, SLOTS>, heapless::Vec<HeadState, HEADS>>;
+
+impl<const SLOTS: usize, const HEADS: usize> FixedPolicy<SLOTS, HEADS> {
+    /// [`RetentionPolicy::new`] with owned `heapless` storage sized from `cfg`.
+    ///
+    /// Errors: those of [`RetentionPolicy::new`]; [`Error::Capacity`] when `cfg` needs
+    /// more than `SLOTS` slots or `HEADS` heads.
+    pub fn new_fixed(cfg: PolicyConfig, u: &[f64]) -> Result<Self> {
+        cfg.validate()?;
+        let mut slots = heapless::Vec::new();
+        slots
+            .resize(cfg.slots_needed()?, Slot::EMPTY)
+            .map_err(|_| Error::Capacity {
+                what: "FixedPolicy slot storage",
+                capacity: SLOTS,
+            })?;
+        let mut heads = heapless::Vec::new();
+        heads
+            .resize(cfg.heads, HeadState::EMPTY)
+            .map_err(|_| Error::Capacity {
+                what: "FixedPolicy head storage",
+                capacity: HEADS,
+            })?;
+        Self::new(cfg, u, slots, heads)
     }
 }
 
@@ -1305,6 +1369,40 @@ mod tests {
         }
         let got: Vec<(usize, u64)> = evs.iter().map(|e| (e.head, e.position)).collect();
         assert_eq!(got, [(1, 0), (1, 1)]);
+    }
+
+    #[test]
+    fn fixed_heapless_storage_and_copy_c() {
+        let cfg = PolicyConfig {
+            window: 2,
+            ..PolicyConfig::new(2, 3)
+        };
+        assert!(matches!(
+            FixedPolicy::<5, 2>::new_fixed(cfg, &[1.0, 1.0]),
+            Err(Error::Capacity { capacity: 5, .. })
+        ));
+        assert!(matches!(
+            FixedPolicy::<6, 1>::new_fixed(cfg, &[1.0, 1.0]),
+            Err(Error::Capacity { capacity: 1, .. })
+        ));
+        let mut p = FixedPolicy::<6, 2>::new_fixed(cfg, &[0.0, 0.0]).unwrap();
+        for t in 0..5u64 {
+            let c = -(t as f64);
+            p.append(t, &[c, 2.0 * c], None, |_| {}).unwrap();
+        }
+        assert_eq!(p.latest_c(1).unwrap(), -8.0);
+        let mut out = [0.0; 3];
+        assert!(matches!(
+            p.copy_c(0, &mut out[..2]),
+            Err(Error::BadLength { .. })
+        ));
+        assert!(p.copy_c(2, &mut out).is_err());
+        assert!(p.latest_c(2).is_err());
+        let n = p.copy_c(1, &mut out).unwrap();
+        let want: Vec<f64> = p.slots(1).unwrap().iter().map(|s| s.c()).collect();
+        assert_eq!(&out[..n], &want[..]);
+        let (slots, heads) = p.into_storage();
+        assert_eq!((slots.len(), heads.len()), (6, 2));
     }
 
     #[derive(Debug, Clone)]
