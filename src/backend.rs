@@ -1,0 +1,183 @@
+//! Backend selection and the attention-kernel interface a backend implements.
+//!
+//! The model runner does the dense layer math itself and calls a backend only for
+//! forgetting attention (prefill and decode), through [`AttentionBackend`], whose argument
+//! types are plain data (sizes, slices, bounds) that every backend can take.
+
+use crate::error::{Error, Result};
+use std::fmt;
+use std::str::FromStr;
+
+/// How attention may prune (ACP paper, section 3); thresholds are derived by foxedge-core.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Acp<'a> {
+    /// Dense.
+    Off,
+    /// A logit bound `U_h` per head and `ln eps`.
+    Bound { u: &'a [f64], ln_eps: f64 },
+    /// Prefill only: U from this call's observed q and k norms (models without QK-norm).
+    ObservedNorms { ln_eps: f64 },
+}
+
+/// One head's retained cache: `n` entries in slot order (not position order).
+/// `k`, `v`: `[n, head_dim]`; `c`: `[n]` cumulative log gates relative to the head origin;
+/// `pos`: `[n]` token positions, given when a step has several queries (causal mask).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CacheHead<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub c: &'a [f64],
+    pub pos: Option<&'a [u64]>,
+}
+
+/// Kept and attendable query-key pairs of one call, per head.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct AttentionStats {
+    pub kept_pairs: Vec<u64>,
+    pub total_pairs: Vec<u64>,
+}
+
+/// Which compute backend a session runs attention on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BackendKind {
+    /// SIMD CPU kernels (foxedge-cpu). Always available.
+    #[default]
+    Cpu,
+    /// Vulkan compute kernels (foxedge-vulkan).
+    Vulkan,
+    /// Picks from measured costs; today the CPU (no Vulkan backend is wired yet).
+    Auto,
+    /// Heavy heads on the GPU, light heads on the CPU (needs the Vulkan backend).
+    Hybrid,
+}
+
+impl BackendKind {
+    /// The lowercase name accepted by [`FromStr`].
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Vulkan => "vulkan",
+            BackendKind::Auto => "auto",
+            BackendKind::Hybrid => "hybrid",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(BackendKind::Cpu),
+            "vulkan" | "gpu" => Ok(BackendKind::Vulkan),
+            "auto" => Ok(BackendKind::Auto),
+            "hybrid" => Ok(BackendKind::Hybrid),
+            _ => Err(Error::invalid(format!(
+                "backend `{s}`: expected cpu, vulkan, auto or hybrid"
+            ))),
+        }
+    }
+}
+
+/// Causal prefill of one sequence from an empty cache, `t` tokens, `heads` heads.
+///
+/// `q`, `k`, `v`, `out`: `[t, heads, head_dim]` (seq-first); `log_f`: `[t, heads]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillCall<'a> {
+    pub t: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub log_f: &'a [f32],
+    pub acp: Acp<'a>,
+}
+
+/// Queries of one step against the retained cache (which already holds their own keys).
+///
+/// `q`, `out`: `[heads, n_queries, head_dim]`; `q_c`: `[heads, n_queries]`; `q_pos`:
+/// `[heads, n_queries]` when some cache head carries positions (several queries).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DecodeCall<'a> {
+    pub head_dim: usize,
+    pub n_queries: usize,
+    pub q: &'a [f32],
+    pub q_c: &'a [f64],
+    pub q_pos: Option<&'a [u64]>,
+    pub heads: &'a [CacheHead<'a>],
+    pub acp: Acp<'a>,
+}
+
+/// The attention kernels a backend provides. Implementations are stateless with respect to
+/// a session (the session owns every buffer), so one backend may serve many sessions.
+pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
+    fn kind(&self) -> BackendKind;
+    fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
+    fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
+}
+
+/// The SIMD CPU kernels of foxedge-cpu.
+#[derive(Debug, Default)]
+pub(crate) struct CpuBackend;
+
+impl AttentionBackend for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        let _ = (call, out);
+        Err(Error::Unsupported(
+            "CPU prefill attention: the foxedge-cpu kernels are not wired yet".into(),
+        ))
+    }
+
+    fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        let _ = (call, out);
+        Err(Error::Unsupported(
+            "CPU decode attention: the foxedge-cpu kernels are not wired yet".into(),
+        ))
+    }
+}
+
+/// The backend for `kind`, or [`Error::BackendUnavailable`] saying why not.
+pub(crate) fn resolve(kind: BackendKind) -> Result<Box<dyn AttentionBackend>> {
+    match kind {
+        BackendKind::Cpu | BackendKind::Auto => Ok(Box::new(CpuBackend)),
+        BackendKind::Vulkan => Err(Error::BackendUnavailable(
+            "vulkan: the Vulkan backend is not part of this build yet (use --backend cpu)".into(),
+        )),
+        BackendKind::Hybrid => Err(Error::BackendUnavailable(
+            "hybrid: needs the Vulkan backend, which is not part of this build yet".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_backend_names() {
+        for k in [
+            BackendKind::Cpu,
+            BackendKind::Vulkan,
+            BackendKind::Auto,
+            BackendKind::Hybrid,
+        ] {
+            assert_eq!(k.name().parse::<BackendKind>().unwrap(), k);
+        }
+        assert!("tpu".parse::<BackendKind>().is_err());
+        assert_eq!(resolve(BackendKind::Auto).unwrap().kind(), BackendKind::Cpu);
+        assert!(matches!(
+            resolve(BackendKind::Vulkan),
+            Err(Error::BackendUnavailable(_))
+        ));
+    }
+}
