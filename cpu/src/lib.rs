@@ -1,1 +1,32 @@
-//! placeholder: implemented by its issue.
+//! foxedge-cpu: tiled forgetting-attention kernels for CPUs (x86-64 with AVX2/AVX-512,
+//! aarch64 with NEON), with adaptive computation pruning (ACP).
+//!
+//! - [`prefill`]: `O = softmax(s Q K^T + D) V`, causal, per (batch, query head), with
+//!   `D_ij = c_i - c_j` and `c` the f64 prefix sum of the log forget gates. Tiles of
+//!   `block_q x block_k`; under ACP each query-block row starts at the key block that
+//!   `foxedge_core::boundary::start_blocks` chose (ACP paper, Algorithm 1) and never
+//!   touches the pruned blocks before it.
+//! - [`decode`]: a few new queries per head against an unordered cache whose entries carry
+//!   their `c_j`; split over the cache length (flash-decoding) with an exact merge of the
+//!   partial softmaxes.
+//!
+//! Storage is f32, f16 or bf16 ([`Storage`]); compute and accumulation are f32. `c` stays
+//! f64 until a tile converts it to f32 relative to the tile's first query row, so `D` near
+//! the diagonal is exact even when `|c|` is large.
+//!
+//! Core decides, kernels compute: thresholds and boundaries come from `foxedge-core`.
+
+mod api;
+mod decode;
+mod prefill;
+pub mod reference;
+pub mod simd;
+
+pub use api::{
+    Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
+    PrefillOptions, Storage,
+};
+pub use decode::{decode, decode_with_isa};
+pub use foxedge_core::{AttentionShape, Error, Layout, Result};
+pub use prefill::{prefill, prefill_with_isa};
+pub use simd::Isa;

@@ -1,0 +1,517 @@
+//! Vectors of f32 lanes and runtime selection of the widest instruction set.
+//!
+//! Micro-kernels are written once, generic over [`Vf32`], and run through [`dispatch`],
+//! which instantiates them inside a `#[target_feature]` function for the instruction set
+//! found at run time (multiversioning by hand). Instances:
+//! - `f32`: one lane, the plain scalar reference (exact `f32::exp`);
+//! - `wide::f32x8`: the portable vector (NEON on aarch64, SSE or AVX on x86-64 as
+//!   compiled);
+//! - `V256` (AVX2 + FMA) and `V512` (AVX-512F) on x86-64, chosen at run time.
+
+/// A vector of `LANES` f32 values. All methods are `#[inline(always)]` so that a kernel
+/// instantiated inside a `#[target_feature]` function is compiled for that feature set.
+pub(crate) trait Vf32: Copy {
+    const LANES: usize;
+    fn splat(x: f32) -> Self;
+    /// Loads `s[..LANES]` (panics if `s` is shorter: a kernel bug, not an input error).
+    fn load(s: &[f32]) -> Self;
+    /// Stores into `s[..LANES]`.
+    fn store(self, s: &mut [f32]);
+    fn add(self, b: Self) -> Self;
+    fn sub(self, b: Self) -> Self;
+    fn mul(self, b: Self) -> Self;
+    /// `self * b + c`, fused where the hardware has FMA.
+    fn fma(self, b: Self, c: Self) -> Self;
+    fn max(self, b: Self) -> Self;
+    fn reduce_sum(self) -> f32;
+    fn reduce_max(self) -> f32;
+    /// `e^x`; exact 0 for `x = -inf` (masked scores) and for `x < -87.9`.
+    fn exp(self) -> Self;
+}
+
+impl Vf32 for f32 {
+    const LANES: usize = 1;
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn load(s: &[f32]) -> Self {
+        s[0]
+    }
+    #[inline(always)]
+    fn store(self, s: &mut [f32]) {
+        s[0] = self;
+    }
+    #[inline(always)]
+    fn add(self, b: Self) -> Self {
+        self + b
+    }
+    #[inline(always)]
+    fn sub(self, b: Self) -> Self {
+        self - b
+    }
+    #[inline(always)]
+    fn mul(self, b: Self) -> Self {
+        self * b
+    }
+    #[inline(always)]
+    fn fma(self, b: Self, c: Self) -> Self {
+        self * b + c
+    }
+    #[inline(always)]
+    fn max(self, b: Self) -> Self {
+        f32::max(self, b)
+    }
+    #[inline(always)]
+    fn reduce_sum(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn reduce_max(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+}
+
+#[inline(always)]
+fn array8(s: &[f32]) -> [f32; 8] {
+    match s.first_chunk::<8>() {
+        Some(a) => *a,
+        None => panic!("kernel slice shorter than a vector"),
+    }
+}
+
+impl Vf32 for wide::f32x8 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        wide::f32x8::splat(x)
+    }
+    #[inline(always)]
+    fn load(s: &[f32]) -> Self {
+        wide::f32x8::new(array8(s))
+    }
+    #[inline(always)]
+    fn store(self, s: &mut [f32]) {
+        s[..8].copy_from_slice(self.as_array_ref());
+    }
+    #[inline(always)]
+    fn add(self, b: Self) -> Self {
+        self + b
+    }
+    #[inline(always)]
+    fn sub(self, b: Self) -> Self {
+        self - b
+    }
+    #[inline(always)]
+    fn mul(self, b: Self) -> Self {
+        self * b
+    }
+    #[inline(always)]
+    fn fma(self, b: Self, c: Self) -> Self {
+        self.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn max(self, b: Self) -> Self {
+        self.fast_max(b)
+    }
+    #[inline(always)]
+    fn reduce_sum(self) -> f32 {
+        self.reduce_add()
+    }
+    #[inline(always)]
+    fn reduce_max(self) -> f32 {
+        let a = self.to_array();
+        let m01 = a[0].max(a[1]).max(a[2].max(a[3]));
+        let m23 = a[4].max(a[5]).max(a[6].max(a[7]));
+        m01.max(m23)
+    }
+    #[inline(always)]
+    fn exp(self) -> Self {
+        // wide's exp returns 0 for non-finite and |x| >= 87.3 inputs; our arguments are
+        // <= 0, so that is the underflow we want.
+        wide::f32x8::exp(self)
+    }
+}
+
+/// Coefficients of `e^r` on `|r| <= ln2/2` (Taylor to degree 7: error < 5e-9 relative)
+/// and the Cody-Waite split of ln 2.
+#[cfg(target_arch = "x86_64")]
+mod expc {
+    pub const LOG2E: f32 = core::f32::consts::LOG2_E;
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    pub const LO: f32 = -87.9;
+    pub const C: [f32; 8] = [
+        1.0,
+        1.0,
+        0.5,
+        1.0 / 6.0,
+        1.0 / 24.0,
+        1.0 / 120.0,
+        1.0 / 720.0,
+        1.0 / 5040.0,
+    ];
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::{V256, V512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Vf32, expc};
+    use core::arch::x86_64::*;
+
+    /// 8 lanes of AVX2 + FMA. Invariant: values exist only inside kernels run by
+    /// [`super::dispatch`] after it detected `avx2` and `fma`.
+    #[derive(Clone, Copy)]
+    pub(crate) struct V256(__m256);
+
+    /// 16 lanes of AVX-512F. Invariant: values exist only inside kernels run by
+    /// [`super::dispatch`] after it detected `avx512f`.
+    #[derive(Clone, Copy)]
+    pub(crate) struct V512(__m512);
+
+    // SAFETY (for every `unsafe` block in the two impls below): the intrinsics need the
+    // CPU features named in each type's invariant, which `dispatch` checked before
+    // running any kernel instantiated with the type; loads and stores go through slices
+    // whose length was checked (`s[..LANES]` panics otherwise).
+    impl Vf32 for V256 {
+        const LANES: usize = 8;
+        #[inline(always)]
+        fn splat(x: f32) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_set1_ps(x)) }
+        }
+        #[inline(always)]
+        fn load(s: &[f32]) -> Self {
+            let s = &s[..8];
+            // SAFETY: see the comment above the impl; `s` has 8 elements.
+            unsafe { V256(_mm256_loadu_ps(s.as_ptr())) }
+        }
+        #[inline(always)]
+        fn store(self, s: &mut [f32]) {
+            let s = &mut s[..8];
+            // SAFETY: see the comment above the impl; `s` has 8 elements.
+            unsafe { _mm256_storeu_ps(s.as_mut_ptr(), self.0) }
+        }
+        #[inline(always)]
+        fn add(self, b: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_add_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn sub(self, b: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_sub_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn mul(self, b: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_mul_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn fma(self, b: Self, c: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_fmadd_ps(self.0, b.0, c.0)) }
+        }
+        #[inline(always)]
+        fn max(self, b: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe { V256(_mm256_max_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn reduce_sum(self) -> f32 {
+            // SAFETY: see the comment above the impl.
+            unsafe {
+                let h = _mm_add_ps(
+                    _mm256_castps256_ps128(self.0),
+                    _mm256_extractf128_ps(self.0, 1),
+                );
+                let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+                _mm_cvtss_f32(h)
+            }
+        }
+        #[inline(always)]
+        fn reduce_max(self) -> f32 {
+            // SAFETY: see the comment above the impl.
+            unsafe {
+                let h = _mm_max_ps(
+                    _mm256_castps256_ps128(self.0),
+                    _mm256_extractf128_ps(self.0, 1),
+                );
+                let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                let h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+                _mm_cvtss_f32(h)
+            }
+        }
+        #[inline(always)]
+        fn exp(self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe {
+                // x = max(x, LO) (max returns the second operand for NaN/-inf first).
+                let x = _mm256_max_ps(self.0, _mm256_set1_ps(expc::LO));
+                let n = _mm256_round_ps(
+                    _mm256_mul_ps(x, _mm256_set1_ps(expc::LOG2E)),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+                );
+                let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(expc::LN2_HI), x);
+                let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(expc::LN2_LO), r);
+                let mut p = _mm256_set1_ps(expc::C[7]);
+                for c in expc::C[..7].iter().rev() {
+                    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+                }
+                // 2^n with n in [-127, 127]: n = -127 gives the bit pattern 0, i.e. 0.0.
+                let e = _mm256_slli_epi32(
+                    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                    23,
+                );
+                V256(_mm256_mul_ps(p, _mm256_castsi256_ps(e)))
+            }
+        }
+    }
+
+    impl Vf32 for V512 {
+        const LANES: usize = 16;
+        #[inline(always)]
+        fn splat(x: f32) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_set1_ps(x)) }
+        }
+        #[inline(always)]
+        fn load(s: &[f32]) -> Self {
+            let s = &s[..16];
+            // SAFETY: see the comment above the V256 impl; `s` has 16 elements.
+            unsafe { V512(_mm512_loadu_ps(s.as_ptr())) }
+        }
+        #[inline(always)]
+        fn store(self, s: &mut [f32]) {
+            let s = &mut s[..16];
+            // SAFETY: see the comment above the V256 impl; `s` has 16 elements.
+            unsafe { _mm512_storeu_ps(s.as_mut_ptr(), self.0) }
+        }
+        #[inline(always)]
+        fn add(self, b: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_add_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn sub(self, b: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_sub_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn mul(self, b: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_mul_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn fma(self, b: Self, c: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_fmadd_ps(self.0, b.0, c.0)) }
+        }
+        #[inline(always)]
+        fn max(self, b: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { V512(_mm512_max_ps(self.0, b.0)) }
+        }
+        #[inline(always)]
+        fn reduce_sum(self) -> f32 {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { _mm512_reduce_add_ps(self.0) }
+        }
+        #[inline(always)]
+        fn reduce_max(self) -> f32 {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { _mm512_reduce_max_ps(self.0) }
+        }
+        #[inline(always)]
+        fn exp(self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe {
+                let x = _mm512_max_ps(self.0, _mm512_set1_ps(expc::LO));
+                let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm512_mul_ps(x, _mm512_set1_ps(expc::LOG2E)),
+                );
+                let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(expc::LN2_HI), x);
+                let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(expc::LN2_LO), r);
+                let mut p = _mm512_set1_ps(expc::C[7]);
+                for c in expc::C[..7].iter().rev() {
+                    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+                }
+                let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                    _mm512_cvtps_epi32(n),
+                    _mm512_set1_epi32(127),
+                ));
+                V512(_mm512_mul_ps(p, _mm512_castsi512_ps(e)))
+            }
+        }
+    }
+}
+
+/// Instruction set a kernel runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// One lane, plain Rust: the reference the vector kernels are tested against.
+    Scalar,
+    /// `wide::f32x8` as compiled (NEON on aarch64).
+    Portable,
+    /// AVX2 + FMA, detected at run time.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512F, detected at run time.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// The widest instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every instruction set this CPU can run (scalar first), for tests and benches.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar, Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+}
+
+/// A kernel generic over the vector type; [`dispatch`] picks the instance.
+pub(crate) trait WithSimd {
+    type Output;
+    /// Must be `#[inline(always)]` so that it is compiled inside the feature wrapper.
+    fn run<V: Vf32>(self) -> Self::Output;
+}
+
+/// Runs `k` with the vector type of `isa`. An `isa` this CPU lacks falls back to the
+/// detected one (so a wrong request cannot execute an illegal instruction).
+pub(crate) fn dispatch<K: WithSimd>(isa: Isa, k: K) -> K::Output {
+    match isa {
+        Isa::Scalar => k.run::<f32>(),
+        Isa::Portable => k.run::<wide::f32x8>(),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            #[target_feature(enable = "avx2,fma")]
+            fn go<K: WithSimd>(k: K) -> K::Output {
+                k.run::<V256>()
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the features `go` is compiled for were detected just above.
+                unsafe { go(k) }
+            } else {
+                k.run::<wide::f32x8>()
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            fn go<K: WithSimd>(k: K) -> K::Output {
+                k.run::<V512>()
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the features `go` is compiled for were detected just above.
+                unsafe { go(k) }
+            } else {
+                dispatch(Isa::detect(), k)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct ExpAll<'a>(&'a [f32], &'a mut [f32]);
+    impl WithSimd for ExpAll<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run<V: Vf32>(self) {
+            for (x, y) in self
+                .0
+                .chunks_exact(V::LANES)
+                .zip(self.1.chunks_exact_mut(V::LANES))
+            {
+                V::load(x).exp().store(y);
+            }
+        }
+    }
+
+    struct Reduce<'a>(&'a [f32]);
+    impl WithSimd for Reduce<'_> {
+        type Output = (f32, f32);
+        #[inline(always)]
+        fn run<V: Vf32>(self) -> (f32, f32) {
+            let (mut s, mut m) = (V::splat(0.0), V::splat(f32::NEG_INFINITY));
+            for x in self.0.chunks_exact(V::LANES) {
+                s = s.add(V::load(x));
+                m = m.max(V::load(x));
+            }
+            (s.reduce_sum(), m.reduce_max())
+        }
+    }
+
+    #[test]
+    fn exp_matches_std_and_underflows_to_zero() {
+        let mut xs: Vec<f32> = (0..1600).map(|i| -90.0 + i as f32 * 0.0575).collect();
+        xs.extend([f32::NEG_INFINITY; 16]);
+        xs.extend([0.0, -1e-8, -0.3465, 0.3466, -1.0, -2.0, -10.0, -20.0]);
+        xs.extend([-40.0, -60.0, -80.0, -87.0, -88.0, -100.0, -1e30, -0.5]);
+        for isa in Isa::available() {
+            let mut ys = vec![0.0; xs.len()];
+            dispatch(isa, ExpAll(&xs, &mut ys));
+            for (&x, &y) in xs.iter().zip(&ys) {
+                let want = (x as f64).exp();
+                if x == f32::NEG_INFINITY {
+                    assert_eq!(y, 0.0, "{isa:?} exp({x})");
+                } else if x > -87.0 {
+                    let rel = ((y as f64 - want) / want).abs();
+                    assert!(rel < 4e-7, "{isa:?} exp({x}) = {y}, want {want}, rel {rel}");
+                } else {
+                    // Underflow region: zero or a subnormal, never more than 1e-37 off.
+                    assert!((y as f64 - want).abs() < 1e-37, "{isa:?} exp({x})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_match_scalar() {
+        let xs: Vec<f32> = (0..64).map(|i| ((i * 37) % 23) as f32 - 11.5).collect();
+        let want = dispatch(Isa::Scalar, Reduce(&xs));
+        for isa in Isa::available() {
+            let got = dispatch(isa, Reduce(&xs));
+            assert!((got.0 - want.0).abs() < 1e-4 && got.1 == want.1, "{isa:?}");
+        }
+    }
+}
