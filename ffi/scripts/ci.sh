@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# C ABI checks for foxedge-ffi, run by .ci/run (from any directory):
+#   1. build the library (cdylib + staticlib) and regenerate include/foxedge.h with cbindgen;
+#      fail if the committed header differs from the regenerated one;
+#   2. stage an install tree (lib/, include/foxedge/, lib/pkgconfig/foxedge.pc, cargo-c
+#      layout) and compile the header as C11 and C++;
+#   3. build ffi/examples/stream.c (shared library, via pkg-config) and run it on the tiny
+#      model; build ffi/tests/c_errors.c (static library, pkg-config --static) and run it.
+# Env: CARGO_TARGET_DIR (default ./target), FFI_FEATURES (cargo feature flags for the
+# crate, default "--no-default-features" until the Vulkan backend builds everywhere),
+# PROFILE (debug|release, default debug).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+target="${CARGO_TARGET_DIR:-$root/target}"
+profile="${PROFILE:-debug}"
+features="${FFI_FEATURES:---no-default-features}"
+step() { printf '\n---- ffi: %s\n' "$*"; }
+
+step "build foxedge-ffi ($profile) and regenerate the header"
+header="ffi/include/foxedge.h"
+committed="$(mktemp)"
+trap 'rm -f "$committed"' EXIT
+if [ -f "$header" ]; then cp "$header" "$committed"; else : >"$committed"; fi
+cargo_profile=()
+[ "$profile" = release ] && cargo_profile=(--release)
+# shellcheck disable=SC2086
+cargo build -p foxedge-ffi $features "${cargo_profile[@]}"
+if ! cmp -s "$committed" "$header"; then
+  echo "ffi/include/foxedge.h is stale: cbindgen regenerated it from ffi/src. Diff:" >&2
+  diff -u "$committed" "$header" >&2 || true
+  echo "Commit the regenerated header." >&2
+  exit 1
+fi
+echo "header is current"
+
+step "stage install tree and pkg-config file"
+stage="$target/ffi-stage"
+libdir="$stage/lib"
+rm -rf "$stage"
+mkdir -p "$libdir/pkgconfig" "$stage/include/foxedge"
+cp "$target/$profile/libfoxedge.a" "$target/$profile/libfoxedge.so" "$libdir/"
+cp "$header" "$stage/include/foxedge/"
+bash ffi/scripts/pkgconfig.sh "$stage" >"$libdir/pkgconfig/foxedge.pc"
+cat "$libdir/pkgconfig/foxedge.pc"
+export PKG_CONFIG_PATH="$libdir/pkgconfig"
+pkg-config --exists --print-errors foxedge
+cflags="$(pkg-config --cflags foxedge)"
+
+step "header compiles as C11 and C++17"
+warn=(-Wall -Wextra -Werror -pedantic)
+echo '#include <foxedge.h>' | gcc -std=c11 "${warn[@]}" $cflags -x c -fsyntax-only -
+echo '#include <foxedge.h>' | g++ -std=c++17 "${warn[@]}" $cflags -x c++ -fsyntax-only -
+
+step "ffi/examples/stream.c (shared library)"
+bin="$target/ffi-bin"
+mkdir -p "$bin"
+# shellcheck disable=SC2046
+gcc -std=c11 "${warn[@]}" -O2 ffi/examples/stream.c -o "$bin/stream" \
+  $(pkg-config --cflags --libs foxedge) -Wl,-rpath,"$libdir"
+"$bin/stream" models/fox-tiny-pro
+
+step "ffi/tests/c_errors.c (static library)"
+# shellcheck disable=SC2046
+gcc -std=c11 "${warn[@]}" -O1 ffi/tests/c_errors.c -o "$bin/c_errors" \
+  $(pkg-config --static --cflags --libs foxedge | sed 's/-lfoxedge\b/-l:libfoxedge.a/')
+"$bin/c_errors" models/fox-tiny-pro
+
+step "ok"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Prints foxedge.pc for an install prefix ($1), following cargo-c's layout:
+# ${prefix}/lib/libfoxedge.{so,a}, ${prefix}/include/foxedge/foxedge.h.
+# Libs.private lists the system libraries the Rust static library needs
+# (`rustc --print native-static-libs`).
+set -euo pipefail
+prefix="${1:?usage: pkgconfig.sh PREFIX}"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -n1)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+echo '' >"$tmp/empty.rs"
+native="$(rustc --crate-type staticlib --crate-name probe --print native-static-libs \
+  -o "$tmp/libprobe.a" "$tmp/empty.rs" 2>&1 | sed -n 's/.*native-static-libs: //p' | head -n1)"
+cat <<PC
+prefix=$prefix
+exec_prefix=\${prefix}
+libdir=\${exec_prefix}/lib
+includedir=\${prefix}/include
+
+Name: foxedge
+Description: Forgetting Attention (FoX) inference with ACP and a certified retention cache (C ABI)
+Version: $version
+Libs: -L\${libdir} -lfoxedge
+Libs.private: $native
+Cflags: -I\${includedir}/foxedge
+PC
