@@ -132,17 +132,76 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let _ = (call, out);
-        Err(Error::Unsupported(
-            "CPU prefill attention: the foxedge-cpu kernels are not wired yet".into(),
-        ))
+        let shape = foxedge_core::AttentionShape {
+            batch: 1,
+            heads_q: call.heads,
+            heads_kv: call.heads,
+            seq_q: call.t,
+            seq_k: call.t,
+            head_dim: call.head_dim,
+            layout: foxedge_core::Layout::SeqFirst,
+        };
+        let args = foxedge_cpu::PrefillArgs {
+            shape,
+            q: call.q,
+            k: call.k,
+            v: call.v,
+            log_fgate: call.log_f,
+            seq_start: None,
+        };
+        let opts = foxedge_cpu::PrefillOptions {
+            acp: cpu_acp(call.acp),
+            ..Default::default()
+        };
+        let st = foxedge_cpu::prefill(&args, &opts, out, None).map_err(kernel_error)?;
+        Ok(convert_stats(&st))
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let _ = (call, out);
-        Err(Error::Unsupported(
-            "CPU decode attention: the foxedge-cpu kernels are not wired yet".into(),
-        ))
+        let heads: Vec<foxedge_cpu::CacheHead<'_, f32>> = call
+            .heads
+            .iter()
+            .map(|h| foxedge_cpu::CacheHead {
+                k: h.k,
+                v: h.v,
+                c: h.c,
+                pos: h.pos,
+            })
+            .collect();
+        let args = foxedge_cpu::DecodeArgs {
+            head_dim: call.head_dim,
+            n_queries: call.n_queries,
+            q: call.q,
+            q_c: call.q_c,
+            q_pos: call.q_pos,
+            heads: &heads,
+        };
+        let opts = foxedge_cpu::DecodeOptions {
+            acp: cpu_acp(call.acp),
+            ..Default::default()
+        };
+        let st = foxedge_cpu::decode(&args, &opts, out, None).map_err(kernel_error)?;
+        Ok(convert_stats(&st))
+    }
+}
+
+fn cpu_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
+    match a {
+        Acp::Off => foxedge_cpu::Acp::Off,
+        Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },
+        Acp::ObservedNorms { ln_eps } => foxedge_cpu::Acp::ObservedNorms { ln_eps },
+    }
+}
+
+/// The session validated every argument it passes, so a kernel error is a broken invariant.
+fn kernel_error(e: foxedge_core::Error) -> Error {
+    Error::Internal(format!("attention kernel refused its arguments: {e}"))
+}
+
+fn convert_stats(st: &foxedge_cpu::AttentionStats) -> AttentionStats {
+    AttentionStats {
+        kept_pairs: st.heads.iter().map(|h| h.kept_pairs).collect(),
+        total_pairs: st.heads.iter().map(|h| h.total_pairs).collect(),
     }
 }
 

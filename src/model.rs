@@ -71,6 +71,9 @@ pub(crate) struct LayerWeights {
     pub u_bound: Option<Vec<f64>>,
 }
 
+/// Takes a named tensor of a given shape from the weight file (and counts it).
+type TakeFn<'a> = dyn FnMut(&mut WeightFile, String, &[usize]) -> Result<Tensor> + 'a;
+
 /// A FoX model: config plus memory-mapped weights. Immutable once opened, `Send + Sync`;
 /// share it between sessions and threads with `Arc<Model>`.
 #[derive(Debug)]
@@ -135,7 +138,7 @@ impl Model {
         for l in 0..c.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
             let kv = |f: &mut WeightFile,
-                      take: &mut dyn FnMut(&mut WeightFile, String, &[usize]) -> Result<Tensor>,
+                      take: &mut TakeFn<'_>,
                       which: &str,
                       shift: bool|
              -> Result<KvProj> {

@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 use crate::model::{LayerWeights, Model, QK_EPS};
 use crate::ops;
 use foxedge_core::gate::GateStream;
+use foxedge_core::retention::{
+    Eviction, ForcedOrder, HeadState, PolicyConfig, RetentionPolicy, Slot,
+};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -40,8 +43,16 @@ pub struct SessionOptions {
     pub window: usize,
     /// The first `sinks` tokens of the stream are never evicted.
     pub sinks: usize,
-    /// Tokens per prefill chunk (> 0). Default 16384.
+    /// Tokens per prefill chunk (> 0). Default 16384. The first chunk of a fresh stream
+    /// runs the prefill kernel over its own keys (transient memory ∝ chunk); later tokens
+    /// attend the retained cache one query at a time, exactly as streaming decode does.
     pub prefill_chunk: usize,
+    /// Slots per head when no budget is given: the cache never holds more entries per head
+    /// (beyond it the oldest are force-evicted and `B_t` reports it). Default 32768.
+    pub max_entries_per_head: usize,
+    /// Rank forced evictions by caller scores ([`Session::feed_scored`]) instead of the
+    /// weight bound `2U_h + c_t - c_j`.
+    pub scored: bool,
 }
 
 impl Default for SessionOptions {
@@ -54,6 +65,8 @@ impl Default for SessionOptions {
             window: 0,
             sinks: 0,
             prefill_chunk: 16384,
+            max_entries_per_head: 32768,
+            scored: false,
         }
     }
 }
@@ -117,7 +130,7 @@ fn rate(n: u64, s: f64) -> f64 {
     }
 }
 
-/// One head's retained entries, dense in slot order.
+/// One head's retained entries, dense in slot order (the policy's slot `i` is row `i`).
 #[derive(Debug, Default, Clone)]
 struct HeadCache {
     /// `[n, hd]`.
@@ -133,10 +146,47 @@ impl HeadCache {
     fn len(&self) -> usize {
         self.c.len()
     }
+
+    /// Applies one swap-delete reported by the policy: row `slot` is gone and, when
+    /// `moved_from` is given, the last row moves into it.
+    fn apply(&mut self, ev: &Eviction, hd: usize) -> Result<()> {
+        let n = self.len();
+        let slot = ev.slot as usize;
+        let last = n
+            .checked_sub(1)
+            .ok_or_else(|| Error::Internal("eviction from an empty cache head".into()))?;
+        match ev.moved() {
+            Some((from, to)) => {
+                let (from, to) = (from as usize, to as usize);
+                if from != last || to >= last {
+                    return Err(Error::Internal(format!(
+                        "policy moved slot {from} to {to} with {n} live rows"
+                    )));
+                }
+                self.k.copy_within(from * hd..(from + 1) * hd, to * hd);
+                self.v.copy_within(from * hd..(from + 1) * hd, to * hd);
+                self.c[to] = self.c[from];
+                self.pos[to] = self.pos[from];
+            }
+            None if slot != last => {
+                return Err(Error::Internal(format!(
+                    "policy freed slot {slot} without a move, {n} live rows"
+                )));
+            }
+            None => {}
+        }
+        self.k.truncate(last * hd);
+        self.v.truncate(last * hd);
+        self.c.truncate(last);
+        self.pos.truncate(last);
+        Ok(())
+    }
 }
 
+type Policy = RetentionPolicy<Vec<Slot>, Vec<HeadState>>;
+
 /// Decode state of one layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct LayerState {
     /// Raw (pre-shift, pre-norm) k/v projection of the last token, `[D]` (spec §6).
     k_shift: Vec<f32>,
@@ -144,21 +194,37 @@ struct LayerState {
     /// Cumulative log gate per head.
     gates: Vec<GateStream>,
     heads: Vec<HeadCache>,
+    policy: Policy,
+    /// Largest key norm ever cached per head (ACP bound of models without QK-norm).
+    k_norm_max: Vec<f64>,
+    /// Most entries the layer held at once.
+    peak_live: usize,
 }
 
 /// Bytes held per cache entry: K and V (f32) plus c (f64) and position (u64).
-fn entry_bytes(hd: usize) -> usize {
-    2 * hd * 4 + 16
+pub fn entry_bytes(head_dim: usize) -> usize {
+    2 * head_dim * 4 + 16
 }
 
-/// A stream of tokens through a model. Not `Sync` (one caller feeds it at a time) but `Send`.
+/// Re-base a head's gate origin once `|c_t|` exceeds this (nats): keeps stored `c` small so
+/// their f64 spacing stays below 1e-12.
+const REBASE_AT: f64 = 1e4;
+
+/// A stream of tokens through a model. `Send`, fed by one caller at a time.
 #[derive(Debug)]
 pub struct Session {
     model: Arc<Model>,
     opts: SessionOptions,
+    policy_cfg: PolicyConfig,
+    /// Logit bound per (layer, head) given to the policy; `certified[l]` says whether it is
+    /// a bound for every future token (QK-norm) so that `B_t` is a certificate.
+    u: Vec<Vec<f64>>,
+    certified: Vec<bool>,
     backend: Box<dyn AttentionBackend>,
     layers: Vec<LayerState>,
     stats: SessionStats,
+    /// Set when an internal error interrupted a feed half-way; cleared by `reset`.
+    poisoned: bool,
 }
 
 /// Scratch of one chunk forward, `t` rows.
@@ -179,7 +245,8 @@ struct Scratch {
 impl Session {
     /// A fresh session over `model`.
     ///
-    /// Errors: [`Error::InvalidArgument`] for inconsistent options,
+    /// Errors: [`Error::InvalidArgument`] for inconsistent options (zero chunk, ln eps not
+    /// negative, a budget that cannot hold `sinks + window` per head),
     /// [`Error::BackendUnavailable`] when the backend cannot be used.
     pub fn new(model: Arc<Model>, opts: SessionOptions) -> Result<Session> {
         if opts.prefill_chunk == 0 {
@@ -190,33 +257,112 @@ impl Session {
         {
             return Err(Error::invalid(format!("ln eps {e} must be finite and < 0")));
         }
+        let info = model.info();
+        let window = opts.window.max(1);
+        let mut cfg = PolicyConfig::new(info.heads, opts.max_entries_per_head);
+        match opts.budget {
+            None => {}
+            Some(Budget::EntriesPerHead(n)) => {
+                cfg.head_capacity = n;
+                cfg.head_budget = Some(n);
+            }
+            Some(Budget::EntriesPerLayer(n)) => {
+                cfg.head_capacity = n;
+                cfg.layer_budget = Some(n);
+            }
+            Some(Budget::Bytes(b)) => {
+                let per_layer = b / (info.layers * entry_bytes(info.head_dim));
+                cfg.head_capacity = per_layer.max(1);
+                cfg.layer_budget = Some(per_layer);
+            }
+        }
+        cfg.window = window;
+        cfg.sinks = opts.sinks;
+        cfg.order = if opts.scored {
+            ForcedOrder::Scores
+        } else {
+            ForcedOrder::WeightBound
+        };
+        let mut u = Vec::with_capacity(info.layers);
+        let mut certified = Vec::with_capacity(info.layers);
+        for l in 0..info.layers {
+            match model.logit_bounds(l) {
+                Some(b) => {
+                    u.push(b.to_vec());
+                    certified.push(true);
+                }
+                None => {
+                    u.push(vec![0.0; info.heads]);
+                    certified.push(false);
+                }
+            }
+        }
+        cfg.ln_eps = if opts.certified_eviction && certified.iter().all(|&c| c) {
+            opts.ln_eps
+        } else {
+            None
+        };
+        cfg.validate().map_err(|e| {
+            Error::invalid(format!(
+                "cache options (budget {:?}, window {}, sinks {}): {e}",
+                opts.budget, opts.window, opts.sinks
+            ))
+        })?;
         let backend = backend::resolve(opts.backend)?;
         let mut s = Session {
             model,
             opts,
+            policy_cfg: cfg,
+            u,
+            certified,
             backend,
             layers: Vec::new(),
             stats: SessionStats::default(),
+            poisoned: false,
         };
-        s.reset();
+        s.reset()?;
         Ok(s)
     }
 
     /// Forgets every token: empty caches, zero shift states, zeroed statistics.
-    pub fn reset(&mut self) {
+    ///
+    /// Errors: [`Error::OutOfMemory`] when the policy's slot storage cannot be allocated.
+    pub fn reset(&mut self) -> Result<()> {
         let info = self.model.info();
-        self.layers = (0..info.layers)
-            .map(|_| LayerState {
+        let slots = self.policy_cfg.slots_needed()?;
+        let mut layers = Vec::with_capacity(info.layers);
+        for l in 0..info.layers {
+            let mut store = Vec::new();
+            store
+                .try_reserve_exact(slots)
+                .map_err(|_| Error::OutOfMemory {
+                    what: "retention policy slots".into(),
+                    bytes: slots.saturating_mul(std::mem::size_of::<Slot>()),
+                })?;
+            store.resize(slots, Slot::EMPTY);
+            let policy = RetentionPolicy::new(
+                self.policy_cfg,
+                &self.u[l],
+                store,
+                vec![HeadState::EMPTY; info.heads],
+            )?;
+            layers.push(LayerState {
                 k_shift: vec![0.0; info.hidden],
                 v_shift: vec![0.0; info.hidden],
                 gates: vec![GateStream::new(); info.heads],
                 heads: vec![HeadCache::default(); info.heads],
-            })
-            .collect();
+                policy,
+                k_norm_max: vec![0.0; info.heads],
+                peak_live: 0,
+            });
+        }
+        self.layers = layers;
         self.stats = SessionStats {
             bound_per_head: vec![0.0; info.layers * info.heads],
             ..SessionStats::default()
         };
+        self.poisoned = false;
+        Ok(())
     }
 
     /// The model this session runs.
@@ -229,7 +375,12 @@ impl Session {
         &self.opts
     }
 
-    /// Counters so far (cheap: a copy of a few numbers and the per-head bounds).
+    /// Which backend runs attention.
+    pub fn backend(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    /// Counters so far.
     pub fn stats(&self) -> SessionStats {
         self.stats.clone()
     }
@@ -239,13 +390,85 @@ impl Session {
         self.stats.tokens
     }
 
+    /// Live entries of (layer, head), for inspection and tests.
+    pub fn cache_len(&self, layer: usize, head: usize) -> Option<usize> {
+        Some(self.layers.get(layer)?.heads.get(head)?.len())
+    }
+
     /// Feeds `tokens` (ids `< vocab`) and optionally writes logits: `logits_out.len()` must be
     /// `vocab` (the last token's next-token logits) or `tokens.len() * vocab` (every token's,
     /// row-major `[T, vocab]`).
     ///
-    /// Errors leave the session unchanged: arguments are validated and cache memory is
-    /// reserved before any state is touched.
+    /// Errors from validation ([`Error::InvalidArgument`]) and allocation
+    /// ([`Error::OutOfMemory`]) leave the session unchanged: they are checked before any
+    /// state is touched. An internal error after that (a bug, or a checkpoint whose
+    /// activations overflow) leaves the session poisoned: later feeds fail until `reset`.
     pub fn feed(&mut self, tokens: &[u32], logits_out: Option<&mut [f32]>) -> Result<()> {
+        if self.opts.scored {
+            return Err(Error::invalid(
+                "this session ranks evictions by caller scores: use feed_scored",
+            ));
+        }
+        self.feed_inner(tokens, None, logits_out, None)
+    }
+
+    /// [`Session::feed`] that also writes the residual stream, `[layers + 1, T, D]`: row
+    /// block 0 = the embeddings, block `l + 1` = after layer `l` (before the final norm).
+    pub fn feed_with_hidden(&mut self, tokens: &[u32], hidden_out: &mut [f32]) -> Result<()> {
+        let info = self.model.info();
+        let want = (info.layers + 1)
+            .checked_mul(tokens.len())
+            .and_then(|x| x.checked_mul(info.hidden));
+        if want != Some(hidden_out.len()) {
+            return Err(Error::invalid(format!(
+                "hidden buffer has {} floats: expected (layers + 1) * tokens * hidden",
+                hidden_out.len()
+            )));
+        }
+        if self.opts.scored {
+            return Err(Error::invalid("scored session: use feed_scored"));
+        }
+        self.feed_inner(tokens, None, None, Some(hidden_out))
+    }
+
+    /// [`Session::feed`] with one retention score per token (higher = keep longer), for a
+    /// session created with `scored: true`; the budget evicts the lowest scores first.
+    pub fn feed_scored(
+        &mut self,
+        tokens: &[u32],
+        scores: &[f32],
+        logits_out: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if !self.opts.scored {
+            return Err(Error::invalid(
+                "scores given but the session was created with scored = false",
+            ));
+        }
+        if scores.len() != tokens.len() {
+            return Err(Error::invalid(format!(
+                "{} scores for {} tokens",
+                scores.len(),
+                tokens.len()
+            )));
+        }
+        if let Some(i) = scores.iter().position(|x| x.is_nan()) {
+            return Err(Error::invalid(format!("score {i} is NaN")));
+        }
+        self.feed_inner(tokens, Some(scores), logits_out, None)
+    }
+
+    fn feed_inner(
+        &mut self,
+        tokens: &[u32],
+        scores: Option<&[f32]>,
+        logits_out: Option<&mut [f32]>,
+        mut hidden: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if self.poisoned {
+            return Err(Error::Internal(
+                "session poisoned by an earlier internal error: reset it".into(),
+            ));
+        }
         let info = self.model.info();
         if tokens.is_empty() {
             return Err(Error::invalid("no tokens to feed"));
@@ -283,11 +506,15 @@ impl Session {
                 Some(l) if ci + 1 == n_chunks => Some(l),
                 _ => None,
             };
-            self.forward_chunk(ids, rows_out, all_rows)?;
+            let sc = scores.map(|s| &s[ci * chunk..ci * chunk + ids.len()]);
+            let hid = hidden.as_deref_mut().map(|h| (h, tokens.len(), ci * chunk));
+            if let Err(e) = self.forward_chunk(ids, sc, rows_out, all_rows, hid) {
+                self.poisoned = true;
+                return Err(e);
+            }
         }
         let secs = start.elapsed().as_secs_f64();
         let n = tokens.len() as u64;
-        self.stats.tokens += n;
         if tokens.len() == 1 {
             self.stats.decode_tokens += 1;
             self.stats.decode_seconds += secs;
@@ -295,22 +522,24 @@ impl Session {
             self.stats.prefill_tokens += n;
             self.stats.prefill_seconds += secs;
         }
+        self.update_cache_stats();
         Ok(())
     }
 
-    /// Reserves cache capacity for `t` more tokens in every head, so that the forward
-    /// cannot fail half-way on allocation.
+    /// Reserves cache rows for what `t` more tokens can add to every head, so that the
+    /// forward cannot fail half-way on allocation.
     fn reserve(&mut self, t: usize) -> Result<()> {
         let hd = self.model.info().head_dim;
+        let limit = self.policy_cfg.head_limit();
         for l in &mut self.layers {
             for h in &mut l.heads {
-                let want = t.min(self.opts.prefill_chunk.max(t));
+                let want = (h.len() + t).min(limit).saturating_sub(h.len());
                 let oom = |_| Error::OutOfMemory {
                     what: "KV cache".into(),
                     bytes: want.saturating_mul(entry_bytes(hd)),
                 };
-                h.k.try_reserve(want.saturating_mul(hd)).map_err(oom)?;
-                h.v.try_reserve(want.saturating_mul(hd)).map_err(oom)?;
+                h.k.try_reserve(want * hd).map_err(oom)?;
+                h.v.try_reserve(want * hd).map_err(oom)?;
                 h.c.try_reserve(want).map_err(oom)?;
                 h.pos.try_reserve(want).map_err(oom)?;
             }
@@ -322,8 +551,10 @@ impl Session {
     fn forward_chunk(
         &mut self,
         ids: &[u32],
+        scores: Option<&[f32]>,
         logits: Option<&mut [f32]>,
         all_rows: bool,
+        mut hidden: Option<(&mut [f32], usize, usize)>,
     ) -> Result<()> {
         let model = Arc::clone(&self.model);
         let info = model.info();
@@ -336,8 +567,15 @@ impl Session {
         let mut s = Scratch::new(t, &info);
         let pos0 = self.stats.tokens;
         for l in 0..info.layers {
-            self.layer_forward(&model, l, &mut h, t, pos0, &mut s)?;
+            if let Some((buf, total, row0)) = hidden.as_mut() {
+                buf[(l * *total + *row0) * d..][..t * d].copy_from_slice(&h);
+            }
+            self.layer_forward(&model, l, &mut h, t, pos0, scores, &mut s)?;
         }
+        if let Some((buf, total, row0)) = hidden.as_mut() {
+            buf[(info.layers * *total + *row0) * d..][..t * d].copy_from_slice(&h);
+        }
+        self.stats.tokens += t as u64;
         if let Some(out) = logits {
             let (rows, hs) = if all_rows {
                 (t, &h[..])
@@ -352,6 +590,7 @@ impl Session {
     }
 
     /// One block on `t` rows of the residual stream `h` (spec §3, §6).
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &mut self,
         model: &Model,
@@ -359,6 +598,7 @@ impl Session {
         h: &mut [f32],
         t: usize,
         pos0: u64,
+        scores: Option<&[f32]>,
         s: &mut Scratch,
     ) -> Result<()> {
         let cfg = &model.config;
@@ -411,7 +651,7 @@ impl Session {
             *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
         }
 
-        self.attention(model, l, t, pos0, s)?;
+        self.attention(model, l, t, pos0, scores, s)?;
 
         // Output norm / gate (spec §3.7), then o_proj into the residual.
         if let Some(on) = &lw.output_norm {
@@ -446,46 +686,99 @@ impl Session {
         Ok(())
     }
 
-    /// Forgetting attention of the chunk in `s.q/k/v/log_f` into `s.o`, appending the chunk's
-    /// keys, values and `c` to the cache.
+    /// Forgetting attention of the chunk in `s.q/k/v/log_f` into `s.o`, storing the chunk's
+    /// keys, values and `c` through the retention policy.
+    ///
+    /// A fresh stream's multi-token chunk runs the prefill kernel over the chunk (ACP with
+    /// the QK-norm bound, or the observed norms without QK-norm), then appends each token to
+    /// the policy. Otherwise each token is appended (evicting what the certificate allows and
+    /// the budget requires) and attends the retained cache, its own entry included.
     fn attention(
         &mut self,
         model: &Model,
         l: usize,
         t: usize,
         pos0: u64,
+        scores: Option<&[f32]>,
         s: &mut Scratch,
     ) -> Result<()> {
         let info = model.info();
         let (nh, hd) = (info.heads, info.head_dim);
-        let u = model.layers[l].u_bound.as_deref();
+        let d = info.hidden;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let ln_eps = self.opts.ln_eps;
+        let certified = self.certified[l];
+        let u = &self.u[l];
         let state = &mut self.layers[l];
-        let empty = state.heads.iter().all(|h| h.len() == 0) && state.gates[0].is_empty();
-        let acp = match (self.opts.ln_eps, u) {
-            (None, _) => Acp::Off,
-            (Some(ln_eps), Some(u)) => Acp::Bound { u, ln_eps },
-            (Some(ln_eps), None) => Acp::ObservedNorms { ln_eps },
-        };
+        let fresh = state.gates[0].is_empty();
 
-        // c of the chunk per head; validated by the gate stream (finite, <= 0).
-        let mut q_c = vec![0.0f64; nh * t];
-        for hh in 0..nh {
-            for r in 0..t {
-                q_c[hh * t + r] = state.gates[hh].push(s.log_f[r * nh + hh])?;
+        // Move the gate origin forward before |c| grows large (exact: D uses differences).
+        for h in 0..nh {
+            let cur = state.gates[h].current();
+            if cur.abs() > REBASE_AT {
+                state.gates[h].rebase(cur);
+                state.policy.rebase(h, cur)?;
+                for c in &mut state.heads[h].c {
+                    *c -= cur;
+                }
             }
         }
-        // Append the chunk's entries (the cache must hold a step's own keys).
-        for (hh, hc) in state.heads.iter_mut().enumerate() {
+        // c of every chunk row per head, validated by the gate stream (finite, <= 0).
+        let mut c_rows = vec![0.0f64; t * nh];
+        for r in 0..t {
+            for h in 0..nh {
+                c_rows[r * nh + h] = state.gates[h].push(s.log_f[r * nh + h])?;
+            }
+        }
+        if !certified {
             for r in 0..t {
-                let at = r * nh * hd + hh * hd;
+                for h in 0..nh {
+                    let k = &s.k[r * d + h * hd..][..hd];
+                    let n = f64::from(ops::dot(k, k)).sqrt();
+                    state.k_norm_max[h] = state.k_norm_max[h].max(n);
+                }
+            }
+        }
+
+        let mut kept = 0u64;
+        let mut total = 0u64;
+        let mut score_row = vec![0.0f32; nh];
+        let mut append = |state: &mut LayerState, r: usize| -> Result<()> {
+            let sc = scores.map(|sc| {
+                score_row.fill(sc[r]);
+                &score_row[..]
+            });
+            let heads = &mut state.heads;
+            let mut failed = None;
+            state
+                .policy
+                .append(pos0 + r as u64, &c_rows[r * nh..(r + 1) * nh], sc, |ev| {
+                    if failed.is_none()
+                        && let Err(e) = heads[ev.head].apply(&ev, hd)
+                    {
+                        failed = Some(e);
+                    }
+                })?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            for (h, hc) in heads.iter_mut().enumerate() {
+                let at = r * d + h * hd;
                 hc.k.extend_from_slice(&s.k[at..at + hd]);
                 hc.v.extend_from_slice(&s.v[at..at + hd]);
-                hc.c.push(q_c[hh * t + r]);
+                hc.c.push(c_rows[r * nh + h]);
                 hc.pos.push(pos0 + r as u64);
             }
-        }
+            state.peak_live = state.peak_live.max(state.policy.live_total());
+            Ok(())
+        };
 
-        let stats = if empty && t > 1 {
+        if fresh && t > 1 {
+            let acp = match (ln_eps, certified) {
+                (None, _) => Acp::Off,
+                (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
+                (Some(ln_eps), false) => Acp::ObservedNorms { ln_eps },
+            };
             let call = PrefillCall {
                 t,
                 heads: nh,
@@ -496,66 +789,93 @@ impl Session {
                 log_f: &s.log_f,
                 acp,
             };
-            self.backend.prefill(&call, &mut s.o)?
+            let st = self.backend.prefill(&call, &mut s.o)?;
+            kept += st.kept_pairs.iter().sum::<u64>();
+            total += st.total_pairs.iter().sum::<u64>();
+            for r in 0..t {
+                append(state, r)?;
+            }
         } else {
-            // Queries head-first: [H, t, hd].
-            let mut qh = vec![0.0f32; nh * t * hd];
+            let mut u_step = vec![0.0f64; nh];
             for r in 0..t {
-                for hh in 0..nh {
-                    qh[(hh * t + r) * hd..][..hd].copy_from_slice(&s.q[(r * nh + hh) * hd..][..hd]);
-                }
+                append(state, r)?;
+                let q = &s.q[r * d..(r + 1) * d];
+                let acp = match (ln_eps, certified) {
+                    (None, _) => Acp::Off,
+                    (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
+                    (Some(ln_eps), false) => {
+                        // U for this step from this query's norm and every key's (Cauchy-Schwarz).
+                        for h in 0..nh {
+                            let qh = &q[h * hd..(h + 1) * hd];
+                            let qn = f64::from(ops::dot(qh, qh)).sqrt();
+                            u_step[h] = foxedge_core::threshold::bound_from_norms(
+                                qn,
+                                state.k_norm_max[h],
+                                scale,
+                            )?;
+                        }
+                        Acp::Bound { u: &u_step, ln_eps }
+                    }
+                };
+                let heads: Vec<CacheHead<'_>> = state
+                    .heads
+                    .iter()
+                    .map(|hc| CacheHead {
+                        k: &hc.k,
+                        v: &hc.v,
+                        c: &hc.c,
+                        pos: None,
+                    })
+                    .collect();
+                let call = DecodeCall {
+                    head_dim: hd,
+                    n_queries: 1,
+                    q,
+                    q_c: &c_rows[r * nh..(r + 1) * nh],
+                    q_pos: None,
+                    heads: &heads,
+                    acp,
+                };
+                let st = self.backend.decode(&call, &mut s.o[r * d..(r + 1) * d])?;
+                kept += st.kept_pairs.iter().sum::<u64>();
+                total += st.total_pairs.iter().sum::<u64>();
             }
-            let q_pos: Vec<u64> = (0..nh)
-                .flat_map(|_| (0..t as u64).map(|r| pos0 + r))
-                .collect();
-            let heads: Vec<CacheHead<'_>> = state
-                .heads
-                .iter()
-                .map(|hc| CacheHead {
-                    k: &hc.k,
-                    v: &hc.v,
-                    c: &hc.c,
-                    pos: if t > 1 { Some(&hc.pos) } else { None },
-                })
-                .collect();
-            let dacp = match acp {
-                Acp::ObservedNorms { .. } => Acp::Off,
-                a => a,
-            };
-            let call = DecodeCall {
-                head_dim: hd,
-                n_queries: t,
-                q: &qh,
-                q_c: &q_c,
-                q_pos: if t > 1 { Some(&q_pos) } else { None },
-                heads: &heads,
-                acp: dacp,
-            };
-            let mut oh = vec![0.0f32; nh * t * hd];
-            let st = self.backend.decode(&call, &mut oh)?;
-            for r in 0..t {
-                for hh in 0..nh {
-                    s.o[(r * nh + hh) * hd..][..hd].copy_from_slice(&oh[(hh * t + r) * hd..][..hd]);
-                }
-            }
-            st
-        };
-        self.stats.kept_pairs += stats.kept_pairs.iter().sum::<u64>();
-        self.stats.total_pairs += stats.total_pairs.iter().sum::<u64>();
-        self.update_cache_stats();
+        }
+        self.stats.kept_pairs += kept;
+        self.stats.total_pairs += total;
         Ok(())
     }
 
+    /// Refreshes the cache counters and certificates from the policies.
     fn update_cache_stats(&mut self) {
-        let hd = self.model.info().head_dim;
-        let live: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.heads.iter().map(HeadCache::len))
-            .sum();
-        self.stats.live_entries = live as u64;
-        self.stats.cache_bytes = (live * entry_bytes(hd)) as u64;
-        self.stats.peak_cache_bytes = self.stats.peak_cache_bytes.max(self.stats.cache_bytes);
+        let info = self.model.info();
+        let eb = entry_bytes(info.head_dim) as u64;
+        let (mut live, mut cert, mut forced, mut peak) = (0u64, 0u64, 0u64, 0u64);
+        let mut max_bound = 0.0f64;
+        for (l, ls) in self.layers.iter().enumerate() {
+            let st = ls.policy.layer_stats();
+            live += st.live as u64;
+            cert += st.evicted_certified;
+            forced += st.evicted_forced;
+            peak += ls.peak_live as u64;
+            for h in 0..info.heads {
+                let b = match ls.policy.head_stats(h) {
+                    Ok(hs) if hs.evicted_certified + hs.evicted_forced == 0 => 0.0,
+                    // Without a bound valid for every token there is no certificate.
+                    Ok(_) if !self.certified[l] => f64::INFINITY,
+                    Ok(hs) => hs.bound,
+                    Err(_) => f64::INFINITY,
+                };
+                self.stats.bound_per_head[l * info.heads + h] = b;
+                max_bound = max_bound.max(b);
+            }
+        }
+        self.stats.live_entries = live;
+        self.stats.evicted_certified = cert;
+        self.stats.evicted_forced = forced;
+        self.stats.cache_bytes = live * eb;
+        self.stats.peak_cache_bytes = self.stats.peak_cache_bytes.max(peak * eb);
+        self.stats.max_bound = max_bound;
     }
 }
 
