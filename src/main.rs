@@ -1,4 +1,8 @@
+//! The `foxedge` command line (see `foxedge --help`).
+
+mod cli;
+
 fn main() {
-    eprintln!("foxedge: the command line is not implemented yet");
-    std::process::exit(2);
+    let code = cli::run(std::env::args().collect());
+    std::process::exit(code);
 }

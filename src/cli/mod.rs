@@ -1,0 +1,81 @@
+//! The `foxedge` command line: one module per subcommand.
+
+pub mod args;
+pub mod generate;
+pub mod logits;
+
+use foxedge::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// Finds the bundled model when `--model` is not given: `models/fox-tiny-pro` under the
+/// current directory or one of its ancestors, then beside the executable or its ancestors
+/// (a `target/release` binary), then under the source tree the binary was built from.
+pub fn default_model_dir() -> Result<PathBuf> {
+    let rel = Path::new(foxedge::BUNDLED_MODEL);
+    let mut roots: Vec<PathBuf> = Vec::new();
+    if let Ok(cwd) = std::env::current_dir() {
+        roots.extend(cwd.ancestors().map(Path::to_path_buf));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).map(Path::to_path_buf));
+    }
+    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    for r in &roots {
+        let d = r.join(rel);
+        if d.join("config.json").is_file() {
+            return Ok(d);
+        }
+    }
+    Err(Error::InvalidArgument(format!(
+        "no --model given and {} was not found from the current directory, the executable \
+         or {}",
+        rel.display(),
+        env!("CARGO_MANIFEST_DIR")
+    )))
+}
+
+/// Runs `foxedge <args>`; returns the process exit code.
+pub fn run(argv: Vec<String>) -> i32 {
+    let mut it = argv.into_iter().skip(1);
+    let sub = it.next();
+    let rest: Vec<String> = it.collect();
+    let result = match sub.as_deref() {
+        Some("generate") => generate::run(rest),
+        Some("logits") => logits::run(rest),
+        Some("-h") | Some("--help") | Some("help") | None => {
+            print!("{}", USAGE);
+            return if sub.is_none() { 2 } else { 0 };
+        }
+        Some("-V") | Some("--version") => {
+            println!("foxedge {}", env!("CARGO_PKG_VERSION"));
+            return 0;
+        }
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "unknown command `{other}` (expected generate or logits; see --help)"
+        ))),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("foxedge: {e}");
+            1
+        }
+    }
+}
+
+pub const USAGE: &str = "\
+foxedge: Forgetting Attention (FoX) inference with ACP and a certified retention cache
+
+USAGE:
+  foxedge generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--budget B]
+                   [--window N] [--sinks N] [--log-eps X | --no-acp]
+                   [--backend cpu|vulkan|auto|hybrid] [--seed N] [--temperature T] [--json]
+  foxedge logits --model DIR --input ids.npy --output logits.npy
+                   [--no-acp | --log-eps X] [--backend ...]
+
+generate streams bytes from a byte-level model (default: models/fox-tiny-pro) and ends with a
+statistics line (--json: one JSON object). --budget: N entries per head, Nl entries per
+layer, or a byte size (e.g. 4MiB) for the whole cache. --log-eps: ln eps of ACP and
+certified eviction (default -10); --no-acp turns both off. --temperature 0 is greedy.
+logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
+";
