@@ -66,7 +66,8 @@ pub fn bound_from_norms(max_q_norm: f64, max_k_norm: f64, scale: f64) -> Result<
 /// The ACP threshold `delta = -2U - ln(n_keys) + ln_eps` (nats). Blocks or entries with
 /// `D < delta` may be pruned; each pruned weight is then `< eps / n_keys` and a row's pruned
 /// weights sum to `< eps`. `n_keys` is the number of keys the query rows attend over (for
-/// decoding: the cache length including the new token). `ln_eps = -inf` (eps = 0) gives
+/// decoding: the cache length including the new token; over a retained cache, its live
+/// entries). `ln_eps = -inf` (eps = 0) gives
 /// `delta = -inf`: nothing is pruned.
 ///
 /// Errors ([`Error::BadArgument`]): `u` NaN, infinite or negative; `n_keys == 0`;
