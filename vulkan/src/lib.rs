@@ -1,1 +1,142 @@
-//! placeholder: implemented by its issue.
+//! foxedge-vulkan: forgetting attention with ACP on a Vulkan device (vulkano 0.35,
+//! precompiled SPIR-V), computing what `foxedge-cpu` computes with the same API shape.
+//!
+//! - [`Vulkan::prefill`]: `o_i = Σ_j w_ij v_j / Σ_j w_ij`, `w_ij = exp(s q_i·k_j + c_i − c_j)`
+//!   over causal keys `seq_start[b] <= j <= i`; under ACP each query block starts at the key
+//!   block `foxedge_core::boundary::start_blocks` chose (ACP paper, Algorithm 1), with
+//!   `delta` from `foxedge_core::threshold`. Shared-memory tiles and an online softmax
+//!   (`shaders/prefill.glsl`).
+//! - [`Vulkan::decode`]: new queries against an unordered cache whose entries carry `c_j`;
+//!   split over the cache (flash-decoding) with an exact merge (`shaders/decode.glsl`,
+//!   `shaders/decode_merge.comp`), subgroup reductions where the device has them.
+//!
+//! Storage: f16 stays f16 on the device when it has 16-bit storage buffers; f32 and bf16
+//! (and f16 without 16-bit storage) go up as f32. Compute and accumulation are f32. `c` is
+//! f64 on the host and reaches the device as a double-float pair (see `prefill.rs`).
+//!
+//! Statistics ([`AttentionStats`]) come from foxedge-core's pair counts, as on the CPU.
+//! Every failure is an [`Error`]: no loader, no driver, no device, out of device memory,
+//! device lost, limits the call exceeds, bad input.
+
+mod api;
+mod decode;
+mod device;
+mod error;
+mod pack;
+mod prefill;
+
+pub use api::{
+    Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
+    PrefillOptions, Storage,
+};
+pub use decode::PreparedDecode;
+pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
+pub use error::{Error, Result};
+pub use foxedge_core::{AttentionShape, Layout};
+pub use prefill::{PrefillTile, PreparedPrefill};
+
+use std::sync::Arc;
+
+/// A Vulkan compute device with this crate's pipelines. Cheap to share (`Arc` inside);
+/// calls on one `Vulkan` run one after another on its queue.
+#[derive(Debug, Clone)]
+pub struct Vulkan {
+    ctx: Arc<device::Context>,
+}
+
+impl Vulkan {
+    /// Opens the device chosen by `FOXEDGE_VULKAN_DEVICE`, else the best one.
+    pub fn new() -> Result<Self> {
+        Self::with_selection(&DeviceSelection::FromEnv)
+    }
+
+    /// Opens the device chosen by `sel`.
+    pub fn with_selection(sel: &DeviceSelection) -> Result<Self> {
+        Ok(Self {
+            ctx: Arc::new(device::Context::new(sel)?),
+        })
+    }
+
+    /// Name, API version, subgroup size and the optional features in use.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.ctx.info
+    }
+
+    /// Caps the bytes one buffer binding may hold (never above the device's
+    /// `maxStorageBufferRange` / `maxMemoryAllocationSize`): larger tensors are split into
+    /// more dispatches. Returns the cap in force.
+    pub fn set_binding_limit(&self, bytes: u64) -> u64 {
+        let dev = self
+            .ctx
+            .info
+            .max_storage_buffer_range
+            .min(self.ctx.info.max_allocation);
+        let v = bytes.clamp(1, dev);
+        self.ctx
+            .binding_limit
+            .store(v, std::sync::atomic::Ordering::Relaxed);
+        v
+    }
+
+    /// Forgetting-attention prefill: same arguments, results (within the storage dtype's
+    /// tolerance) and statistics as `foxedge_cpu::prefill`.
+    ///
+    /// `out`: `shape.q_len()` elements in `shape.layout`; `lse`: `[batch, heads_q, seq_q]`
+    /// natural-log normalisers (`-inf` for padded rows, whose output is 0).
+    pub fn prefill<T: Storage, O: Storage>(
+        &self,
+        args: &PrefillArgs<'_, T>,
+        opts: &PrefillOptions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<AttentionStats> {
+        let sh = &args.shape;
+        sh.validate()?;
+        if out.len() != sh.q_len() {
+            return Err(foxedge_core::Error::BadLength {
+                what: "out",
+                expected: sh.q_len(),
+                got: out.len(),
+            }
+            .into());
+        }
+        let p = self.prepare_prefill(args, opts)?;
+        p.run(1)?;
+        p.read(out, lse)?;
+        Ok(p.stats().clone())
+    }
+
+    /// Uploads a prefill call and decides its blocks, without running it (benchmarks run
+    /// it many times on device-resident inputs).
+    pub fn prepare_prefill<T: Storage>(
+        &self,
+        args: &PrefillArgs<'_, T>,
+        opts: &PrefillOptions<'_>,
+    ) -> Result<PreparedPrefill> {
+        prefill::prepare(&self.ctx, args, opts)
+    }
+
+    /// One decode step: same arguments, results and statistics as `foxedge_cpu::decode`.
+    /// `out`: `[heads, n_queries, head_dim]`; `lse`: `[heads, n_queries]`.
+    pub fn decode<Q: Storage, T: Storage, O: Storage>(
+        &self,
+        args: &DecodeArgs<'_, Q, T>,
+        opts: &DecodeOptions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<AttentionStats> {
+        let p = self.prepare_decode(args, opts)?;
+        p.run(1)?;
+        p.read(out, lse)?;
+        Ok(p.stats().clone())
+    }
+
+    /// Uploads a decode step without running it.
+    pub fn prepare_decode<Q: Storage, T: Storage>(
+        &self,
+        args: &DecodeArgs<'_, Q, T>,
+        opts: &DecodeOptions<'_>,
+    ) -> Result<PreparedDecode> {
+        decode::prepare(&self.ctx, args, opts)
+    }
+}

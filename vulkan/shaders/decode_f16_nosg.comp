@@ -1,0 +1,5 @@
+#version 450
+#define STORAGE_F16 1
+#define USE_SUBGROUP 0
+#extension GL_GOOGLE_include_directive : require
+#include "decode.glsl"

@@ -1,0 +1,295 @@
+//! Argument, option and statistics types of the forgetting-attention kernels.
+//!
+//! The same contract as `foxedge_cpu`'s argument, option and statistics types (names,
+//! fields and semantics are identical, so the facade can hand one call to either backend).
+//! On the GPU, bf16 storage is widened to f32 on upload (GLSL has no bf16 type); f16 stays
+//! f16 where the device has 16-bit storage.
+//!
+//! Math (per batch row `b`, query head `h`, scale `s`):
+//!
+//! ```text
+//! o_i = Σ_j w_ij v_j / Σ_j w_ij,   w_ij = exp(s q_i·k_j + D_ij),   D_ij = c_i − c_j
+//! c_i = Σ_{l ≤ i} log f_l          (inclusive prefix sum over key positions)
+//! ```
+//!
+//! with `j` over the attended keys: `seq_start[b] <= j <= i` (causal, left padding
+//! excluded) and, under ACP, not inside a pruned key block.
+
+use foxedge_core::AttentionShape;
+use half::{bf16, f16};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// Element type of q, k, v and outputs in memory. Compute is always f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// A storage element type: `f32`, `half::f16` or `half::bf16` (sealed).
+///
+/// Conversions to f32 are exact; conversions from f32 round to nearest even.
+pub trait Storage: sealed::Sealed + Copy + Default + Send + Sync + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Widens `src` into `dst` (equal lengths; the caller guarantees it).
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
+    /// Rounds `src` into `dst` (equal lengths; the caller guarantees it).
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]);
+    /// The slice itself when the storage is already f32 (no copy needed).
+    fn as_f32(src: &[Self]) -> Option<&[f32]>;
+    /// One element widened to f32.
+    fn to_f32(self) -> f32;
+    /// One f32 rounded to this type.
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Storage for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline]
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn as_f32(src: &[Self]) -> Option<&[f32]> {
+        Some(src)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Storage for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline]
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+    #[inline]
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+    }
+    #[inline]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl Storage for bf16 {
+    const DTYPE: DType = DType::Bf16;
+    #[inline]
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        // bf16 is the top half of an f32: a shift, which the compiler vectorises.
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+    #[inline]
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = bf16::from_f32(*s);
+        }
+    }
+    #[inline]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// Adaptive computation pruning (ACP paper, section 3): skip key blocks whose largest
+/// decay `max D` is below a threshold `delta`, so that each pruned weight is below
+/// `eps / N` (N keys) and the pruned weights of a row sum below `eps` (appendix A).
+///
+/// The threshold always comes from `foxedge_core::threshold`; kernels only compare.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum Acp<'a> {
+    /// Dense: every causal key is attended.
+    #[default]
+    Off,
+    /// A ready threshold `delta` (natural-log units, `<= 0`) per (batch, query head),
+    /// index `b * heads_q + h`; in decode, per query head. A `-inf` entry disables
+    /// pruning for that head.
+    Threshold(&'a [f64]),
+    /// A logit bound `U >= max |s q_i·k_j|` and `ln eps < 0`; core derives
+    /// `delta = -2U - ln N + ln eps` per (batch, head), N = the keys a query can attend
+    /// (`seq_k - seq_start[b]` in prefill, the head's cache length in decode).
+    /// `u` holds one bound per query head (`heads_q` values) or one per (batch, query
+    /// head) (`batch * heads_q` values, index `b * heads_q + h`; prefill only).
+    Bound { u: &'a [f64], ln_eps: f64 },
+    /// Prefill only: U from the max norms of this call's q and k per (batch, head)
+    /// (`foxedge_core::threshold::bound_from_norms`), valid for this call only; the
+    /// reference kernel's `adaptive_threshold="auto"`.
+    ObservedNorms { ln_eps: f64 },
+}
+
+/// Options of [`crate::Vulkan::prefill`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillOptions<'a> {
+    /// Logit scale `s`; `None` means `1 / sqrt(head_dim)`.
+    pub sm_scale: Option<f32>,
+    /// Pruning mode.
+    pub acp: Acp<'a>,
+    /// Query rows per tile (tokens), > 0. Also the ACP decision granularity.
+    pub block_q: usize,
+    /// Keys per tile (tokens), > 0. Blocks are aligned to key position 0.
+    pub block_k: usize,
+}
+
+impl Default for PrefillOptions<'_> {
+    fn default() -> Self {
+        Self {
+            sm_scale: None,
+            acp: Acp::Off,
+            block_q: 64,
+            block_k: 64,
+        }
+    }
+}
+
+/// Inputs of one prefill call. Layouts follow `shape.layout` (see
+/// [`foxedge_core::Layout`]); `log_fgate` is f32 log forget gates (finite, `<= 0`) per
+/// (batch, key position, query head).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillArgs<'a, T: Storage> {
+    pub shape: AttentionShape,
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub log_fgate: &'a [f32],
+    /// Left padding: for batch row `b`, keys `< seq_start[b]` are never attended and
+    /// query rows at key positions `< seq_start[b]` output zeros (lse `-inf`).
+    /// `batch` values, each `< seq_k`.
+    pub seq_start: Option<&'a [usize]>,
+}
+
+/// Kept and total work of one (batch, query head), in query-key pairs and tiles.
+///
+/// `total_pairs` counts every attendable pair (causal, after left padding);
+/// `kept_pairs` those in blocks the kernel computed. FLOPs = `4 * head_dim * kept_pairs`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HeadStats {
+    pub kept_pairs: u64,
+    pub total_pairs: u64,
+    pub kept_blocks: u64,
+    pub total_blocks: u64,
+    /// The threshold applied (`None` when ACP was off).
+    pub delta: Option<f64>,
+}
+
+/// Per-call statistics: one [`HeadStats`] per (batch, query head), index `b * heads_q + h`
+/// (decode: per query head).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttentionStats {
+    pub heads: Vec<HeadStats>,
+}
+
+impl AttentionStats {
+    /// Sum of kept pairs over heads.
+    pub fn kept_pairs(&self) -> u64 {
+        self.heads.iter().map(|h| h.kept_pairs).sum()
+    }
+    /// Sum of attendable pairs over heads.
+    pub fn total_pairs(&self) -> u64 {
+        self.heads.iter().map(|h| h.total_pairs).sum()
+    }
+    /// `kept_pairs / total_pairs` (1 when there is no pair).
+    pub fn kept_fraction(&self) -> f64 {
+        let t = self.total_pairs();
+        if t == 0 {
+            1.0
+        } else {
+            self.kept_pairs() as f64 / t as f64
+        }
+    }
+}
+
+/// One query head's view of the decode cache.
+///
+/// Layout: `n` entries in any order (swap-delete leaves them out of position order);
+/// entry `j` has key `k[j*d .. (j+1)*d]`, value `v[j*d .. (j+1)*d]` and prefix sum
+/// `c[j]` (f64, relative to the head's origin, the same origin as the query's `c_t`).
+/// Grouped-query heads may share `k`/`v` slices; `c` is per query head because gates are.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheHead<'a, T: Storage> {
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub c: &'a [f64],
+    /// Token position of each entry (`n` values). Needed only when a step has several
+    /// queries: query `t` attends entry `j` iff `pos[j] <= q_pos[t]`. `None`: every
+    /// query attends every entry.
+    pub pos: Option<&'a [u64]>,
+}
+
+/// Inputs of one decode step over `heads.len()` query heads with `n_queries` new queries
+/// each. The cache must already hold the new tokens' own keys and values.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeArgs<'a, Q: Storage, T: Storage> {
+    pub head_dim: usize,
+    pub n_queries: usize,
+    /// `[heads, n_queries, head_dim]`.
+    pub q: &'a [Q],
+    /// `c_t` of each query, `[heads, n_queries]`, relative to its head's origin.
+    pub q_c: &'a [f64],
+    /// Positions of the queries, `[heads, n_queries]`; required iff some head has `pos`.
+    pub q_pos: Option<&'a [u64]>,
+    pub heads: &'a [CacheHead<'a, T>],
+}
+
+/// Options of [`crate::Vulkan::decode`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeOptions<'a> {
+    /// Logit scale `s`; `None` means `1 / sqrt(head_dim)`.
+    pub sm_scale: Option<f32>,
+    /// Pruning: `Threshold` (one delta per head) or `Bound` (one U per head).
+    /// A block of `block_k` consecutive entries is skipped when, for every query,
+    /// `max_j (c_t - c_j) < delta`; other entries are all attended.
+    pub acp: Acp<'a>,
+    /// Entries per block (the ACP granularity and the softmax tile), > 0.
+    pub block_k: usize,
+    /// Entries per parallel task (flash-decoding split); rounded up to a multiple of
+    /// `block_k`. Partial softmaxes of the splits are merged exactly.
+    pub split: usize,
+}
+
+impl Default for DecodeOptions<'_> {
+    fn default() -> Self {
+        Self {
+            sm_scale: None,
+            acp: Acp::Off,
+            block_k: 64,
+            split: 2048,
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! Device setup: loader, instance, device choice, queue, allocators, buffers, pipelines.
+//!
+//! Choice: `FOXEDGE_VULKAN_DEVICE` (or [`DeviceSelection`]) is either a device index in
+//! enumeration order or a case-insensitive substring of the device name; otherwise the
+//! first device of the best type wins: discrete GPU, integrated GPU, virtual GPU, other,
+//! CPU (lavapipe and similar software drivers last).
+
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use vulkano::buffer::{Buffer, BufferCreateInfo, BufferUsage, Subbuffer};
+use vulkano::command_buffer::allocator::StandardCommandBufferAllocator;
+use vulkano::command_buffer::{
+    AutoCommandBufferBuilder, CommandBufferUsage, CopyBufferInfo, PrimaryAutoCommandBuffer,
+    PrimaryCommandBufferAbstract,
+};
+use vulkano::descriptor_set::allocator::StandardDescriptorSetAllocator;
+use vulkano::device::physical::{PhysicalDevice, PhysicalDeviceType, SubgroupFeatures};
+use vulkano::device::{
+    Device, DeviceCreateInfo, DeviceExtensions, DeviceFeatures, Queue, QueueCreateInfo, QueueFlags,
+};
+use vulkano::instance::{Instance, InstanceCreateFlags, InstanceCreateInfo};
+use vulkano::memory::allocator::{AllocationCreateInfo, MemoryTypeFilter, StandardMemoryAllocator};
+use vulkano::pipeline::compute::ComputePipelineCreateInfo;
+use vulkano::pipeline::layout::PipelineDescriptorSetLayoutCreateInfo;
+use vulkano::pipeline::{ComputePipeline, PipelineLayout, PipelineShaderStageCreateInfo};
+use vulkano::shader::{ShaderModule, ShaderModuleCreateInfo, ShaderStages, SpecializationConstant};
+use vulkano::sync::GpuFuture;
+use vulkano::{Version, VulkanLibrary};
+
+/// Environment variable that selects the device: an index or a name substring.
+pub const DEVICE_ENV: &str = "FOXEDGE_VULKAN_DEVICE";
+
+/// How to choose among the Vulkan devices.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DeviceSelection {
+    /// `FOXEDGE_VULKAN_DEVICE` if set, else [`DeviceSelection::Best`].
+    #[default]
+    FromEnv,
+    /// Best device type first (discrete > integrated > virtual > other > CPU).
+    Best,
+    /// Index in the loader's enumeration order.
+    Index(usize),
+    /// First device whose name contains this (case-insensitive).
+    Name(String),
+}
+
+/// What the chosen device is and which optional features this backend uses on it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub device_type: String,
+    /// Vulkan API version of the device, `major.minor.patch`.
+    pub api_version: String,
+    pub driver_version: u32,
+    /// Subgroup size reported by the device (`None` before Vulkan 1.1).
+    pub subgroup_size: Option<u32>,
+    /// Subgroup arithmetic in compute shaders: the decode reduction uses it.
+    pub subgroup_arithmetic: bool,
+    /// 16-bit storage buffers enabled: f16 tensors stay f16 on the device.
+    pub storage_16bit: bool,
+    /// VK_KHR_cooperative_matrix / VK_NV_cooperative_matrix advertised by the device.
+    pub cooperative_matrix_khr: bool,
+    pub cooperative_matrix_nv: bool,
+    /// Largest binding range of one storage buffer (bytes): tensors are split under it.
+    pub max_storage_buffer_range: u64,
+    /// Largest single allocation (bytes).
+    pub max_allocation: u64,
+    /// Shared memory per workgroup (bytes).
+    pub max_shared_memory: u32,
+    pub max_workgroup_invocations: u32,
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {}, 16-bit storage {}, \
+             cooperative matrix KHR {} / NV {}, max storage range {} MiB, shared {} KiB",
+            self.name,
+            self.device_type,
+            self.api_version,
+            self.subgroup_size
+                .map_or("n/a".to_string(), |s| s.to_string()),
+            self.subgroup_arithmetic,
+            self.storage_16bit,
+            self.cooperative_matrix_khr,
+            self.cooperative_matrix_nv,
+            self.max_storage_buffer_range >> 20,
+            self.max_shared_memory >> 10,
+        )
+    }
+}
+
+/// Key of a compiled pipeline: shader name and its specialization constants.
+type PipelineKey = (&'static str, Vec<(u32, u32)>);
+
+/// A created device and everything needed to run compute work on it.
+pub(crate) struct Context {
+    pub device: Arc<Device>,
+    pub queue: Arc<Queue>,
+    pub mem: Arc<StandardMemoryAllocator>,
+    pub cmd: Arc<StandardCommandBufferAllocator>,
+    pub desc: Arc<StandardDescriptorSetAllocator>,
+    pub info: DeviceInfo,
+    /// Largest binding (bytes) a chunk may use: the device limit, or lower when set.
+    pub binding_limit: std::sync::atomic::AtomicU64,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("info", &self.info).finish()
+    }
+}
+
+fn type_rank(t: PhysicalDeviceType) -> u32 {
+    match t {
+        PhysicalDeviceType::DiscreteGpu => 0,
+        PhysicalDeviceType::IntegratedGpu => 1,
+        PhysicalDeviceType::VirtualGpu => 2,
+        PhysicalDeviceType::Cpu => 4,
+        _ => 3,
+    }
+}
+
+fn compute_family(pd: &PhysicalDevice) -> Option<u32> {
+    pd.queue_family_properties()
+        .iter()
+        .position(|q| q.queue_flags.intersects(QueueFlags::COMPUTE))
+        .and_then(|i| u32::try_from(i).ok())
+}
+
+/// Names of every Vulkan device the loader reports (for messages and device lists).
+pub fn list_devices() -> Result<Vec<String>> {
+    let instance = instance()?;
+    let devs = instance.enumerate_physical_devices()?;
+    Ok(devs.map(|d| d.properties().device_name.clone()).collect())
+}
+
+fn instance() -> Result<Arc<Instance>> {
+    let library = VulkanLibrary::new()?;
+    Instance::new(
+        library,
+        InstanceCreateInfo {
+            flags: InstanceCreateFlags::ENUMERATE_PORTABILITY,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| Error::NoInstance(e.to_string()))
+}
+
+impl Context {
+    pub fn new(sel: &DeviceSelection) -> Result<Self> {
+        let instance = instance()?;
+        let devices: Vec<Arc<PhysicalDevice>> = instance
+            .enumerate_physical_devices()
+            .map_err(|e| Error::NoInstance(e.to_string()))?
+            .filter(|d| compute_family(d).is_some() && d.api_version() >= Version::V1_2)
+            .collect();
+        if devices.is_empty() {
+            return Err(Error::NoDevice);
+        }
+        let sel = match sel {
+            DeviceSelection::FromEnv => match std::env::var(DEVICE_ENV) {
+                Ok(s) if !s.trim().is_empty() => match s.trim().parse::<usize>() {
+                    Ok(i) => DeviceSelection::Index(i),
+                    Err(_) => DeviceSelection::Name(s.trim().to_string()),
+                },
+                _ => DeviceSelection::Best,
+            },
+            other => other.clone(),
+        };
+        let names = || {
+            devices
+                .iter()
+                .map(|d| d.properties().device_name.clone())
+                .collect::<Vec<_>>()
+        };
+        let pd = match &sel {
+            DeviceSelection::Index(i) => devices.get(*i).cloned().ok_or(Error::DeviceNotFound {
+                wanted: i.to_string(),
+                available: names(),
+            })?,
+            DeviceSelection::Name(n) => {
+                let lower = n.to_lowercase();
+                devices
+                    .iter()
+                    .find(|d| d.properties().device_name.to_lowercase().contains(&lower))
+                    .cloned()
+                    .ok_or(Error::DeviceNotFound {
+                        wanted: n.clone(),
+                        available: names(),
+                    })?
+            }
+            _ => devices
+                .iter()
+                .min_by_key(|d| type_rank(d.properties().device_type))
+                .cloned()
+                .ok_or(Error::NoDevice)?,
+        };
+        let family = compute_family(&pd).ok_or(Error::NoDevice)?;
+        let props = pd.properties();
+        let sup = pd.supported_features();
+        let ext = pd.supported_extensions();
+        let storage_16bit = sup.storage_buffer16_bit_access;
+        let sg_ops = props
+            .subgroup_supported_operations
+            .unwrap_or(SubgroupFeatures::empty());
+        let sg_stages = props
+            .subgroup_supported_stages
+            .unwrap_or(ShaderStages::empty());
+        let subgroup_arithmetic = sg_stages.intersects(ShaderStages::COMPUTE)
+            && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::ARITHMETIC)
+            && props.subgroup_size.is_some_and(|s| s >= 2);
+        let features = DeviceFeatures {
+            storage_buffer16_bit_access: storage_16bit,
+            ..DeviceFeatures::empty()
+        };
+        let (device, mut queues) = Device::new(
+            pd.clone(),
+            DeviceCreateInfo {
+                queue_create_infos: vec![QueueCreateInfo {
+                    queue_family_index: family,
+                    ..Default::default()
+                }],
+                enabled_features: features,
+                enabled_extensions: DeviceExtensions::empty(),
+                ..Default::default()
+            },
+        )?;
+        let queue = queues.next().ok_or(Error::NoDevice)?;
+        let v = pd.api_version();
+        let info = DeviceInfo {
+            name: props.device_name.clone(),
+            device_type: format!("{:?}", props.device_type),
+            api_version: format!("{}.{}.{}", v.major, v.minor, v.patch),
+            driver_version: props.driver_version,
+            subgroup_size: props.subgroup_size,
+            subgroup_arithmetic,
+            storage_16bit,
+            cooperative_matrix_khr: ext.khr_cooperative_matrix,
+            cooperative_matrix_nv: ext.nv_cooperative_matrix,
+            max_storage_buffer_range: u64::from(props.max_storage_buffer_range),
+            max_allocation: props.max_memory_allocation_size.unwrap_or(1 << 30),
+            max_shared_memory: props.max_compute_shared_memory_size,
+            max_workgroup_invocations: props.max_compute_work_group_invocations,
+        };
+        let mem = Arc::new(StandardMemoryAllocator::new_default(device.clone()));
+        let cmd = Arc::new(StandardCommandBufferAllocator::new(
+            device.clone(),
+            Default::default(),
+        ));
+        let desc = Arc::new(StandardDescriptorSetAllocator::new(
+            device.clone(),
+            Default::default(),
+        ));
+        let binding_limit = info
+            .max_storage_buffer_range
+            .min(info.max_allocation)
+            .into();
+        Ok(Self {
+            device,
+            queue,
+            mem,
+            cmd,
+            desc,
+            info,
+            binding_limit,
+            pipelines: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The compute pipeline of shader `name` (SPIR-V `spv`) with these specialization
+    /// constants, created once and cached.
+    pub fn pipeline(
+        &self,
+        name: &'static str,
+        spv: &[u8],
+        spec: &[(u32, u32)],
+    ) -> Result<Arc<ComputePipeline>> {
+        let key = (name, spec.to_vec());
+        if let Some(p) = self
+            .pipelines
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&key).cloned())
+        {
+            return Ok(p);
+        }
+        if spv.len() % 4 != 0 {
+            return Err(Error::Vulkan(format!(
+                "{name}: SPIR-V length not a multiple of 4"
+            )));
+        }
+        let words: Vec<u32> = spv
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        // SAFETY: the words are SPIR-V produced by glslc from this crate's shaders (CI checks
+        // that they match their GLSL); vulkano parses and validates the module's interface.
+        let module =
+            unsafe { ShaderModule::new(self.device.clone(), ShaderModuleCreateInfo::new(&words)) }?;
+        let spec_map = spec
+            .iter()
+            .map(|&(id, v)| (id, SpecializationConstant::U32(v)))
+            .collect();
+        let entry = module
+            .specialize(spec_map)?
+            .entry_point("main")
+            .ok_or_else(|| Error::Vulkan(format!("{name}: no entry point main")))?;
+        let stage = PipelineShaderStageCreateInfo::new(entry);
+        let layout = PipelineLayout::new(
+            self.device.clone(),
+            PipelineDescriptorSetLayoutCreateInfo::from_stages([&stage])
+                .into_pipeline_layout_create_info(self.device.clone())
+                .map_err(|e| Error::Vulkan(format!("{name}: {e}")))?,
+        )?;
+        let pipe = ComputePipeline::new(
+            self.device.clone(),
+            None,
+            ComputePipelineCreateInfo::stage_layout(stage, layout),
+        )?;
+        if let Ok(mut m) = self.pipelines.lock() {
+            m.insert(key, pipe.clone());
+        }
+        Ok(pipe)
+    }
+
+    /// A device-local buffer of `words` u32 words (storage and transfer).
+    pub fn device_buffer(&self, words: usize) -> Result<Subbuffer<[u32]>> {
+        let bytes = words as u64 * 4;
+        if bytes > self.info.max_allocation {
+            return Err(Error::Unsupported(format!(
+                "buffer of {bytes} bytes exceeds maxMemoryAllocationSize {}",
+                self.info.max_allocation
+            )));
+        }
+        Ok(Buffer::new_slice::<u32>(
+            self.mem.clone(),
+            BufferCreateInfo {
+                usage: BufferUsage::STORAGE_BUFFER
+                    | BufferUsage::TRANSFER_DST
+                    | BufferUsage::TRANSFER_SRC,
+                ..Default::default()
+            },
+            AllocationCreateInfo {
+                memory_type_filter: MemoryTypeFilter::PREFER_DEVICE,
+                ..Default::default()
+            },
+            words.max(1) as u64,
+        )?)
+    }
+
+    /// A host-visible buffer for uploads (`write`) or downloads (`!write`).
+    fn host_buffer(&self, words: usize, write: bool) -> Result<Subbuffer<[u32]>> {
+        let filter = if write {
+            MemoryTypeFilter::PREFER_HOST | MemoryTypeFilter::HOST_SEQUENTIAL_WRITE
+        } else {
+            MemoryTypeFilter::PREFER_HOST | MemoryTypeFilter::HOST_RANDOM_ACCESS
+        };
+        Ok(Buffer::new_slice::<u32>(
+            self.mem.clone(),
+            BufferCreateInfo {
+                usage: BufferUsage::TRANSFER_SRC | BufferUsage::TRANSFER_DST,
+                ..Default::default()
+            },
+            AllocationCreateInfo {
+                memory_type_filter: filter,
+                ..Default::default()
+            },
+            words.max(1) as u64,
+        )?)
+    }
+
+    pub fn builder(&self) -> Result<AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>> {
+        Ok(AutoCommandBufferBuilder::primary(
+            self.cmd.clone(),
+            self.queue.queue_family_index(),
+            CommandBufferUsage::OneTimeSubmit,
+        )?)
+    }
+
+    /// Submits and waits.
+    pub fn submit(&self, b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>) -> Result<()> {
+        let cb = b.build()?;
+        cb.execute(self.queue.clone())
+            .map_err(|e| Error::Vulkan(e.to_string()))?
+            .then_signal_fence_and_flush()?
+            .wait(None)?;
+        Ok(())
+    }
+
+    /// Uploads words into new device-local buffers, one copy command each, one submit.
+    pub fn upload(&self, data: &[&[u32]]) -> Result<Vec<Subbuffer<[u32]>>> {
+        let mut b = self.builder()?;
+        let mut out = Vec::with_capacity(data.len());
+        let mut staging = Vec::with_capacity(data.len());
+        for d in data {
+            let dst = self.device_buffer(d.len())?;
+            let src = self.host_buffer(d.len(), true)?;
+            {
+                let mut w = src.write().map_err(|e| Error::Vulkan(e.to_string()))?;
+                w[..d.len()].copy_from_slice(d);
+            }
+            b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
+            staging.push(src);
+            out.push(dst);
+        }
+        self.submit(b)?;
+        drop(staging);
+        Ok(out)
+    }
+
+    /// Copies device buffers back to host vectors.
+    pub fn download(&self, bufs: &[&Subbuffer<[u32]>]) -> Result<Vec<Vec<u32>>> {
+        let mut b = self.builder()?;
+        let mut staging = Vec::with_capacity(bufs.len());
+        for src in bufs {
+            let dst = self.host_buffer(src.len() as usize, false)?;
+            b.copy_buffer(CopyBufferInfo::buffers((*src).clone(), dst.clone()))?;
+            staging.push(dst);
+        }
+        self.submit(b)?;
+        staging
+            .iter()
+            .map(|s| {
+                s.read()
+                    .map(|r| r.to_vec())
+                    .map_err(|e| Error::Vulkan(e.to_string()))
+            })
+            .collect()
+    }
+}
