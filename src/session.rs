@@ -390,6 +390,11 @@ impl Session {
         self.stats.tokens
     }
 
+    /// Stream positions of the entries retained by (layer, head), in slot order.
+    pub fn cache_positions(&self, layer: usize, head: usize) -> Option<Vec<u64>> {
+        Some(self.layers.get(layer)?.heads.get(head)?.pos.clone())
+    }
+
     /// Live entries of (layer, head), for inspection and tests.
     pub fn cache_len(&self, layer: usize, head: usize) -> Option<usize> {
         Some(self.layers.get(layer)?.heads.get(head)?.len())

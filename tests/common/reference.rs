@@ -244,4 +244,105 @@ impl RefModel {
             .collect();
         (hidden, logits)
     }
+
+    /// Logits of the last token `toks[t]` (t = toks.len() - 1) of a ONE-layer model that
+    /// attends only the positions in `retained[h]` per head, with a constant log gate
+    /// `log_f` (so D = (t - j)·log_f). Everything in f64 from the token stream.
+    pub fn step_with_retained(&self, toks: &[u32], retained: &[Vec<u64>], log_f: f64) -> Vec<f64> {
+        let c = &self.cfg;
+        assert_eq!(c.num_hidden_layers, 1);
+        let (d, hd, i_sz) = (c.hidden_size, c.head_dim(), c.intermediate_size);
+        let t = toks.len() - 1;
+        let emb = self.t("model.embeddings.weight");
+        let p = |s: &str| format!("model.layers.0.{s}");
+        let x_of = |j: usize| {
+            rms(
+                &emb[toks[j] as usize * d..][..d],
+                self.t(&p("attn_norm.weight")),
+                c.norm_eps,
+            )
+        };
+        let kv_of = |j: usize, which: &str, norm: Option<&str>| -> Vec<f64> {
+            let lw = p(&format!("attn.{which}.linear.weight"));
+            let sw = p(&format!("attn.{which}.shift_proj.weight"));
+            let xj = x_of(j);
+            let raw = self.lin(&lw, &xj);
+            let prev = if j == 0 {
+                vec![0.0; d]
+            } else {
+                self.lin(&lw, &x_of(j - 1))
+            };
+            let a = self.lin(&sw, &xj);
+            let mut out: Vec<f64> = (0..d)
+                .map(|ch| {
+                    let al = sig(a[ch / hd]);
+                    al * prev[ch] + (1.0 - al) * raw[ch]
+                })
+                .collect();
+            if let Some(n) = norm {
+                self.group_rms(&mut out, self.t(&p(n)), hd, 1e-5);
+            }
+            out
+        };
+        let xt = x_of(t);
+        let mut q = self.lin(&p("attn.q_proj.weight"), &xt);
+        self.group_rms(&mut q, self.t(&p("attn.q_norm.weight")), hd, 1e-5);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut o = vec![0.0; d];
+        for (h, pos) in retained.iter().enumerate() {
+            let ks: Vec<Vec<f64>> = pos
+                .iter()
+                .map(|&j| kv_of(j as usize, "k_proj", Some("attn.k_norm.weight")))
+                .collect();
+            let vs: Vec<Vec<f64>> = pos
+                .iter()
+                .map(|&j| kv_of(j as usize, "v_proj", None))
+                .collect();
+            let s: Vec<f64> = pos
+                .iter()
+                .zip(&ks)
+                .map(|(&j, k)| {
+                    scale
+                        * (0..hd)
+                            .map(|ch| q[h * hd + ch] * k[h * hd + ch])
+                            .sum::<f64>()
+                        + (t as f64 - j as f64) * log_f
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            for (wj, v) in w.iter().zip(&vs) {
+                for ch in 0..hd {
+                    o[h * hd + ch] += wj / z * v[h * hd + ch];
+                }
+            }
+        }
+        self.group_rms(
+            &mut o,
+            self.t(&p("attn.output_norm.weight")),
+            hd,
+            c.norm_eps,
+        );
+        let g = self.lin(&p("attn.ogate_proj.weight"), &xt);
+        for ch in 0..d {
+            o[ch] *= sig(g[ch]);
+        }
+        let mut h: Vec<f64> = emb[toks[t] as usize * d..][..d].to_vec();
+        let a = self.lin(&p("attn.o_proj.weight"), &o);
+        for ch in 0..d {
+            h[ch] += a[ch];
+        }
+        let y = rms(&h, self.t(&p("mlp_norm.weight")), c.norm_eps);
+        let gu = self.lin(&p("mlp.gate_proj.weight"), &y);
+        let act: Vec<f64> = (0..i_sz)
+            .map(|j| gu[j] * sig(gu[j]) * gu[i_sz + j])
+            .collect();
+        let m = self.lin(&p("mlp.down_proj.weight"), &act);
+        for ch in 0..d {
+            h[ch] += m[ch];
+        }
+        let y = rms(&h, self.t("model.norm.weight"), c.norm_eps);
+        self.lin("lm_head.weight", &y)
+    }
 }
