@@ -14,7 +14,9 @@ fn gates(n: usize, scale: f32, seed: u64) -> Vec<f32> {
     let mut x = seed;
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             -scale * ((x >> 40) as f32 / (1u64 << 24) as f32)
         })
         .collect()
@@ -67,12 +69,18 @@ fn retention(c: &mut Criterion) {
         let mut step = |p: &mut RetentionPolicy<Vec<Slot>, Vec<HeadState>>| {
             let i = t % steps;
             for h in 0..heads {
-                cs[h] += f64::from(if h < 2 { gl[2 * i + h] } else { gg[2 * i + h - 2] });
+                cs[h] += f64::from(if h < 2 {
+                    gl[2 * i + h]
+                } else {
+                    gg[2 * i + h - 2]
+                });
             }
             let scores = (order == ForcedOrder::Scores).then(|| &sc[i * heads..(i + 1) * heads]);
             let mut moves = 0u32;
-            p.append(t as u64, &cs, scores, |e| moves += u32::from(e.moved_from.is_some()))
-                .unwrap();
+            p.append(t as u64, &cs, scores, |e| {
+                moves += u32::from(e.moved_from.is_some())
+            })
+            .unwrap();
             t += 1;
             moves
         };

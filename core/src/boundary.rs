@@ -32,36 +32,55 @@ pub struct BlockGrid {
 impl BlockGrid {
     /// Checks the invariants. Errors: [`Error::BadShape`].
     pub fn new(block_q: usize, block_k: usize, seq_q: usize, seq_k: usize) -> Result<Self> {
-        if block_q == 0 || block_k == 0 || seq_q == 0 || seq_k == 0 {
-            return Err(Error::BadShape("block grid: every size must be > 0"));
-        }
-        if seq_q > seq_k {
-            return Err(Error::BadShape("block grid: seq_q must be <= seq_k"));
-        }
-        Ok(Self {
+        let g = Self {
             block_q,
             block_k,
             seq_q,
             seq_k,
-        })
+        };
+        g.validate()?;
+        Ok(g)
     }
+
+    /// Checks the invariants of a grid built field by field (what [`BlockGrid::new`] checks).
+    /// Errors: [`Error::BadShape`].
+    pub fn validate(&self) -> Result<()> {
+        if self.block_q == 0 || self.block_k == 0 || self.seq_q == 0 || self.seq_k == 0 {
+            return Err(Error::BadShape("block grid: every size must be > 0"));
+        }
+        if self.seq_q > self.seq_k {
+            return Err(Error::BadShape("block grid: seq_q must be <= seq_k"));
+        }
+        Ok(())
+    }
+
+    // The accessors below never panic; on a grid that fails `validate` their values are
+    // meaningless (0 where a size is 0).
 
     /// Key position of query 0: `seq_k - seq_q`.
     #[inline]
     pub fn q_offset(&self) -> usize {
-        self.seq_k - self.seq_q
+        self.seq_k.saturating_sub(self.seq_q)
     }
 
     /// Number of query blocks, `ceil(seq_q / block_q)` (the last may be partial).
     #[inline]
     pub fn q_blocks(&self) -> usize {
-        self.seq_q.div_ceil(self.block_q)
+        if self.block_q == 0 {
+            0
+        } else {
+            self.seq_q.div_ceil(self.block_q)
+        }
     }
 
     /// Number of key blocks, `ceil(seq_k / block_k)`.
     #[inline]
     pub fn k_blocks(&self) -> usize {
-        self.seq_k.div_ceil(self.block_k)
+        if self.block_k == 0 {
+            0
+        } else {
+            self.seq_k.div_ceil(self.block_k)
+        }
     }
 
     /// Last key block that query block `qb` touches under the causal mask: the block of
@@ -73,7 +92,10 @@ impl BlockGrid {
             .saturating_add(1)
             .saturating_mul(self.block_q)
             .min(self.seq_q);
-        (self.q_offset() + last_row - 1) / self.block_k
+        (self.q_offset() + last_row)
+            .saturating_sub(1)
+            .checked_div(self.block_k)
+            .unwrap_or(0)
     }
 
     /// Key position of the first query row of block `qb` (`qb < q_blocks`).
@@ -124,7 +146,8 @@ fn to_u32(x: usize) -> Result<u32> {
 ///
 /// Cost: `O(seq_k)` to validate `c`, then `O(q_blocks + k_blocks)`.
 ///
-/// Errors: `c.len() != seq_k` or `out.len() != q_blocks` ([`Error::BadLength`]); `c` not
+/// Errors: an invalid grid ([`Error::BadShape`], see [`BlockGrid::validate`]);
+/// `c.len() != seq_k` or `out.len() != q_blocks` ([`Error::BadLength`]); `c` not
 /// finite and non-increasing, `delta` NaN, `key_start >= seq_k`, or a block index that does
 /// not fit in u32 ([`Error::BadArgument`]).
 pub fn start_blocks(
@@ -134,6 +157,7 @@ pub fn start_blocks(
     key_start: usize,
     out: &mut [u32],
 ) -> Result<()> {
+    grid.validate()?;
     if c.len() != grid.seq_k {
         return Err(Error::BadLength {
             what: "start_blocks c",
@@ -278,9 +302,13 @@ fn pairs_from(p0: usize, p1: usize, lo: usize) -> u64 {
 /// [`BlockGrid::diag_block`]`(I)`. A query at key position `p` attends to keys
 /// `key_start..=p` (total) and to those of them in visited blocks (kept). Query blocks with
 /// no entry in `start_blocks` (`I >= start_blocks.len()`) count as fully visited; entries
-/// past `q_blocks` are ignored. Cost `O(q_blocks)`.
+/// past `q_blocks` are ignored. A grid that fails [`BlockGrid::validate`] counts nothing.
+/// Cost `O(q_blocks)`.
 pub fn count_pairs(grid: &BlockGrid, start_blocks: &[u32], key_start: usize) -> PairCounts {
     let mut pc = PairCounts::default();
+    if grid.validate().is_err() {
+        return pc;
+    }
     let ks_block = key_start / grid.block_k;
     for qb in 0..grid.q_blocks() {
         let p0 = grid.first_row(qb);
@@ -539,6 +567,26 @@ mod tests {
         let g = BlockGrid::new(2, 2, 4, 4).unwrap();
         let c = [0.0, -1.0, -2.0, -3.0];
         let mut out = [0u32; 2];
+        // grids built field by field: errors or zero counts, never a panic
+        for bad in [
+            BlockGrid { block_q: 0, ..g },
+            BlockGrid { block_k: 0, ..g },
+            BlockGrid { seq_q: 0, ..g },
+            BlockGrid { seq_q: 5, ..g },
+        ] {
+            assert!(bad.validate().is_err());
+            assert!(matches!(
+                start_blocks(&bad, &c, None, 0, &mut out),
+                Err(Error::BadShape(_))
+            ));
+            assert_eq!(count_pairs(&bad, &out, 0), PairCounts::default());
+            let _ = (
+                bad.q_offset(),
+                bad.q_blocks(),
+                bad.k_blocks(),
+                bad.diag_block(3),
+            );
+        }
         assert!(matches!(
             start_blocks(&g, &c[..3], None, 0, &mut out),
             Err(Error::BadLength { .. })
