@@ -103,8 +103,7 @@ pub(crate) unsafe fn write_out<T: Versioned>(p: *mut T, struct_size: usize, valu
     }
 }
 
-/// Checks a typed buffer pointer: non-NULL (unless `len == 0` is impossible here, every
-/// caller passes a positive length) and aligned for `T`.
+/// Checks a typed buffer pointer: non-NULL and aligned for `T`.
 pub(crate) fn check_buf<T>(p: *const T, what: &str) -> FxResult<()> {
     if p.is_null() {
         return Err(fail(FX_ERR_NULL_POINTER, format!("{what} is NULL")));
@@ -128,4 +127,101 @@ pub(crate) fn checked_product(what: &str, factors: &[usize]) -> FxResult<usize> 
         .iter()
         .try_fold(1usize, |acc, &f| acc.checked_mul(f))
         .ok_or_else(|| invalid(format!("{what}: size overflows size_t")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::fx_status::*;
+
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    struct V2 {
+        struct_size: usize,
+        a: u32,
+        b: f64,
+    }
+
+    // SAFETY: repr(C), usize first, integer and float fields.
+    unsafe impl Versioned for V2 {
+        const NAME: &'static str = "V2";
+        const MIN_SIZE: usize = 16; // a v1 that ended after `a` (with padding)
+        fn default_value() -> Self {
+            V2 {
+                struct_size: size_of::<V2>(),
+                a: 1,
+                b: 2.5,
+            }
+        }
+    }
+
+    #[test]
+    fn reads_known_sizes_and_keeps_defaults_beyond_an_older_prefix() {
+        let mut v = V2 {
+            struct_size: 16,
+            a: 9,
+            b: -1.0,
+        };
+        // SAFETY: v is a valid V2.
+        let got = unsafe { read_opt(&v) }.unwrap().unwrap();
+        assert_eq!((got.a, got.b), (9, 2.5), "v1 prefix: b keeps its default");
+        v.struct_size = size_of::<V2>();
+        // SAFETY: as above.
+        let got = unsafe { read_opt(&v) }.unwrap().unwrap();
+        assert_eq!((got.a, got.b), (9, -1.0));
+        for bad in [0, 8, 15, size_of::<V2>() + 1, usize::MAX] {
+            v.struct_size = bad;
+            // SAFETY: as above.
+            let e = unsafe { read_opt(&v) }.unwrap_err();
+            assert_eq!(e.status, FX_ERR_INVALID_ARGUMENT);
+            assert!(e.message.contains("struct_size"), "{}", e.message);
+        }
+        // SAFETY: NULL is allowed.
+        let none = unsafe { read_opt::<V2>(std::ptr::null()) };
+        assert!(none.unwrap().is_none());
+        // SAFETY: NULL is allowed.
+        let e = unsafe { read_req::<V2>(std::ptr::null(), "opts") }.unwrap_err();
+        assert_eq!(e.status, FX_ERR_NULL_POINTER);
+    }
+
+    #[test]
+    fn writes_only_the_callers_prefix() {
+        let mut out = V2 {
+            struct_size: 16,
+            a: 0,
+            b: 7.0,
+        };
+        // SAFETY: out is a valid, writable V2.
+        let size = unsafe { check_out(&mut out, "out") }.unwrap();
+        let value = V2 {
+            struct_size: 999,
+            a: 5,
+            b: 1.0,
+        };
+        // SAFETY: size from check_out on the same pointer.
+        unsafe { write_out(&mut out, size, value) };
+        assert_eq!(
+            out,
+            V2 {
+                struct_size: 16,
+                a: 5,
+                b: 7.0
+            }
+        );
+    }
+
+    #[test]
+    fn buffers_must_be_non_null_and_aligned() {
+        let x = [0.0f32; 4];
+        assert!(check_buf(x.as_ptr(), "x").is_ok());
+        let e = check_buf(std::ptr::null::<f32>(), "x").unwrap_err();
+        assert_eq!(e.status, FX_ERR_NULL_POINTER);
+        let odd = x.as_ptr().cast::<u8>().wrapping_add(1).cast::<f32>();
+        assert_eq!(
+            check_buf(odd, "x").unwrap_err().status,
+            FX_ERR_INVALID_ARGUMENT
+        );
+        assert!(checked_product("n", &[usize::MAX, 2]).is_err());
+        assert_eq!(checked_product("n", &[3, 4]).unwrap(), 12);
+    }
 }

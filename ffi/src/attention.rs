@@ -255,12 +255,12 @@ fn dtype_of(raw: i32, field: &str) -> FxResult<fx_dtype> {
 }
 
 /// Checks the backend enum; only the CPU kernels can run a standalone attention call here.
-pub(crate) fn backend_of(raw: i32) -> FxResult<foxedge::BackendKind> {
+pub(crate) fn backend_of(raw: i32) -> FxResult<facade::BackendKind> {
     match raw {
-        0 => Ok(foxedge::BackendKind::Cpu),
-        1 => Ok(foxedge::BackendKind::Vulkan),
-        2 => Ok(foxedge::BackendKind::Auto),
-        3 => Ok(foxedge::BackendKind::Hybrid),
+        0 => Ok(facade::BackendKind::Cpu),
+        1 => Ok(facade::BackendKind::Vulkan),
+        2 => Ok(facade::BackendKind::Auto),
+        3 => Ok(facade::BackendKind::Hybrid),
         _ => Err(invalid(format!("backend {raw} is not an fx_backend"))),
     }
 }
@@ -324,7 +324,7 @@ fn check_desc(d: &fx_attention_desc) -> FxResult<Call> {
     let dtype = dtype_of(d.dtype, "dtype")?;
     let out_dtype = dtype_of(d.out_dtype, "out_dtype")?;
     match backend_of(d.backend)? {
-        foxedge::BackendKind::Cpu | foxedge::BackendKind::Auto => {}
+        facade::BackendKind::Cpu | facade::BackendKind::Auto => {}
         other => {
             return Err(fail(
                 FX_ERR_BACKEND_UNAVAILABLE,

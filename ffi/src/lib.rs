@@ -2,7 +2,7 @@
 //!
 //! This crate only translates: it checks every pointer, size and `struct_size`, converts C
 //! structs to the facade's Rust types, runs the call inside a panic guard, and maps
-//! `foxedge::Error` to an [`fx_status`] code plus a thread-local message. Thresholds,
+//! `facade::Error` to an [`fx_status`] code plus a thread-local message. Thresholds,
 //! kernels, sessions and policies all live in the crates it wraps.
 #![allow(non_camel_case_types, non_snake_case)]
 

@@ -4,7 +4,7 @@ use std::ffi::{CStr, c_char};
 use std::mem::size_of;
 use std::sync::Arc;
 
-use foxedge::{Budget, Model, Session, SessionOptions};
+use facade::{Budget, Model, Session, SessionOptions};
 
 use crate::abi::{Versioned, check_buf, check_out, read_opt, write_out};
 use crate::attention::{backend_of, fx_backend, fx_backend_raw};
@@ -393,7 +393,7 @@ fn live(s: &fx_session) -> FxResult<()> {
 
 /// Runs a state-changing facade call. A panic inside it may leave the session half-updated,
 /// so it marks the handle poisoned before the panic continues to the guard.
-fn mutate(s: &mut fx_session, f: impl FnOnce(&mut Session) -> foxedge::Result<()>) -> FxResult<()> {
+fn mutate(s: &mut fx_session, f: impl FnOnce(&mut Session) -> facade::Result<()>) -> FxResult<()> {
     let session = &mut s.session;
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(session))) {
         Ok(r) => r.map_err(map_facade),

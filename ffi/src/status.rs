@@ -184,8 +184,8 @@ pub(crate) fn map_core(e: foxedge_core::Error) -> Failure {
 }
 
 /// Maps a facade error to a status and message.
-pub(crate) fn map_facade(e: foxedge::Error) -> Failure {
-    use foxedge::ErrorKind as K;
+pub(crate) fn map_facade(e: facade::Error) -> Failure {
+    use facade::ErrorKind as K;
     let status = match e.kind() {
         K::InvalidArgument => FX_ERR_INVALID_ARGUMENT,
         K::BadModel => FX_ERR_BAD_MODEL,
@@ -196,4 +196,59 @@ pub(crate) fn map_facade(e: foxedge::Error) -> Failure {
         K::Internal => FX_ERR_INTERNAL,
     };
     fail(status, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn last() -> String {
+        // SAFETY: fx_last_error never returns NULL and the string is NUL-terminated.
+        unsafe { CStr::from_ptr(fx_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn guard_turns_a_panic_into_internal_with_a_message() {
+        let st = guard(|| panic!("boom {}", 7));
+        assert_eq!(st, FX_ERR_INTERNAL);
+        assert!(last().contains("boom 7"), "{}", last());
+        let st = guard(|| Err(fail(FX_ERR_BAD_MODEL, "bad\0file")));
+        assert_eq!(st, FX_ERR_BAD_MODEL);
+        assert_eq!(last(), "bad file");
+        assert_eq!(guard(|| Ok(())), FX_OK);
+        assert_eq!(guard_value(-1.0, || Err(invalid("x"))), -1.0);
+        assert_eq!(guard_value(-1.0, || Ok(2.0)), 2.0);
+    }
+
+    #[test]
+    fn last_error_is_per_thread() {
+        set_last_error("main thread");
+        std::thread::spawn(|| {
+            assert_eq!(last(), "");
+            set_last_error("other thread");
+            assert_eq!(last(), "other thread");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(last(), "main thread");
+    }
+
+    #[test]
+    fn status_strings_are_distinct_and_total() {
+        let mut seen = std::collections::HashSet::new();
+        for s in ALL_STATUS {
+            // SAFETY: static NUL-terminated strings.
+            let t = unsafe { CStr::from_ptr(fx_status_string(s as i32)) };
+            assert!(seen.insert(t.to_owned()), "{t:?}");
+            assert!(s == FX_OK || (s as i32) < 0);
+        }
+        for raw in [1, -10, i32::MIN, i32::MAX] {
+            // SAFETY: as above.
+            let t = unsafe { CStr::from_ptr(fx_status_string(raw)) };
+            assert_eq!(t.to_str().unwrap(), "unknown status");
+        }
+    }
 }
