@@ -1,0 +1,103 @@
+//! The `foxedge` binary: `generate` with no arguments, options, errors, and `logits`
+//! reproducing the golden logits through .npy files.
+
+mod common;
+
+use common::*;
+use foxedge::npy::{NpyArray, NpyData};
+use std::process::Command;
+
+fn foxedge() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_foxedge"));
+    // Run from the repository root, as `cargo run` does.
+    c.current_dir(env!("CARGO_MANIFEST_DIR"));
+    c
+}
+
+#[test]
+fn generate_with_no_options_streams_text_and_stats() {
+    let out = foxedge().args(["generate", "--max-tokens", "40"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("import os\n"), "{text}");
+    let last = text.lines().last().unwrap();
+    for key in ["prefill", "decode", "tok/s", "certified", "forced", "peak", "pruned", "max B_t"] {
+        assert!(last.contains(key), "stats line lacks {key}: {last}");
+    }
+}
+
+#[test]
+fn generate_json_and_options() {
+    let out = foxedge()
+        .args(["generate", "--prompt", "def f(x):\n", "--max-tokens", "30", "--budget", "32", "--window", "8"])
+        .args(["--sinks", "2", "--log-eps", "-8", "--seed", "7", "--temperature", "0", "--json"])
+        .args(["--backend", "cpu", "--model", model_dir().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap();
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(v["backend"], "cpu");
+    assert!(v["decode_tokens"].as_u64().unwrap() >= 1);
+    assert!(v["peak_cache_bytes"].as_u64().unwrap() <= 16 * 32 * foxedge::session::entry_bytes(64) as u64);
+    // Greedy is deterministic.
+    let again = foxedge()
+        .args(["generate", "--prompt", "def f(x):\n", "--max-tokens", "30", "--budget", "32", "--window", "8"])
+        .args(["--sinks", "2", "--log-eps", "-8", "--seed", "7", "--temperature", "0", "--json"])
+        .output()
+        .unwrap();
+    let a = String::from_utf8_lossy(&again.stdout);
+    assert_eq!(text.lines().next(), a.lines().next());
+}
+
+#[test]
+fn bad_arguments_fail_cleanly() {
+    for args in [
+        vec!["generate", "--max-tokens", "abc"],
+        vec!["generate", "--no-acp", "--log-eps", "-5"],
+        vec!["generate", "--backend", "tpu"],
+        vec!["generate", "--budget", "4", "--window", "8"],
+        vec!["generate", "--model", "/nonexistent"],
+        vec!["generate", "--frobnicate"],
+        vec!["logits", "--input", "x.npy"],
+        vec!["nosuch"],
+    ] {
+        let out = foxedge().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("foxedge: "), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let out = foxedge().args(["generate", "--backend", "hybrid", "--max-tokens", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() || err.contains("backend unavailable"), "{err}");
+}
+
+#[test]
+fn logits_command_reproduces_golden_logits() {
+    let dir = synth::temp_dir("cli-logits");
+    let input = dir.join("ids.npy");
+    let ids = input_ids();
+    NpyArray { shape: vec![ids.len()], data: NpyData::I32(ids.iter().map(|&x| x as i32).collect()) }
+        .write(&input)
+        .unwrap();
+    let (_, want) = npy_f32("logits.npy");
+    for acp in [vec!["--no-acp"], vec!["--log-eps", "-10"]] {
+        let output = dir.join("logits.npy");
+        let out = foxedge()
+            .args(["logits", "--model", model_dir().to_str().unwrap(), "--input"])
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .args(&acp)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got = NpyArray::read(&output).unwrap();
+        assert_eq!(got.shape, vec![1024, 256]);
+        let (max, rel) = errors(&got.to_f32().unwrap(), &want);
+        assert!(max <= 2e-3 && rel <= 1e-4, "{acp:?}: {max:.3e} {rel:.3e}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
