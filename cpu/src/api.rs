@@ -17,10 +17,28 @@ use foxedge_core::AttentionShape;
 use half::{bf16, f16};
 
 mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-    impl Sealed for half::bf16 {}
+    use half::slice::HalfFloatSliceExt;
+    pub trait Sealed {
+        /// The raw 16-bit patterns of an f16/bf16 slice (`None` for f32).
+        fn bits16(src: &[Self]) -> Option<&[u16]>
+        where
+            Self: Sized;
+    }
+    impl Sealed for f32 {
+        fn bits16(_: &[Self]) -> Option<&[u16]> {
+            None
+        }
+    }
+    impl Sealed for half::f16 {
+        fn bits16(src: &[Self]) -> Option<&[u16]> {
+            Some(src.reinterpret_cast())
+        }
+    }
+    impl Sealed for half::bf16 {
+        fn bits16(src: &[Self]) -> Option<&[u16]> {
+            Some(src.reinterpret_cast())
+        }
+    }
 }
 
 /// Element type of q, k, v and outputs in memory. Compute is always f32.

@@ -18,7 +18,7 @@
 
 use crate::api::{Acp, AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage};
 use crate::prefill::scale_row;
-use crate::simd::{Isa, Vf32, WithSimd, dispatch};
+use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
 use foxedge_core::{Error, Result, threshold};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -183,16 +183,18 @@ pub fn decode_with_isa<Q: Storage, T: Storage, O: Storage>(
         .with_max_len(1)
         .map(|&(h, e0, e1)| {
             DSCRATCH.with(|s| {
-                run_split(
+                dispatch(
                     isa,
-                    args,
-                    &qs[h * nq * d..(h + 1) * nq * d],
-                    deltas[h],
-                    opts.block_k,
-                    h,
-                    e0,
-                    e1,
-                    &mut s.borrow_mut(),
+                    Split {
+                        args,
+                        q: &qs[h * nq * d..(h + 1) * nq * d],
+                        delta: deltas[h],
+                        bk: opts.block_k,
+                        h,
+                        e0,
+                        e1,
+                        scr: &mut s.borrow_mut(),
+                    },
                 )
             })
         })
@@ -266,91 +268,105 @@ thread_local! {
 /// Entries of a score row are padded to a multiple of this (the widest vector).
 const PAD: usize = 16;
 
-fn widen<'t, T: Storage>(src: &'t [T], buf: &'t mut Vec<f32>) -> &'t [f32] {
+/// `src` as f32: in place for f32 storage, else widened into `buf`.
+#[inline(always)]
+fn widened<'t, V: Vf32, T: Storage>(src: &'t [T], buf: &'t mut Vec<f32>) -> &'t [f32] {
     if let Some(f) = T::as_f32(src) {
         return f;
     }
     if buf.len() < src.len() {
         buf.resize(src.len(), 0.0);
     }
-    T::to_f32_slice(src, &mut buf[..src.len()]);
+    widen::<V, T>(src, &mut buf[..src.len()]);
     &buf[..src.len()]
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_split<Q: Storage, T: Storage>(
-    isa: Isa,
-    args: &DecodeArgs<'_, Q, T>,
-    q: &[f32],
+/// One (head, split) task, run inside [`dispatch`]: entries `e0..e1` of head `h`.
+struct Split<'s, 'a, Q: Storage, T: Storage> {
+    args: &'s DecodeArgs<'a, Q, T>,
+    /// The head's queries, widened and scaled: `[n_queries, d]`.
+    q: &'s [f32],
     delta: Option<f64>,
     bk: usize,
     h: usize,
     e0: usize,
     e1: usize,
-    scr: &mut DScratch,
-) -> Partial {
-    let (d, nq) = (args.head_dim, args.n_queries);
-    let hc = &args.heads[h];
-    let qc = &args.q_c[h * nq..(h + 1) * nq];
-    let qpos = args.q_pos.map(|p| &p[h * nq..(h + 1) * nq]);
-    let mut part = Partial {
-        head: h,
-        m: vec![f32::NEG_INFINITY; nq],
-        l: vec![0.0; nq],
-        acc: vec![0.0; nq * d],
-        kept_pairs: 0,
-        total_pairs: 0,
-        kept_blocks: 0,
-        total_blocks: 0,
-    };
-    let mut b0 = e0;
-    while b0 < e1 {
-        let b1 = (b0 + bk).min(e1);
-        let nb = b1 - b0;
-        let c = &hc.c[b0..b1];
-        // Pairs this block can hold (causal by position when positions are given).
-        let eligible = |t: usize| -> u64 {
-            match (hc.pos, qpos) {
-                (Some(p), Some(qp)) => p[b0..b1].iter().filter(|&&x| x <= qp[t]).count() as u64,
-                _ => nb as u64,
-            }
+    scr: &'s mut DScratch,
+}
+
+impl<Q: Storage, T: Storage> WithSimd for Split<'_, '_, Q, T> {
+    type Output = Partial;
+    #[inline(always)]
+    fn run<V: Vf32>(self) -> Partial {
+        let Split {
+            args,
+            q,
+            delta,
+            bk,
+            h,
+            e0,
+            e1,
+            scr,
+        } = self;
+        let (d, nq) = (args.head_dim, args.n_queries);
+        let hc = &args.heads[h];
+        let qc = &args.q_c[h * nq..(h + 1) * nq];
+        let qpos = args.q_pos.map(|p| &p[h * nq..(h + 1) * nq]);
+        let mut part = Partial {
+            head: h,
+            m: vec![f32::NEG_INFINITY; nq],
+            l: vec![0.0; nq],
+            acc: vec![0.0; nq * d],
+            kept_pairs: 0,
+            total_pairs: 0,
+            kept_blocks: 0,
+            total_blocks: 0,
         };
-        let pairs: u64 = (0..nq).map(eligible).sum();
-        part.total_pairs += pairs;
-        if pairs > 0 {
-            part.total_blocks += 1;
-        }
-        let cmin = c.iter().copied().fold(f64::INFINITY, f64::min);
-        let pruned = delta.is_some_and(|dl| qc.iter().all(|&ct| ct - cmin < dl));
-        if pruned || pairs == 0 {
-            b0 = b1;
-            continue;
-        }
-        part.kept_pairs += pairs;
-        part.kept_blocks += 1;
-        let nbp = nb.div_ceil(PAD) * PAD;
-        // s[t][j] starts as the decay term (or -inf when masked by position).
-        if scr.s.len() < nq * nbp {
-            scr.s.resize(nq * nbp, 0.0);
-        }
-        let s = &mut scr.s[..nq * nbp];
-        for t in 0..nq {
-            let row = &mut s[t * nbp..(t + 1) * nbp];
-            for (j, x) in row.iter_mut().enumerate() {
-                let after =
-                    matches!((hc.pos, qpos), (Some(p), Some(qp)) if j < nb && p[b0 + j] > qp[t]);
-                *x = if j >= nb || after {
-                    f32::NEG_INFINITY
-                } else {
-                    (qc[t] - c[j]) as f32
-                };
+        let mut b0 = e0;
+        while b0 < e1 {
+            let b1 = (b0 + bk).min(e1);
+            let nb = b1 - b0;
+            let c = &hc.c[b0..b1];
+            // Pairs this block can hold (causal by position when positions are given).
+            let eligible = |t: usize| -> u64 {
+                match (hc.pos, qpos) {
+                    (Some(p), Some(qp)) => p[b0..b1].iter().filter(|&&x| x <= qp[t]).count() as u64,
+                    _ => nb as u64,
+                }
+            };
+            let pairs: u64 = (0..nq).map(eligible).sum();
+            part.total_pairs += pairs;
+            if pairs > 0 {
+                part.total_blocks += 1;
             }
-        }
-        let kb = widen(&hc.k[b0 * d..b1 * d], &mut scr.k);
-        let vb = widen(&hc.v[b0 * d..b1 * d], &mut scr.v);
-        dispatch(
-            isa,
-            DecodeBlock {
+            let cmin = c.iter().copied().fold(f64::INFINITY, f64::min);
+            let pruned = delta.is_some_and(|dl| qc.iter().all(|&ct| ct - cmin < dl));
+            if pruned || pairs == 0 {
+                b0 = b1;
+                continue;
+            }
+            part.kept_pairs += pairs;
+            part.kept_blocks += 1;
+            let nbp = nb.div_ceil(PAD) * PAD;
+            // s[t][j] starts as the decay term (or -inf when masked by position).
+            if scr.s.len() < nq * nbp {
+                scr.s.resize(nq * nbp, 0.0);
+            }
+            let s = &mut scr.s[..nq * nbp];
+            for t in 0..nq {
+                let row = &mut s[t * nbp..(t + 1) * nbp];
+                for (j, x) in row.iter_mut().enumerate() {
+                    let after = matches!((hc.pos, qpos), (Some(p), Some(qp)) if j < nb && p[b0 + j] > qp[t]);
+                    *x = if j >= nb || after {
+                        f32::NEG_INFINITY
+                    } else {
+                        (qc[t] - c[j]) as f32
+                    };
+                }
+            }
+            let kb = widened::<V, T>(&hc.k[b0 * d..b1 * d], &mut scr.k);
+            let vb = widened::<V, T>(&hc.v[b0 * d..b1 * d], &mut scr.v);
+            decode_block::<V>(DecodeBlock {
                 q,
                 k: kb,
                 v: vb,
@@ -361,11 +377,11 @@ fn run_split<Q: Storage, T: Storage>(
                 m: &mut part.m,
                 l: &mut part.l,
                 acc: &mut part.acc,
-            },
-        );
-        b0 = b1;
+            });
+            b0 = b1;
+        }
+        part
     }
-    part
 }
 
 /// One block of `nb` cache entries for every query: `s[t][j] += q_t·k_j`, then the
@@ -398,23 +414,33 @@ fn dot<V: Vf32>(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-impl WithSimd for DecodeBlock<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run<V: Vf32>(self) {
-        let (d, nb, nbp) = (self.d, self.nb, self.nbp);
-        for (t, row) in self.s.chunks_exact_mut(nbp).enumerate() {
-            let qt = &self.q[t * d..(t + 1) * d];
+#[inline(always)]
+fn decode_block<V: Vf32>(blk: DecodeBlock<'_>) {
+    let DecodeBlock {
+        q,
+        k,
+        v,
+        s,
+        nb,
+        nbp,
+        d,
+        m,
+        l,
+        acc,
+    } = blk;
+    {
+        for (t, row) in s.chunks_exact_mut(nbp).enumerate() {
+            let qt = &q[t * d..(t + 1) * d];
             for (j, x) in row[..nb].iter_mut().enumerate() {
                 if *x != f32::NEG_INFINITY {
-                    *x += dot::<V>(qt, &self.k[j * d..(j + 1) * d]);
+                    *x += dot::<V>(qt, &k[j * d..(j + 1) * d]);
                 }
             }
             let mut mx = V::splat(f32::NEG_INFINITY);
             for x in row.chunks_exact(V::LANES) {
                 mx = mx.max(V::load(x));
             }
-            let m_old = self.m[t];
+            let m_old = m[t];
             let m_new = m_old.max(mx.reduce_max());
             if m_new == f32::NEG_INFINITY {
                 continue;
@@ -427,9 +453,9 @@ impl WithSimd for DecodeBlock<'_> {
                 p.store(x);
                 sum = sum.add(p);
             }
-            self.m[t] = m_new;
-            self.l[t] = self.l[t] * alpha + sum.reduce_sum();
-            let acc = &mut self.acc[t * d..(t + 1) * d];
+            m[t] = m_new;
+            l[t] = l[t] * alpha + sum.reduce_sum();
+            let acc = &mut acc[t * d..(t + 1) * d];
             if alpha != 1.0 {
                 scale_row::<V>(acc, alpha);
             }
@@ -439,14 +465,14 @@ impl WithSimd for DecodeBlock<'_> {
             for a in &mut ca {
                 let mut av = V::load(a);
                 for (j, &p) in row[..nb].iter().enumerate() {
-                    av = V::splat(p).fma(V::load(&self.v[j * d + c0..]), av);
+                    av = V::splat(p).fma(V::load(&v[j * d + c0..]), av);
                 }
                 av.store(a);
                 c0 += V::LANES;
             }
             for (i, a) in ca.into_remainder().iter_mut().enumerate() {
                 for (j, &p) in row[..nb].iter().enumerate() {
-                    *a += p * self.v[j * d + c0 + i];
+                    *a += p * v[j * d + c0 + i];
                 }
             }
         }

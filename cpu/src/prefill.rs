@@ -12,14 +12,14 @@
 //! o_i = acc_i / l_i,   lse_i = m_i + ln l_i
 //! ```
 //!
-//! `S = QK^T` and `acc += PV` go through `gemm` (its own AVX2/AVX-512/NEON dispatch); the
-//! softmax update is a [`Vf32`] micro-kernel. With [`Isa::Scalar`] every step, matrix
-//! products included, is plain scalar Rust: the reference the fast paths are tested against.
+//! Everything inside a task runs in one [`Vf32`] instantiation chosen by [`dispatch`]
+//! (AVX-512, AVX2+FMA, `wide` / NEON, or one-lane scalar: the reference that the vector
+//! paths are tested against).
 
 use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
-use crate::simd::{Isa, Vf32, WithSimd, dispatch};
+use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
 use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{Error, Layout, Result, gate, threshold};
+use foxedge_core::{Error, Result, gate, threshold};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
@@ -267,15 +267,17 @@ impl<E> SharedMut<E> {
 /// Per-thread tile buffers (f32), reused across tasks.
 #[derive(Default)]
 struct Scratch {
-    q: Vec<f32>,
+    qt: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    s: Vec<f32>,
+    st: Vec<f32>,
     acc: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
+    mx: Vec<f32>,
+    alpha: Vec<f32>,
     cq: Vec<f32>,
-    ck: Vec<f32>,
+    row: Vec<f32>,
 }
 
 thread_local! {
@@ -289,8 +291,9 @@ fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
-/// Columns of a score row are padded to a multiple of this (the widest vector).
-const PAD: usize = 16;
+/// Stand-in for `-inf` as the initial running max: finite, so that `m_old - m_new` is
+/// never `-inf - -inf`; far below any real logit.
+const M_FLOOR: f32 = -1e30;
 
 struct Ctx<'a, 'b, T: Storage, O: Storage> {
     args: &'a PrefillArgs<'b, T>,
@@ -304,17 +307,23 @@ struct Ctx<'a, 'b, T: Storage, O: Storage> {
     lse: Option<SharedMut<f32>>,
 }
 
-/// A block of `rows` vectors of `head_dim` f32 with row stride `rs`, starting at `data[0]`.
-#[derive(Clone, Copy)]
-struct TileRef<'t> {
-    data: &'t [f32],
-    rs: usize,
-}
-
 impl<T: Storage, O: Storage> Ctx<'_, '_, T, O> {
-    /// K or V rows `j0..j0+n` of (b, hk) as f32: in place when the storage is f32,
-    /// otherwise converted into `buf`.
-    fn kv_tile<'t>(
+    fn run_tile(&self, bh: usize, qb: usize, scr: &mut Scratch) {
+        dispatch(
+            self.isa,
+            Tile {
+                ctx: self,
+                bh,
+                qb,
+                scr,
+            },
+        );
+    }
+
+    /// K or V rows `j0..j0+n` of (b, hk) as f32 with their row stride: in place when the
+    /// storage is f32, otherwise converted into `buf` (stride `d`).
+    #[inline(always)]
+    fn kv_tile<'t, V: Vf32>(
         &self,
         src: &'t [T],
         buf: &'t mut Vec<f32>,
@@ -322,117 +331,134 @@ impl<T: Storage, O: Storage> Ctx<'_, '_, T, O> {
         hk: usize,
         j0: usize,
         n: usize,
-    ) -> TileRef<'t> {
+    ) -> (&'t [f32], usize) {
         let sh = &self.args.shape;
         let d = sh.head_dim;
         let rs = sh.kv_row_stride();
         let base = sh.kv_at(b, j0, hk);
         let span = (n - 1) * rs + d;
         if let Some(f) = T::as_f32(src) {
-            return TileRef {
-                data: &f[base..base + span],
-                rs,
-            };
+            return (&f[base..base + span], rs);
         }
         let dst = sized(buf, n * d);
-        if sh.layout == Layout::HeadFirst {
-            T::to_f32_slice(&src[base..base + n * d], dst);
+        if rs == d {
+            widen::<V, T>(&src[base..base + n * d], dst);
         } else {
             for j in 0..n {
-                T::to_f32_slice(&src[base + j * rs..][..d], &mut dst[j * d..(j + 1) * d]);
+                widen::<V, T>(&src[base + j * rs..][..d], &mut dst[j * d..(j + 1) * d]);
             }
         }
-        TileRef { data: dst, rs: d }
+        (dst, d)
     }
+}
 
-    fn run_tile(&self, bh: usize, qb: usize, scr: &mut Scratch) {
-        let sh = &self.args.shape;
-        let (d, bq, bk) = (sh.head_dim, self.grid.block_q, self.grid.block_k);
+/// One (batch, head, query block) task, run inside [`dispatch`].
+///
+/// Tiles are kept transposed so that every vector runs across query rows: `qt[p][i]`,
+/// `st[j][i]` (scores, then probabilities), `acc[c][i]`. The softmax then needs no
+/// horizontal reduction (row max and sum are elementwise across keys), and both matrix
+/// products are broadcast-times-vector micro-kernels ([`bcast_mm`]) with no packing.
+/// K and V tiles in f16/bf16 are widened once per block ([`widen`]).
+struct Tile<'s, 'a, 'b, T: Storage, O: Storage> {
+    ctx: &'s Ctx<'a, 'b, T, O>,
+    bh: usize,
+    qb: usize,
+    scr: &'s mut Scratch,
+}
+
+impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vf32>(self) {
+        let Tile { ctx, bh, qb, scr } = self;
+        let sh = &ctx.args.shape;
+        let (d, bq, bk) = (sh.head_dim, ctx.grid.block_q, ctx.grid.block_k);
         let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
         let hk = h / sh.group();
         let t0 = qb * bq;
         let nq = (sh.seq_q - t0).min(bq);
-        let off = sh.q_offset();
-        let p0 = off + t0;
-        let ks = self.key_start[b];
-        let c = &self.c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
+        // Query columns padded to the micro-kernel width.
+        let w = V::MM_COLS * V::LANES;
+        let nqp = nq.div_ceil(w) * w;
+        let p0 = sh.q_offset() + t0;
+        let ks = ctx.key_start[b];
+        let c = &ctx.c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
         let c_ref = c[p0];
 
-        let acc = sized(&mut scr.acc, nq * d);
+        let acc = sized(&mut scr.acc, d * nqp);
         acc.fill(0.0);
-        let m = sized(&mut scr.m, nq);
-        m.fill(f32::NEG_INFINITY);
-        let l = sized(&mut scr.l, nq);
+        let m = sized(&mut scr.m, nqp);
+        m.fill(M_FLOOR);
+        let l = sized(&mut scr.l, nqp);
         l.fill(0.0);
 
         if p0 + nq > ks {
-            let qt = sized(&mut scr.q, nq * d);
+            // qt[p][i] = s q_i[p]; padded columns 0.
+            let qt = sized(&mut scr.qt, d * nqp);
+            qt.fill(0.0);
+            let row = sized(&mut scr.row, d);
             for i in 0..nq {
-                let row = &mut qt[i * d..(i + 1) * d];
-                T::to_f32_slice(&self.args.q[sh.q_at(b, t0 + i, h)..][..d], row);
-                for x in row.iter_mut() {
-                    *x *= self.scale;
+                widen::<V, T>(&ctx.args.q[sh.q_at(b, t0 + i, h)..][..d], row);
+                for (p, x) in row.iter().enumerate() {
+                    qt[p * nqp + i] = x * ctx.scale;
                 }
             }
-            let cq = sized(&mut scr.cq, nq);
+            let cq = sized(&mut scr.cq, nqp);
             for (i, x) in cq.iter_mut().enumerate() {
-                *x = (c[p0 + i] - c_ref) as f32;
+                *x = (c[p0 + i.min(nq - 1)] - c_ref) as f32;
             }
-            let start = self.starts[bh * self.grid.q_blocks() + qb] as usize;
-            let diag = self.grid.diag_block(qb);
+            let mx = sized(&mut scr.mx, nqp);
+            let alpha = sized(&mut scr.alpha, nqp);
+            let start = ctx.starts[bh * ctx.grid.q_blocks() + qb] as usize;
+            let diag = ctx.grid.diag_block(qb);
             let p_last = p0 + nq - 1;
             for kb in start..=diag {
                 let j0 = kb * bk;
                 let nk = ((kb + 1) * bk).min(p_last + 1) - j0;
-                let ncp = nk.div_ceil(PAD) * PAD;
-                let kt = self.kv_tile(self.args.k, &mut scr.k, b, hk, j0, nk);
-                let vt = self.kv_tile(self.args.v, &mut scr.v, b, hk, j0, nk);
-                let ck = sized(&mut scr.ck, ncp);
-                for (j, x) in ck.iter_mut().enumerate() {
-                    *x = if j < nk {
-                        (c[j0 + j] - c_ref) as f32
-                    } else {
-                        0.0
-                    };
-                }
-                let s = sized(&mut scr.s, nq * ncp);
-                qk_tile(self.isa, qt, kt, s, nq, nk, ncp, d);
-                dispatch(
-                    self.isa,
-                    BlockSoftmax {
-                        s,
-                        ncp,
-                        nk,
-                        acc,
-                        d,
-                        m,
-                        l,
-                        cq,
-                        ck,
-                        lo: ks.saturating_sub(j0).min(nk),
-                        row_end0: (p0 + 1) as isize - j0 as isize,
-                    },
-                );
-                pv_tile(self.isa, s, vt, acc, nq, nk, ncp, d);
+                let (kt, krs) = ctx.kv_tile::<V>(ctx.args.k, &mut scr.k, b, hk, j0, nk);
+                let st = sized(&mut scr.st, nk * nqp);
+                // st[j][i] = s q_i·k_j
+                tile_mm::<V>(st, nqp, kt, krs, 1, qt, nqp, nk, d, nqp, false);
+                let lo = ks.saturating_sub(j0).min(nk);
+                softmax_block::<V>(SoftmaxArgs {
+                    st,
+                    nqp,
+                    nk,
+                    lo,
+                    // Row j masks query columns i < j0 + j - p0 (causal).
+                    causal0: j0 as isize - p0 as isize,
+                    ck: &c[j0..j0 + nk],
+                    c_ref,
+                    cq,
+                    m,
+                    l,
+                    mx,
+                    alpha,
+                    acc,
+                    d,
+                });
+                let (vt, vrs) = ctx.kv_tile::<V>(ctx.args.v, &mut scr.v, b, hk, j0, nk);
+                // acc[c][i] += Σ_j v_j[c] p_ij
+                tile_mm::<V>(acc, nqp, vt, 1, vrs, st, nqp, d, nk, nqp, true);
             }
         }
 
         // o_i = acc_i / l_i; rows that attended nothing (padding) get 0 and lse -inf.
+        let row = sized(&mut scr.row, d);
         for i in 0..nq {
-            let row = &mut acc[i * d..(i + 1) * d];
             let (inv, lse) = if l[i] > 0.0 {
                 (1.0 / l[i], m[i] + l[i].ln())
             } else {
                 (0.0, f32::NEG_INFINITY)
             };
-            for x in row.iter_mut() {
-                *x *= inv;
+            for (cc, x) in row.iter_mut().enumerate() {
+                *x = acc[cc * nqp + i] * inv;
             }
             // SAFETY: row (b, t0 + i, h) of `out` belongs to this task alone (tasks are
             // distinct (b, h, query block) triples and rows of a block are disjoint).
-            let o = unsafe { self.out.slice(sh.q_at(b, t0 + i, h), d) };
+            let o = unsafe { ctx.out.slice(sh.q_at(b, t0 + i, h), d) };
             O::from_f32_slice(row, o);
-            if let Some(ls) = &self.lse {
+            if let Some(ls) = &ctx.lse {
                 // SAFETY: lse element (b, h, t0 + i) belongs to this task alone (as above).
                 unsafe { ls.slice(bh * sh.seq_q + t0 + i, 1)[0] = lse };
             }
@@ -440,173 +466,204 @@ impl<T: Storage, O: Storage> Ctx<'_, '_, T, O> {
     }
 }
 
-/// `S[i][j] = Q[i]·K[j]` for `i < nq`, `j < nk` (row stride `ncp` in `s`).
+/// `out[r][v] (+)= Σ_k a[r*ars + k*aks] · b[k*ldb + v]` for `r < rows`, `k < depth`,
+/// `v < ncols` (`ncols` a multiple of `C * LANES`): an `R`-row x `C`-vector register tile
+/// (`R * C` independent FMA chains), one broadcast of `a` per row and depth step.
 #[allow(clippy::too_many_arguments)]
-fn qk_tile(
-    isa: Isa,
-    q: &[f32],
-    k: TileRef<'_>,
-    s: &mut [f32],
-    nq: usize,
-    nk: usize,
-    ncp: usize,
-    d: usize,
+#[inline(always)]
+fn bcast_mm<V: Vf32, const R: usize, const C: usize>(
+    out: &mut [f32],
+    ldo: usize,
+    a: &[f32],
+    ars: usize,
+    aks: usize,
+    b: &[f32],
+    ldb: usize,
+    rows: usize,
+    depth: usize,
+    ncols: usize,
+    accumulate: bool,
 ) {
-    assert!(q.len() >= nq * d && s.len() >= nq * ncp && ncp >= nk);
-    assert!(k.data.len() >= (nk - 1) * k.rs + d);
-    if isa == Isa::Scalar {
-        for i in 0..nq {
-            for j in 0..nk {
-                let kj = &k.data[j * k.rs..][..d];
-                s[i * ncp + j] = q[i * d..(i + 1) * d]
-                    .iter()
-                    .zip(kj)
-                    .map(|(a, b)| a * b)
-                    .sum();
-            }
-        }
+    let l = V::LANES;
+    if rows == 0 || depth == 0 {
         return;
     }
-    // SAFETY: dst spans `nq` rows of stride `ncp` >= nk columns inside `s`; lhs spans `nq`
-    // rows of `d` inside `q`; rhs element (p, j) = k.data[j * rs + p] with j < nk, p < d
-    // is inside `k.data` (asserted above). `s` is a distinct buffer from `q` and `k`.
-    unsafe {
-        gemm::gemm(
-            nq,
-            nk,
-            d,
-            s.as_mut_ptr(),
-            1,
-            ncp as isize,
-            false,
-            q.as_ptr(),
-            1,
-            d as isize,
-            k.data.as_ptr(),
-            k.rs as isize,
-            1,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
-/// `acc[i] += Σ_j P[i][j] V[j]` for `i < nq`, `j < nk`.
-#[allow(clippy::too_many_arguments)]
-fn pv_tile(
-    isa: Isa,
-    p: &[f32],
-    v: TileRef<'_>,
-    acc: &mut [f32],
-    nq: usize,
-    nk: usize,
-    ncp: usize,
-    d: usize,
-) {
-    assert!(p.len() >= nq * ncp && acc.len() >= nq * d && ncp >= nk);
-    assert!(v.data.len() >= (nk - 1) * v.rs + d);
-    if isa == Isa::Scalar {
-        for i in 0..nq {
-            let a = &mut acc[i * d..(i + 1) * d];
-            for j in 0..nk {
-                let w = p[i * ncp + j];
-                for (x, y) in a.iter_mut().zip(&v.data[j * v.rs..][..d]) {
-                    *x += w * y;
+    assert!(ncols.is_multiple_of(C * l) && ncols <= ldo && ncols <= ldb);
+    assert!(out.len() >= (rows - 1) * ldo + ncols);
+    assert!(b.len() >= (depth - 1) * ldb + ncols);
+    assert!(a.len() > (rows - 1) * ars + (depth - 1) * aks);
+    for c0 in (0..ncols).step_by(C * l) {
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(R);
+            let mut t = [[V::splat(0.0); C]; R];
+            if accumulate {
+                for (rr, tr) in t.iter_mut().enumerate().take(nr) {
+                    let o = &out[(r + rr) * ldo + c0..];
+                    for (cc, x) in tr.iter_mut().enumerate() {
+                        *x = V::load(&o[cc * l..]);
+                    }
                 }
             }
+            if nr == R {
+                for k in 0..depth {
+                    // SAFETY: k < depth and c0 + C*l <= ncols, so the range ends at most
+                    // at (depth - 1) * ldb + ncols <= b.len(); a's indices are at most
+                    // (rows - 1) * ars + (depth - 1) * aks < a.len() (asserted above).
+                    unsafe {
+                        let bk = b.get_unchecked(k * ldb + c0..k * ldb + c0 + C * l);
+                        let mut bv = [V::splat(0.0); C];
+                        for (cc, x) in bv.iter_mut().enumerate() {
+                            *x = V::load(&bk[cc * l..]);
+                        }
+                        let ak = k * aks + r * ars;
+                        for (rr, tr) in t.iter_mut().enumerate() {
+                            let av = V::splat(*a.get_unchecked(ak + rr * ars));
+                            for (x, bb) in tr.iter_mut().zip(bv) {
+                                *x = av.fma(bb, *x);
+                            }
+                        }
+                    }
+                }
+            } else {
+                for k in 0..depth {
+                    let bk = &b[k * ldb + c0..k * ldb + c0 + C * l];
+                    for (rr, tr) in t.iter_mut().enumerate().take(nr) {
+                        let av = V::splat(a[k * aks + (r + rr) * ars]);
+                        for (cc, x) in tr.iter_mut().enumerate() {
+                            *x = av.fma(V::load(&bk[cc * l..]), *x);
+                        }
+                    }
+                }
+            }
+            for (rr, tr) in t.iter().enumerate().take(nr) {
+                let o = &mut out[(r + rr) * ldo + c0..];
+                for (cc, x) in tr.iter().enumerate() {
+                    x.store(&mut o[cc * l..]);
+                }
+            }
+            r += nr;
         }
-        return;
     }
-    // SAFETY: dst spans `nq` rows of `d` inside `acc`; lhs spans `nq` rows of stride `ncp`
-    // (first `nk` columns) inside `p`; rhs element (j, c) = v.data[j * rs + c], j < nk,
-    // c < d, is inside `v.data` (asserted above). `acc` is distinct from `p` and `v`.
-    unsafe {
-        gemm::gemm(
-            nq,
-            d,
-            nk,
-            acc.as_mut_ptr(),
-            1,
-            d as isize,
-            true,
-            p.as_ptr(),
-            1,
-            ncp as isize,
-            v.data.as_ptr(),
-            1,
-            v.rs as isize,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+}
+
+/// [`bcast_mm`] with the register tile of `V`: 4 x 4 vectors with 32 registers
+/// (AVX-512), 4 x 2 otherwise.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn tile_mm<V: Vf32>(
+    out: &mut [f32],
+    ldo: usize,
+    a: &[f32],
+    ars: usize,
+    aks: usize,
+    b: &[f32],
+    ldb: usize,
+    rows: usize,
+    depth: usize,
+    ncols: usize,
+    accumulate: bool,
+) {
+    if V::MM_COLS == 4 {
+        bcast_mm::<V, 4, 4>(
+            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate,
+        );
+    } else {
+        bcast_mm::<V, 4, 2>(
+            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate,
         );
     }
 }
 
-/// Online-softmax update of one tile (FlashAttention-2 style), in place.
-///
-/// In: `s[i][j] = s q_i·k_j` for `j < nk`. Row `i` attends columns `lo..hi_i`,
-/// `hi_i = clamp(row_end0 + i, 0, nk)` (causal: key `j0 + j <= p0 + i`). Out: `s[i][j] =
-/// exp(x_ij - m_i')` with `x_ij = s_ij + cq_i - ck_j` and 0 on masked columns; `m`, `l`
-/// and the rows of `acc` rescaled by `exp(m_i - m_i')`.
-struct BlockSoftmax<'a> {
-    s: &'a mut [f32],
-    ncp: usize,
+/// Inputs of [`softmax_block`] (transposed tile: rows are keys, vectors run over queries).
+struct SoftmaxArgs<'a> {
+    st: &'a mut [f32],
+    nqp: usize,
     nk: usize,
-    acc: &'a mut [f32],
-    d: usize,
+    /// Rows `j < lo` lie before `seq_start`: masked.
+    lo: usize,
+    /// Row `j` masks columns `i < causal0 + j` (key after the query).
+    causal0: isize,
+    /// `c` of the block's keys (f64), and `c` of the tile's first row.
+    ck: &'a [f64],
+    c_ref: f64,
+    cq: &'a [f32],
     m: &'a mut [f32],
     l: &'a mut [f32],
-    cq: &'a [f32],
-    ck: &'a [f32],
-    lo: usize,
-    row_end0: isize,
+    mx: &'a mut [f32],
+    alpha: &'a mut [f32],
+    acc: &'a mut [f32],
+    d: usize,
 }
 
-impl WithSimd for BlockSoftmax<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run<V: Vf32>(self) {
-        let (ncp, d) = (self.ncp, self.d);
-        for (i, row) in self.s.chunks_exact_mut(ncp).enumerate() {
-            let hi = (self.row_end0 + i as isize).clamp(0, self.nk as isize) as usize;
-            if hi <= self.lo {
-                row.fill(0.0);
-                continue;
+/// Online-softmax update of one tile (FlashAttention-2), vectorised across queries:
+///
+/// ```text
+/// x_ji  = st_ji + cq_i - ck_j        (masked: -inf)
+/// m_i'  = max(m_i, max_j x_ji),  alpha_i = exp(m_i - m_i')
+/// st_ji = exp(x_ji - m_i'),      l_i = alpha_i l_i + Σ_j st_ji,   acc[c][i] *= alpha_i
+/// ```
+#[inline(always)]
+fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
+    let (nqp, l) = (a.nqp, V::LANES);
+    a.mx.fill(f32::NEG_INFINITY);
+    for (j, row) in a.st.chunks_exact_mut(nqp).enumerate().take(a.nk) {
+        if j < a.lo {
+            row.fill(0.0);
+            continue;
+        }
+        let ck = V::splat((a.ck[j] - a.c_ref) as f32);
+        let cut = (a.causal0 + j as isize).clamp(0, nqp as isize) as usize;
+        for ((x, cq), mx) in row
+            .chunks_exact_mut(l)
+            .zip(a.cq.chunks_exact(l))
+            .zip(a.mx.chunks_exact_mut(l))
+        {
+            V::load(x).add(V::load(cq)).sub(ck).store(x);
+            if cut == 0 {
+                V::load(mx).max(V::load(x)).store(mx);
             }
-            row[..self.lo].fill(f32::NEG_INFINITY);
-            row[hi..].fill(f32::NEG_INFINITY);
-            let cq = V::splat(self.cq[i]);
-            let mut mx = V::splat(f32::NEG_INFINITY);
-            for (x, ck) in row
-                .chunks_exact_mut(V::LANES)
-                .zip(self.ck.chunks_exact(V::LANES))
-            {
-                let y = V::load(x).add(cq).sub(V::load(ck));
-                y.store(x);
-                mx = mx.max(y);
+        }
+        if cut > 0 {
+            row[..cut].fill(f32::NEG_INFINITY);
+            for (x, mx) in row.chunks_exact(l).zip(a.mx.chunks_exact_mut(l)) {
+                V::load(mx).max(V::load(x)).store(mx);
             }
-            let m_old = self.m[i];
-            let m_new = m_old.max(mx.reduce_max());
-            let alpha = (m_old - m_new).exp();
-            let mn = V::splat(m_new);
-            let mut sum = V::splat(0.0);
-            for x in row.chunks_exact_mut(V::LANES) {
-                let p = V::load(x).sub(mn).exp();
-                p.store(x);
-                sum = sum.add(p);
-            }
-            self.m[i] = m_new;
-            self.l[i] = self.l[i] * alpha + sum.reduce_sum();
-            if alpha != 1.0 {
-                scale_row::<V>(&mut self.acc[i * d..(i + 1) * d], alpha);
-            }
+        }
+    }
+    for ((m, mx), al) in
+        a.m.chunks_exact_mut(l)
+            .zip(a.mx.chunks_exact_mut(l))
+            .zip(a.alpha.chunks_exact_mut(l))
+    {
+        let m_old = V::load(m);
+        let m_new = m_old.max(V::load(mx));
+        m_old.sub(m_new).exp().store(al);
+        m_new.store(m);
+        V::splat(0.0).store(mx);
+    }
+    // Probabilities; `mx` now accumulates the row sums.
+    for row in a.st.chunks_exact_mut(nqp).take(a.nk).skip(a.lo) {
+        for ((x, m), s) in row
+            .chunks_exact_mut(l)
+            .zip(a.m.chunks_exact(l))
+            .zip(a.mx.chunks_exact_mut(l))
+        {
+            let p = V::load(x).sub(V::load(m)).exp();
+            p.store(x);
+            V::load(s).add(p).store(s);
+        }
+    }
+    for ((lv, s), al) in
+        a.l.chunks_exact_mut(l)
+            .zip(a.mx.chunks_exact(l))
+            .zip(a.alpha.chunks_exact(l))
+    {
+        V::load(lv).fma(V::load(al), V::load(s)).store(lv);
+    }
+    for row in a.acc.chunks_exact_mut(nqp).take(a.d) {
+        for (x, al) in row.chunks_exact_mut(l).zip(a.alpha.chunks_exact(l)) {
+            V::load(x).mul(V::load(al)).store(x);
         }
     }
 }

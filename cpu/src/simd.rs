@@ -27,6 +27,42 @@ pub(crate) trait Vf32: Copy {
     fn reduce_max(self) -> f32;
     /// `e^x`; exact 0 for `x = -inf` (masked scores) and for `x < -87.9`.
     fn exp(self) -> Self;
+    /// Widens `LANES` IEEE half-precision bit patterns from `s[..LANES]`.
+    fn load_f16(s: &[u16]) -> Self;
+    /// Widens `LANES` bfloat16 bit patterns from `s[..LANES]` (a 16-bit shift).
+    fn load_bf16(s: &[u16]) -> Self;
+    /// Vectors per row of the prefill register tile (4 where there are 32 registers).
+    const MM_COLS: usize = 2;
+}
+
+/// `dst[..src.len()] = f32(src)`, vectorised for f16 and bf16.
+#[inline(always)]
+pub(crate) fn widen<V: Vf32, T: Storage>(src: &[T], dst: &mut [f32]) {
+    let dst = &mut dst[..src.len()];
+    let l = V::LANES;
+    match (T::DTYPE, T::bits16(src)) {
+        (DType::F16, Some(b)) => {
+            let mut o = dst.chunks_exact_mut(l);
+            let mut i = b.chunks_exact(l);
+            for (x, y) in (&mut i).zip(&mut o) {
+                V::load_f16(x).store(y);
+            }
+            for (x, y) in i.remainder().iter().zip(o.into_remainder()) {
+                *y = half::f16::from_bits(*x).to_f32();
+            }
+        }
+        (DType::Bf16, Some(b)) => {
+            let mut o = dst.chunks_exact_mut(l);
+            let mut i = b.chunks_exact(l);
+            for (x, y) in (&mut i).zip(&mut o) {
+                V::load_bf16(x).store(y);
+            }
+            for (x, y) in i.remainder().iter().zip(o.into_remainder()) {
+                *y = f32::from_bits(u32::from(*x) << 16);
+            }
+        }
+        _ => T::to_f32_slice(src, dst),
+    }
 }
 
 impl Vf32 for f32 {
@@ -74,6 +110,14 @@ impl Vf32 for f32 {
     #[inline(always)]
     fn exp(self) -> Self {
         f32::exp(self)
+    }
+    #[inline(always)]
+    fn load_f16(s: &[u16]) -> Self {
+        half::f16::from_bits(s[0]).to_f32()
+    }
+    #[inline(always)]
+    fn load_bf16(s: &[u16]) -> Self {
+        f32::from_bits(u32::from(s[0]) << 16)
     }
 }
 
@@ -136,6 +180,20 @@ impl Vf32 for wide::f32x8 {
         // <= 0, so that is the underflow we want.
         wide::f32x8::exp(self)
     }
+    #[inline(always)]
+    fn load_f16(s: &[u16]) -> Self {
+        let s = &s[..8];
+        wide::f32x8::new(core::array::from_fn(|i| {
+            half::f16::from_bits(s[i]).to_f32()
+        }))
+    }
+    #[inline(always)]
+    fn load_bf16(s: &[u16]) -> Self {
+        let s = &s[..8];
+        wide::f32x8::new(core::array::from_fn(|i| {
+            f32::from_bits(u32::from(s[i]) << 16)
+        }))
+    }
 }
 
 /// Coefficients of `e^r` on `|r| <= ln2/2` (Taylor to degree 7: error < 5e-9 relative)
@@ -167,12 +225,12 @@ mod x86 {
     use core::arch::x86_64::*;
 
     /// 8 lanes of AVX2 + FMA. Invariant: values exist only inside kernels run by
-    /// [`super::dispatch`] after it detected `avx2` and `fma`.
+    /// [`super::dispatch`] after it detected `avx2`, `fma` and `f16c`.
     #[derive(Clone, Copy)]
     pub(crate) struct V256(__m256);
 
     /// 16 lanes of AVX-512F. Invariant: values exist only inside kernels run by
-    /// [`super::dispatch`] after it detected `avx512f`.
+    /// [`super::dispatch`] after it detected `avx512f` (and the AVX2 set).
     #[derive(Clone, Copy)]
     pub(crate) struct V512(__m512);
 
@@ -274,6 +332,22 @@ mod x86 {
                 V256(_mm256_mul_ps(p, _mm256_castsi256_ps(e)))
             }
         }
+        #[inline(always)]
+        fn load_f16(s: &[u16]) -> Self {
+            let s = &s[..8];
+            // SAFETY: see the comment above the impl (`f16c` is part of the invariant);
+            // `s` has 8 u16 = 16 bytes.
+            unsafe { V256(_mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().cast()))) }
+        }
+        #[inline(always)]
+        fn load_bf16(s: &[u16]) -> Self {
+            let s = &s[..8];
+            // SAFETY: see the comment above the impl; `s` has 8 u16 = 16 bytes.
+            unsafe {
+                let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(s.as_ptr().cast()));
+                V256(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)))
+            }
+        }
     }
 
     impl Vf32 for V512 {
@@ -351,8 +425,26 @@ mod x86 {
                 V512(_mm512_mul_ps(p, _mm512_castsi512_ps(e)))
             }
         }
+        #[inline(always)]
+        fn load_f16(s: &[u16]) -> Self {
+            let s = &s[..16];
+            // SAFETY: see the comment above the V256 impl; `s` has 16 u16 = 32 bytes.
+            unsafe { V512(_mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().cast()))) }
+        }
+        #[inline(always)]
+        fn load_bf16(s: &[u16]) -> Self {
+            let s = &s[..16];
+            // SAFETY: see the comment above the V256 impl; `s` has 16 u16 = 32 bytes.
+            unsafe {
+                let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().cast()));
+                V512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(w)))
+            }
+        }
+        const MM_COLS: usize = 4;
     }
 }
+
+use crate::api::{DType, Storage};
 
 /// Instruction set a kernel runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,7 +453,7 @@ pub enum Isa {
     Scalar,
     /// `wide::f32x8` as compiled (NEON on aarch64).
     Portable,
-    /// AVX2 + FMA, detected at run time.
+    /// AVX2 + FMA + F16C, detected at run time.
     #[cfg(target_arch = "x86_64")]
     Avx2,
     /// AVX-512F, detected at run time.
@@ -369,17 +461,27 @@ pub enum Isa {
     Avx512,
 }
 
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    has_avx2() && std::arch::is_x86_feature_detected!("avx512f")
+}
+
 impl Isa {
     /// The widest instruction set this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if has_avx512() {
                 return Isa::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2() {
                 return Isa::Avx2;
             }
         }
@@ -391,12 +493,10 @@ impl Isa {
         let mut v = vec![Isa::Scalar, Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2() {
                 v.push(Isa::Avx2);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if has_avx512() {
                 v.push(Isa::Avx512);
             }
         }
@@ -419,13 +519,11 @@ pub(crate) fn dispatch<K: WithSimd>(isa: Isa, k: K) -> K::Output {
         Isa::Portable => k.run::<wide::f32x8>(),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,f16c")]
             fn go<K: WithSimd>(k: K) -> K::Output {
                 k.run::<V256>()
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2() {
                 // SAFETY: the features `go` is compiled for were detected just above.
                 unsafe { go(k) }
             } else {
@@ -434,11 +532,11 @@ pub(crate) fn dispatch<K: WithSimd>(isa: Isa, k: K) -> K::Output {
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
-            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx2,fma,f16c")]
             fn go<K: WithSimd>(k: K) -> K::Output {
                 k.run::<V512>()
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if has_avx512() {
                 // SAFETY: the features `go` is compiled for were detected just above.
                 unsafe { go(k) }
             } else {

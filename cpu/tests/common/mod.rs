@@ -83,13 +83,18 @@ pub fn problem(
     Problem { shape, q, k, v, g }
 }
 
+/// The fixture file `name`; `CARGO_MANIFEST_DIR` at run time wins over the build-time
+/// one, so a test binary copied to another machine finds the repository it runs in.
 pub fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let dir = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    PathBuf::from(dir)
         .join("../tests/fixtures/fox-tiny-pro")
         .join(name)
 }
 
-/// Reads a little-endian, C-order .npy file of `<f4` or `<i4`: `(shape, values as f64)`.
+/// Reads a little-endian .npy file of `<f4` or `<i4` (C or Fortran order):
+/// `(shape, values as f64 in C order)`.
 pub fn npy(name: &str) -> (Vec<usize>, Vec<f64>) {
     let bytes = std::fs::read(fixture_path(name)).unwrap();
     assert_eq!(&bytes[..6], b"\x93NUMPY");
@@ -102,7 +107,7 @@ pub fn npy(name: &str) -> (Vec<usize>, Vec<f64>) {
         )
     };
     let header = std::str::from_utf8(&bytes[hstart..hstart + hlen]).unwrap();
-    assert!(header.contains("'fortran_order': False"));
+    let fortran = header.contains("'fortran_order': True");
     let shape_str = header
         .split("'shape': (")
         .nth(1)
@@ -129,5 +134,25 @@ pub fn npy(name: &str) -> (Vec<usize>, Vec<f64>) {
         panic!("unsupported dtype in {name}: {header}");
     };
     assert_eq!(vals.len(), shape.iter().product::<usize>());
-    (shape, vals)
+    if !fortran {
+        return (shape, vals);
+    }
+    // Column-major: element (i0, i1, ..) sits at i0 + n0 * (i1 + n1 * (..)).
+    let mut strides = vec![1usize; shape.len()];
+    for a in 1..shape.len() {
+        strides[a] = strides[a - 1] * shape[a - 1];
+    }
+    let mut c_order = Vec::with_capacity(vals.len());
+    let mut idx = vec![0usize; shape.len()];
+    for _ in 0..vals.len() {
+        c_order.push(vals[idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>()]);
+        for a in (0..shape.len()).rev() {
+            idx[a] += 1;
+            if idx[a] < shape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+    }
+    (shape, c_order)
 }

@@ -1,0 +1,293 @@
+//! Quick timings of the CPU kernels and this machine's limits (no criterion: for
+//! iterating; the figures in BENCHMARKS.md come from `benches/attention.rs`).
+//!
+//! ```text
+//! cargo run --release -p foxedge-cpu --example speed -- limits
+//! cargo run --release -p foxedge-cpu --example speed -- prefill 8192 [acp] [f32|f16|bf16] [isa]
+//! cargo run --release -p foxedge-cpu --example speed -- decode 32768 [acp] [f32|f16|bf16]
+//! ```
+use foxedge_cpu::{
+    Acp, AttentionShape, CacheHead, DecodeArgs, DecodeOptions, Isa, Layout, PrefillArgs,
+    PrefillOptions, Storage, decode, prefill_with_isa,
+};
+use half::{bf16, f16};
+use std::hint::black_box;
+use std::time::Instant;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Median of `reps` timings of `f`, seconds.
+fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[reps / 2]
+}
+
+fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
+    let h = 8;
+    let d = 64;
+    let shape = AttentionShape {
+        batch: 1,
+        heads_q: h,
+        heads_kv: h,
+        seq_q: l,
+        seq_k: l,
+        head_dim: d,
+        layout: Layout::SeqFirst,
+    };
+    let mut s = 1;
+    let q: Vec<T> = (0..shape.q_len())
+        .map(|_| T::from_f32(lcg(&mut s)))
+        .collect();
+    let k: Vec<T> = (0..shape.kv_len())
+        .map(|_| T::from_f32(lcg(&mut s)))
+        .collect();
+    let v: Vec<T> = (0..shape.kv_len())
+        .map(|_| T::from_f32(lcg(&mut s)))
+        .collect();
+    // Log gates: -0.02 average decay with spread, a mix of local and global heads.
+    let g: Vec<f32> = (0..shape.gate_len())
+        .map(|i| -(0.001 + 0.05 * (i % h) as f32 / h as f32) * (1.0 + lcg(&mut s).abs()))
+        .collect();
+    let args = PrefillArgs {
+        shape,
+        q: &q,
+        k: &k,
+        v: &v,
+        log_fgate: &g,
+        seq_start: None,
+    };
+    let u = [4.0f64; 8];
+    let opts = PrefillOptions {
+        acp: if acp {
+            Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            }
+        } else {
+            Acp::Off
+        },
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; shape.q_len()];
+    let mut kept = 0;
+    let reps = if l >= 8192 { 3 } else { 7 };
+    let t = time(reps, || {
+        let st = prefill_with_isa(isa, &args, &opts, &mut out, None).unwrap();
+        kept = st.kept_pairs();
+    });
+    let gf = 4.0 * d as f64 * kept as f64 / t / 1e9;
+    println!(
+        "prefill {:?} L={l} acp={acp} {isa:?}: {:.2} ms, kept pairs {kept}, {gf:.1} GFLOP/s",
+        T::DTYPE,
+        t * 1e3
+    );
+}
+
+fn decode_run<T: Storage>(n: usize, acp: bool) {
+    let (h, d) = (8, 64);
+    let mut s = 7;
+    let k: Vec<Vec<T>> = (0..h)
+        .map(|_| (0..n * d).map(|_| T::from_f32(lcg(&mut s))).collect())
+        .collect();
+    let v: Vec<Vec<T>> = (0..h)
+        .map(|_| (0..n * d).map(|_| T::from_f32(lcg(&mut s))).collect())
+        .collect();
+    let c: Vec<Vec<f64>> = (0..h)
+        .map(|hh| {
+            (0..n)
+                .map(|j| -(0.002 * (hh + 1) as f64) * j as f64)
+                .rev()
+                .collect()
+        })
+        .collect();
+    let heads: Vec<CacheHead<T>> = (0..h)
+        .map(|i| CacheHead {
+            k: &k[i],
+            v: &v[i],
+            c: &c[i],
+            pos: None,
+        })
+        .collect();
+    let q: Vec<f32> = (0..h * d).map(|_| lcg(&mut s)).collect();
+    let q_c: Vec<f64> = c.iter().map(|x| x[n - 1]).collect();
+    let args = DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &heads,
+    };
+    let u = [2.0f64; 8];
+    let opts = DecodeOptions {
+        acp: if acp {
+            Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            }
+        } else {
+            Acp::Off
+        },
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; h * d];
+    let mut kept = 0;
+    let t = time(21, || {
+        kept = decode(&args, &opts, &mut out, None).unwrap().kept_pairs();
+    });
+    let bytes = kept as f64 * d as f64 * 2.0 * std::mem::size_of::<T>() as f64;
+    println!(
+        "decode {:?} n={n} acp={acp}: {:.3} ms, kept {kept}, {:.1} GB/s K/V",
+        T::DTYPE,
+        t * 1e3,
+        bytes / t / 1e9
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_chains_avx512(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm512_set1_ps(1.0); 12];
+    let m = _mm512_set1_ps(0.999_999);
+    let c = _mm512_set1_ps(1e-7);
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for x in a {
+        s = _mm512_add_ps(s, x);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_chains_avx2(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm256_set1_ps(1.0); 12];
+    let m = _mm256_set1_ps(0.999_999);
+    let c = _mm256_set1_ps(1e-7);
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = [0.0f32; 8];
+    for x in a {
+        let mut t = [0.0f32; 8];
+        // SAFETY: `t` holds 8 f32.
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), x) };
+        s.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+    }
+    s.iter().sum()
+}
+
+/// fp32 FMA peak: 12 independent FMA chains per thread (enough to cover the latency).
+fn limits() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        let iters = 20_000_000;
+        for threads in [1usize, 2] {
+            let lanes = if avx512 { 16.0 } else { 8.0 };
+            if !avx512 && !avx2 {
+                break;
+            }
+            let t = time(5, || {
+                std::thread::scope(|sc| {
+                    for _ in 0..threads {
+                        sc.spawn(|| {
+                            if avx512 {
+                                // SAFETY: avx512f was detected above.
+                                black_box(unsafe { fma_chains_avx512(black_box(iters)) })
+                            } else {
+                                // SAFETY: avx2 and fma were detected above.
+                                black_box(unsafe { fma_chains_avx2(black_box(iters)) })
+                            }
+                        });
+                    }
+                });
+            });
+            let flops = threads as f64 * iters as f64 * 12.0 * lanes * 2.0;
+            println!(
+                "fp32 FMA peak ({} lanes), {threads} thread(s): {:.1} GFLOP/s",
+                lanes,
+                flops / t / 1e9
+            );
+        }
+    }
+    let n = 1usize << 28; // 1 GiB of f32
+    let buf: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    for threads in [1usize, 2] {
+        let t = time(5, || {
+            std::thread::scope(|sc| {
+                for part in buf.chunks(n / threads) {
+                    sc.spawn(move || {
+                        let mut acc = [0.0f32; 16];
+                        for c in part.chunks_exact(16) {
+                            for (a, x) in acc.iter_mut().zip(c) {
+                                *a += x;
+                            }
+                        }
+                        black_box(acc)
+                    });
+                }
+            });
+        });
+        println!(
+            "DRAM read, {threads} thread(s): {:.1} GB/s",
+            (n * 4) as f64 / t / 1e9
+        );
+    }
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let what = a.get(1).map_or("limits", String::as_str);
+    let n: usize = a.get(2).and_then(|x| x.parse().ok()).unwrap_or(2048);
+    let acp = a.iter().any(|x| x == "acp");
+    let isa = if a.iter().any(|x| x == "scalar") {
+        Isa::Scalar
+    } else if a.iter().any(|x| x == "portable") {
+        Isa::Portable
+    } else {
+        Isa::detect()
+    };
+    let dt = if a.iter().any(|x| x == "f16") {
+        "f16"
+    } else if a.iter().any(|x| x == "bf16") {
+        "bf16"
+    } else {
+        "f32"
+    };
+    match (what, dt) {
+        ("limits", _) => limits(),
+        ("prefill", "f16") => prefill_run::<f16>(n, acp, isa),
+        ("prefill", "bf16") => prefill_run::<bf16>(n, acp, isa),
+        ("prefill", _) => prefill_run::<f32>(n, acp, isa),
+        ("decode", "f16") => decode_run::<f16>(n, acp),
+        ("decode", "bf16") => decode_run::<bf16>(n, acp),
+        ("decode", _) => decode_run::<f32>(n, acp),
+        _ => eprintln!(
+            "usage: speed limits | prefill L [acp] [f16|bf16] [scalar|portable] | decode N [acp] [f16|bf16]"
+        ),
+    }
+}
