@@ -1,7 +1,7 @@
 //! Backend selection and the attention-kernel interface a backend implements.
 //!
 //! The model runner does the dense layer math itself and calls a backend only for
-//! forgetting attention (prefill and decode), through [`AttentionBackend`], whose argument
+//! forgetting attention (prefill and decode), through the `AttentionBackend` trait, whose argument
 //! types are plain data (sizes, slices, bounds) that every backend can take.
 
 use crate::error::{Error, Result};

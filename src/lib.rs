@@ -17,10 +17,10 @@ pub mod config;
 pub mod error;
 pub mod model;
 pub mod npy;
-pub mod ops;
+mod ops;
 pub mod sample;
 pub mod session;
-pub mod weights;
+mod weights;
 
 pub use backend::BackendKind;
 pub use config::Config;

@@ -231,6 +231,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Plain scalar `y = x·wᵀ`, the reference the SIMD and gemm paths are tested against.
+#[cfg(test)]
 pub fn linear_scalar(x: &[f32], rows: usize, w: &[f32], out: usize, inp: usize, y: &mut [f32]) {
     for t in 0..rows {
         for o in 0..out {

@@ -43,10 +43,6 @@ enum Data {
 #[derive(Debug)]
 pub struct Tensor {
     data: Data,
-    /// Shape as stored, e.g. `[out, in]` for a linear weight.
-    pub shape: Vec<usize>,
-    /// The stored element type (before any conversion).
-    pub dtype: DType,
 }
 
 /// One entry of the safetensors header after validation.
@@ -142,11 +138,7 @@ impl WeightFile {
             }
             Data::Owned(v.into_boxed_slice())
         };
-        let t = Tensor {
-            data,
-            shape: e.shape.clone(),
-            dtype: e.dtype,
-        };
+        let t = Tensor { data };
         if let Some(i) = self.get(&t).iter().position(|x| !x.is_finite()) {
             return Err(bad(&item, format!("element {i} is not finite")));
         }

@@ -16,12 +16,28 @@ fn foxedge() -> Command {
 
 #[test]
 fn generate_with_no_options_streams_text_and_stats() {
-    let out = foxedge().args(["generate", "--max-tokens", "40"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = foxedge()
+        .args(["generate", "--max-tokens", "40"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("import os\n"), "{text}");
     let last = text.lines().last().unwrap();
-    for key in ["prefill", "decode", "tok/s", "certified", "forced", "peak", "pruned", "max B_t"] {
+    for key in [
+        "prefill",
+        "decode",
+        "tok/s",
+        "certified",
+        "forced",
+        "peak",
+        "pruned",
+        "max B_t",
+    ] {
         assert!(last.contains(key), "stats line lacks {key}: {last}");
     }
 }
@@ -29,22 +45,69 @@ fn generate_with_no_options_streams_text_and_stats() {
 #[test]
 fn generate_json_and_options() {
     let out = foxedge()
-        .args(["generate", "--prompt", "def f(x):\n", "--max-tokens", "30", "--budget", "32", "--window", "8"])
-        .args(["--sinks", "2", "--log-eps", "-8", "--seed", "7", "--temperature", "0", "--json"])
+        .args([
+            "generate",
+            "--prompt",
+            "def f(x):\n",
+            "--max-tokens",
+            "30",
+            "--budget",
+            "32",
+            "--window",
+            "8",
+        ])
+        .args([
+            "--sinks",
+            "2",
+            "--log-eps",
+            "-8",
+            "--seed",
+            "7",
+            "--temperature",
+            "0",
+            "--json",
+        ])
         .args(["--backend", "cpu", "--model", model_dir().to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let last = text.lines().last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
     assert_eq!(v["backend"], "cpu");
     assert!(v["decode_tokens"].as_u64().unwrap() >= 1);
-    assert!(v["peak_cache_bytes"].as_u64().unwrap() <= 16 * 32 * foxedge::session::entry_bytes(64) as u64);
+    assert!(
+        v["peak_cache_bytes"].as_u64().unwrap()
+            <= 16 * 32 * foxedge::session::entry_bytes(64) as u64
+    );
     // Greedy is deterministic.
     let again = foxedge()
-        .args(["generate", "--prompt", "def f(x):\n", "--max-tokens", "30", "--budget", "32", "--window", "8"])
-        .args(["--sinks", "2", "--log-eps", "-8", "--seed", "7", "--temperature", "0", "--json"])
+        .args([
+            "generate",
+            "--prompt",
+            "def f(x):\n",
+            "--max-tokens",
+            "30",
+            "--budget",
+            "32",
+            "--window",
+            "8",
+        ])
+        .args([
+            "--sinks",
+            "2",
+            "--log-eps",
+            "-8",
+            "--seed",
+            "7",
+            "--temperature",
+            "0",
+            "--json",
+        ])
         .output()
         .unwrap();
     let a = String::from_utf8_lossy(&again.stdout);
@@ -69,9 +132,15 @@ fn bad_arguments_fail_cleanly() {
         assert!(err.starts_with("foxedge: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
-    let out = foxedge().args(["generate", "--backend", "hybrid", "--max-tokens", "1"]).output().unwrap();
+    let out = foxedge()
+        .args(["generate", "--backend", "hybrid", "--max-tokens", "1"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() || err.contains("backend unavailable"), "{err}");
+    assert!(
+        out.status.success() || err.contains("backend unavailable"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -79,21 +148,33 @@ fn logits_command_reproduces_golden_logits() {
     let dir = synth::temp_dir("cli-logits");
     let input = dir.join("ids.npy");
     let ids = input_ids();
-    NpyArray { shape: vec![ids.len()], data: NpyData::I32(ids.iter().map(|&x| x as i32).collect()) }
-        .write(&input)
-        .unwrap();
+    NpyArray {
+        shape: vec![ids.len()],
+        data: NpyData::I32(ids.iter().map(|&x| x as i32).collect()),
+    }
+    .write(&input)
+    .unwrap();
     let (_, want) = npy_f32("logits.npy");
     for acp in [vec!["--no-acp"], vec!["--log-eps", "-10"]] {
         let output = dir.join("logits.npy");
         let out = foxedge()
-            .args(["logits", "--model", model_dir().to_str().unwrap(), "--input"])
+            .args([
+                "logits",
+                "--model",
+                model_dir().to_str().unwrap(),
+                "--input",
+            ])
             .arg(&input)
             .arg("--output")
             .arg(&output)
             .args(&acp)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let got = NpyArray::read(&output).unwrap();
         assert_eq!(got.shape, vec![1024, 256]);
         let (max, rel) = errors(&got.to_f32().unwrap(), &want);
