@@ -14,6 +14,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rerun-if-changed=build.rs");
+    // Also when the committed header is edited or restored, so a stale copy is rewritten.
+    println!("cargo:rerun-if-changed=include/foxedge.h");
 
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
         .expect("ffi/cbindgen.toml must parse");

@@ -12,9 +12,8 @@
  *
  * Thread safety
  * - fx_model is immutable after fx_model_open: one model may be shared by any number of
- *   threads and sessions concurrently. Free it only after every session made from it is
- *   freed (sessions keep what they need alive, but fx_model_free must not race a call that
- *   uses the same handle).
+ *   threads and sessions concurrently. Sessions keep their model alive, so fx_model_free
+ *   may come before fx_session_free; it must not race another call on the same fx_model.
  * - fx_session is not thread-safe: use one session from one thread at a time (it may move
  *   between threads). Different sessions may run concurrently.
  * - fx_attention_forward, fx_acp_threshold, fx_version and fx_status_string are
@@ -306,6 +305,9 @@ struct fx_session_options {
   // Cache slots per head when `budget_kind` is FX_BUDGET_NONE: beyond it the oldest
   // entries are force-evicted (and the bound reports it). Default 32768.
   size_t max_entries_per_head;
+  // 1: forced evictions drop the lowest caller scores first (`fx_session_feed_scored`);
+  // 0: the smallest weight bound first. Default 0.
+  int32_t scored;
 };
 
 // Sizes of a loaded model.
@@ -441,6 +443,19 @@ fx_status fx_session_feed(struct fx_session *s,
                           const int32_t *tokens,
                           size_t n,
                           float *logits_out);
+
+// Like `fx_session_feed`, with one retention score per token (`scores`, `n` floats,
+// higher = keep longer) for a session created with `scored = 1`: when the budget forces an
+// eviction, the lowest score outside the protected window and sinks goes first.
+//
+// # Safety
+// `s` must be NULL or a live handle used by no other thread during the call; `tokens` and
+// `scores` must hold `n` values and `logits_out` (if not NULL) `vocab_size` floats.
+fx_status fx_session_feed_scored(struct fx_session *s,
+                                 const int32_t *tokens,
+                                 const float *scores,
+                                 size_t n,
+                                 float *logits_out);
 
 // Fills `*out` (set `out->struct_size` first) with the session's counters.
 //

@@ -2,6 +2,7 @@
 
 use std::ffi::{CStr, c_char};
 use std::mem::size_of;
+use std::ptr;
 use std::sync::Arc;
 
 use facade::{Budget, Model, Session, SessionOptions};
@@ -97,6 +98,9 @@ pub struct fx_session_options {
     /// Cache slots per head when `budget_kind` is FX_BUDGET_NONE: beyond it the oldest
     /// entries are force-evicted (and the bound reports it). Default 32768.
     pub max_entries_per_head: usize,
+    /// 1: forced evictions drop the lowest caller scores first (`fx_session_feed_scored`);
+    /// 0: the smallest weight bound first. Default 0.
+    pub scored: i32,
 }
 
 /// Counters of a session since creation or the last reset.
@@ -211,6 +215,7 @@ pub extern "C" fn fx_session_options_default() -> fx_session_options {
         sinks: d.sinks,
         prefill_chunk: d.prefill_chunk,
         max_entries_per_head: d.max_entries_per_head,
+        scored: i32::from(d.scored),
     }
 }
 
@@ -229,6 +234,7 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
     let backend = backend_of(o.backend)?;
     let acp = flag(o.acp, "acp")?;
     let certified_eviction = flag(o.certified_eviction, "certified_eviction")?;
+    let scored = flag(o.scored, "scored")?;
     let to_usize = |v: u64| {
         usize::try_from(v).map_err(|_| invalid(format!("budget {v} does not fit in size_t")))
     };
@@ -249,6 +255,8 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
             )));
         }
     };
+    // Facade options the C ABI does not expose keep their defaults.
+    #[allow(clippy::needless_update)]
     Ok(SessionOptions {
         backend,
         ln_eps: acp.then_some(o.log_eps),
@@ -258,6 +266,7 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
         sinks: o.sinks,
         prefill_chunk: o.prefill_chunk,
         max_entries_per_head: o.max_entries_per_head,
+        scored,
         ..SessionOptions::default()
     })
 }
@@ -416,6 +425,21 @@ pub unsafe extern "C" fn fx_session_feed(
     n: usize,
     logits_out: *mut f32,
 ) -> fx_status {
+    // SAFETY: forwarded C contract (no scores).
+    unsafe { feed(s, tokens, ptr::null(), n, logits_out) }
+}
+
+/// Shared body of `fx_session_feed` and `fx_session_feed_scored` (`scores` NULL: unscored).
+///
+/// # Safety
+/// As for `fx_session_feed_scored`.
+unsafe fn feed(
+    s: *mut fx_session,
+    tokens: *const i32,
+    scores: *const f32,
+    n: usize,
+    logits_out: *mut f32,
+) -> fx_status {
     guard(|| {
         // SAFETY: C contract: s is NULL or a live handle used by this thread only.
         let s =
@@ -438,17 +462,49 @@ pub unsafe extern "C" fn fx_session_feed(
                 .map_err(|_| invalid(format!("token {t} at index {i} is negative")))?;
             ids.push(id);
         }
+        let score_copy = if scores.is_null() {
+            None
+        } else {
+            check_buf(scores, "scores")?;
+            // SAFETY: non-null, aligned (checked); C contract: n readable floats.
+            Some(unsafe { std::slice::from_raw_parts(scores, n) }.to_vec())
+        };
         let vocab = s.session.model().info().vocab;
         let logits = if logits_out.is_null() {
             None
         } else {
             check_buf(logits_out, "logits_out")?;
-            // SAFETY: non-null, aligned (checked); C contract: vocab_size writable floats that
-            // do not alias `tokens` (ids were copied out already anyway).
+            // SAFETY: non-null, aligned (checked); C contract: vocab_size writable floats.
+            // Tokens and scores were copied out, so aliasing them cannot be observed.
             Some(unsafe { std::slice::from_raw_parts_mut(logits_out, vocab) })
         };
-        mutate(s, |session| session.feed(&ids, logits))
+        match score_copy {
+            None => mutate(s, |session| session.feed(&ids, logits)),
+            Some(sc) => mutate(s, |session| session.feed_scored(&ids, &sc, logits)),
+        }
     })
+}
+
+/// Like `fx_session_feed`, with one retention score per token (`scores`, `n` floats,
+/// higher = keep longer) for a session created with `scored = 1`: when the budget forces an
+/// eviction, the lowest score outside the protected window and sinks goes first.
+///
+/// # Safety
+/// `s` must be NULL or a live handle used by no other thread during the call; `tokens` and
+/// `scores` must hold `n` values and `logits_out` (if not NULL) `vocab_size` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fx_session_feed_scored(
+    s: *mut fx_session,
+    tokens: *const i32,
+    scores: *const f32,
+    n: usize,
+    logits_out: *mut f32,
+) -> fx_status {
+    if scores.is_null() {
+        return guard(|| Err(fail(FX_ERR_NULL_POINTER, "scores is NULL")));
+    }
+    // SAFETY: forwarded C contract.
+    unsafe { feed(s, tokens, scores, n, logits_out) }
 }
 
 /// Fills `*out` (set `out->struct_size` first) with the session's counters.

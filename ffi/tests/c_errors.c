@@ -485,6 +485,24 @@ static void test_sessions(fx_model *m) {
   check(memcmp(la, lb, sizeof la) == 0, "feed: failed calls left the session unchanged",
         "logits bit-identical to the twin's");
 
+  {
+    float scores[4] = {1.0f, 0.5f, 2.0f, 0.0f};
+    fx_session *sc = NULL;
+    expect(fx_session_feed_scored(s, prompt, NULL, 4, NULL), FX_ERR_NULL_POINTER,
+           "feed_scored: NULL scores");
+    expect(fx_session_feed_scored(s, prompt, scores, 4, NULL), FX_ERR_INVALID_ARGUMENT,
+           "feed_scored: session created without scored = 1");
+    so = fx_session_options_default();
+    so.scored = 1;
+    so.budget_kind = FX_BUDGET_ENTRIES_PER_HEAD;
+    so.budget = 2;
+    expect_ok(fx_session_new(m, &so, &sc), "feed_scored: scored session with budget 2");
+    expect(fx_session_feed_scored(sc, prompt, scores, 0, NULL), FX_ERR_INVALID_ARGUMENT,
+           "feed_scored: zero tokens");
+    expect_ok(fx_session_feed_scored(sc, prompt, scores, 4, la), "feed_scored: prompt");
+    fx_session_free(sc);
+  }
+
   expect(fx_session_stats(NULL, &st), FX_ERR_NULL_POINTER, "stats: NULL session");
   expect(fx_session_stats(s, NULL), FX_ERR_NULL_POINTER, "stats: NULL out");
   st.struct_size = 0;
