@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Writes seed inputs for the fuzz targets into corpus/<target>/ (see README.md).
+
+model_open: a valid tiny FoX checkpoint (the target's TINY_CONFIG: vocab 16, hidden 16,
+1 layer, 2 heads of 8, MLP width 256) as f32 and bf16 safetensors (mode byte 0), and the
+same with its config.json inline (mode byte 1).
+attention_desc: a few descriptors (the target reads bytes front to back)."""
+import json, os, random, struct, sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+rng = random.Random(0)
+
+V, D, H, I = 16, 16, 2, 256
+shapes = {
+    "model.embeddings.weight": [V, D],
+    "model.norm.weight": [D],
+    "lm_head.weight": [V, D],
+}
+p = "model.layers.0."
+shapes.update({
+    p + "attn_norm.weight": [D],
+    p + "attn.q_proj.weight": [D, D],
+    p + "attn.k_proj.linear.weight": [D, D],
+    p + "attn.k_proj.shift_proj.weight": [H, D],
+    p + "attn.v_proj.linear.weight": [D, D],
+    p + "attn.v_proj.shift_proj.weight": [H, D],
+    p + "attn.o_proj.weight": [D, D],
+    p + "attn.fgate_proj.weight": [H, D],
+    p + "attn.fgate_proj.bias": [H],
+    p + "attn.ogate_proj.weight": [D, D],
+    p + "attn.output_norm.weight": [D],
+    p + "attn.q_norm.weight": [D],
+    p + "attn.k_norm.weight": [D],
+    p + "mlp_norm.weight": [D],
+    p + "mlp.gate_proj.weight": [2 * I, D],
+    p + "mlp.down_proj.weight": [D, I],
+})
+
+def safetensors(dtype):
+    header, blobs, off = {}, [], 0
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        norm = name.endswith("norm.weight")
+        vals = [1.0 if norm else rng.gauss(0, 0.2) for _ in range(n)]
+        if dtype == "F32":
+            blob = struct.pack("<%df" % n, *vals)
+        else:  # BF16: top half of the f32 bits
+            blob = b"".join(struct.pack("<f", v)[2:] for v in vals)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(blob)]}
+        blobs.append(blob)
+        off += len(blob)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+
+config = json.dumps({
+    "vocab_size": V, "hidden_size": D, "num_hidden_layers": 1, "num_heads": H,
+    "hidden_ratio": 4, "intermediate_size": None, "hidden_act": "swish", "norm_eps": 1e-6,
+    "qk_norm": True, "qk_norm_share_param_across_head": False, "use_k_shift": True,
+    "use_v_shift": True, "use_output_gate": True, "ogate_act": "sigmoid",
+    "use_output_norm": True, "fgate_type": "full", "use_rope": False,
+    "log_pruning_tolerance": None, "num_kv_heads": None, "window_size": None,
+    "tie_word_embeddings": False}).encode()
+
+def write(target, name, data):
+    d = os.path.join(here, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+f32, bf16 = safetensors("F32"), safetensors("BF16")
+write("model_open", "tiny_f32", b"\x00" + f32)
+write("model_open", "tiny_bf16", b"\x00" + bf16)
+write("model_open", "tiny_inline_config", b"\x01" + struct.pack("<H", len(config)) + config + f32)
+
+# attention_desc: batch, heads_kv, group, extra-head, seq_k, seq_q, seq_q-min, head_dim idx,
+# layout, dtype, out_dtype, backend, flags, acp_mode, block_q, block_k, n acp values, ...
+base = bytes([1, 1, 1, 1, 20, 9, 0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 0])
+write("attention_desc", "dense_f32", base + bytes(rng.randrange(256) for _ in range(4000)))
+acp = bytearray(base)
+acp[12] = 8 | 16  # acp_values and seq_start
+acp[13] = 1       # FX_ACP_THRESHOLD
+acp[16] = 2
+write("attention_desc", "acp_threshold", bytes(acp) + bytes([40, 40, 3]) + bytes(rng.randrange(256) for _ in range(4000)))
+hf = bytearray(base)
+hf[8], hf[9], hf[10] = 1, 1, 2
+write("attention_desc", "head_first_f16_bf16", bytes(hf) + bytes(rng.randrange(256) for _ in range(4000)))
+print("seeds written under", os.path.join(here, "corpus"))
