@@ -35,6 +35,12 @@ fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
     t[reps / 2]
 }
 
+fn arg(name: &str, default: usize) -> usize {
+    std::env::args()
+        .find_map(|a| a.strip_prefix(name).and_then(|v| v.parse().ok()))
+        .unwrap_or(default)
+}
+
 fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     let h = 8;
     let d = 64;
@@ -79,6 +85,8 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
         } else {
             Acp::Off
         },
+        block_q: arg("bq=", 64),
+        block_k: arg("bk=", 64),
         ..Default::default()
     };
     let mut out = vec![0.0f32; shape.q_len()];
@@ -90,8 +98,10 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     });
     let gf = 4.0 * d as f64 * kept as f64 / t / 1e9;
     println!(
-        "prefill {:?} L={l} acp={acp} {isa:?}: {:.2} ms, kept pairs {kept}, {gf:.1} GFLOP/s",
+        "prefill {:?} L={l} acp={acp} {isa:?} bq={} bk={}: {:.2} ms, kept pairs {kept}, {gf:.1} GFLOP/s",
         T::DTYPE,
+        opts.block_q,
+        opts.block_k,
         t * 1e3
     );
 }
@@ -141,6 +151,8 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
         } else {
             Acp::Off
         },
+        block_k: arg("bk=", 64),
+        split: arg("split=", 2048),
         ..Default::default()
     };
     let mut out = vec![0.0f32; h * d];

@@ -18,7 +18,7 @@
 
 use crate::api::{Acp, AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage};
 use crate::prefill::scale_row;
-use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
+use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
 use foxedge_core::{Error, Result, threshold};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -364,6 +364,10 @@ impl<Q: Storage, T: Storage> WithSimd for Split<'_, '_, Q, T> {
                     };
                 }
             }
+            // The next block's rows start moving while this one computes.
+            let n1 = (b1 + bk).min(e1);
+            prefetch(&hc.k[b1 * d..n1 * d]);
+            prefetch(&hc.v[b1 * d..n1 * d]);
             let kb = widened::<V, T>(&hc.k[b0 * d..b1 * d], &mut scr.k);
             let vb = widened::<V, T>(&hc.v[b0 * d..b1 * d], &mut scr.v);
             decode_block::<V>(DecodeBlock {

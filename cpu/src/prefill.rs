@@ -17,7 +17,7 @@
 //! paths are tested against).
 
 use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
-use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
+use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
 use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::{Error, Result, gate, threshold};
 use rayon::prelude::*;
@@ -320,6 +320,23 @@ impl<T: Storage, O: Storage> Ctx<'_, '_, T, O> {
         );
     }
 
+    /// Prefetches K and V rows `j0..j0+n` of (b, hk).
+    #[inline(always)]
+    fn prefetch_kv(&self, b: usize, hk: usize, j0: usize, n: usize) {
+        let sh = &self.args.shape;
+        let (d, rs) = (sh.head_dim, sh.kv_row_stride());
+        let base = sh.kv_at(b, j0, hk);
+        for src in [self.args.k, self.args.v] {
+            if rs == d {
+                prefetch(&src[base..base + n * d]);
+            } else {
+                for j in 0..n {
+                    prefetch(&src[base + j * rs..][..d]);
+                }
+            }
+        }
+    }
+
     /// K or V rows `j0..j0+n` of (b, hk) as f32 with their row stride: in place when the
     /// storage is f32, otherwise converted into `buf` (stride `d`).
     #[inline(always)]
@@ -415,6 +432,10 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
             for kb in start..=diag {
                 let j0 = kb * bk;
                 let nk = ((kb + 1) * bk).min(p_last + 1) - j0;
+                if kb < diag {
+                    let nn = ((kb + 2) * bk).min(p_last + 1) - j0 - bk;
+                    ctx.prefetch_kv(b, hk, j0 + bk, nn);
+                }
                 let (kt, krs) = ctx.kv_tile::<V>(ctx.args.k, &mut scr.k, b, hk, j0, nk);
                 let st = sized(&mut scr.st, nk * nqp);
                 // st[j][i] = s q_i·k_j
