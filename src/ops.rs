@@ -67,14 +67,17 @@ pub fn linear(
     }
 }
 
-/// `y[o] (+)= Σ_i w[o, i] · x[i]`: SIMD (8 lanes) over i, four rows per pass so each load of
-/// `x` feeds four independent accumulators; rows split across threads when large.
+/// `y[o] (+)= Σ_i w[o, i] · x[i]`: SIMD over i, four rows per pass so each load of `x`
+/// feeds four independent accumulators; rows split across threads when large.
 pub fn matvec(x: &[f32], w: &[f32], out: usize, y: &mut [f32], accumulate: bool) {
     let inp = x.len();
     assert!(w.len() >= out * inp && y.len() >= out);
     let y = &mut y[..out];
     if out * inp >= PAR_MATVEC_FMAS {
-        let rows_per = 64;
+        // One contiguous block of rows per thread (a multiple of the 4-row micro-tile):
+        // fewer, larger tasks than fixed small chunks, so less hand-off overhead.
+        let threads = rayon::current_num_threads().max(1);
+        let rows_per = out.div_ceil(threads).next_multiple_of(4).max(4);
         y.par_chunks_mut(rows_per).enumerate().for_each(|(c, yc)| {
             let r0 = c * rows_per;
             matvec_rows(x, &w[r0 * inp..(r0 + yc.len()) * inp], yc, accumulate);
