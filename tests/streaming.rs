@@ -154,6 +154,36 @@ fn layer_byte_and_scored_budgets() {
     }
 }
 
+/// Models are shared across threads; sessions move between threads.
+#[test]
+fn model_is_shareable_and_session_movable() {
+    fn sync_send<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    sync_send::<foxedge::Model>();
+    send::<foxedge::Session>();
+    let model = tiny();
+    let ids = input_ids();
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let m = model.clone();
+            let ids = ids[i * 10..i * 10 + 50].to_vec();
+            std::thread::spawn(move || {
+                let mut s = foxedge::Session::new(m, SessionOptions::default()).unwrap();
+                let mut l = vec![0.0f32; 256];
+                s.feed(&ids, Some(&mut l)).unwrap();
+                l
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let got = h.join().unwrap();
+        let mut s = session(&model, SessionOptions::default());
+        let mut want = vec![0.0f32; 256];
+        s.feed(&ids[i * 10..i * 10 + 50], Some(&mut want)).unwrap();
+        assert_eq!(got, want);
+    }
+}
+
 /// A budget too small for sinks + window, and other bad options, are refused up front.
 #[test]
 fn bad_options_are_errors() {

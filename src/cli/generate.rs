@@ -91,8 +91,13 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         if next == 0 {
             break; // byte 0 is the end-of-text id
         }
-        out.write_all(&[next as u8]).ok();
-        out.flush().ok();
+        if out
+            .write_all(&[next as u8])
+            .and_then(|_| out.flush())
+            .is_err()
+        {
+            return Ok(()); // stdout closed (e.g. piped into `head`): stop quietly
+        }
         session.feed(&[next], Some(&mut logits))?;
         generated += 1;
         if long && last_report.elapsed().as_secs_f64() >= 2.0 {
