@@ -1,10 +1,14 @@
 // Forgetting-attention decode, split over the cache (flash-decoding), pass 1 of 2.
 //
-// One workgroup per (query, chunk of CHUNK cache entries). Each thread runs an online
-// softmax over entries tid, tid + WG, ... of the chunk's kept blocks:
+// One workgroup per (query, chunk of CHUNK cache entries), online softmax over the chunk's
+// kept blocks:
 //   w_j = exp(s q.k_j + c_t - c_j),  m = max log2 w,  l = sum 2^(log2 w - m),  o = sum 2^(.) v_j
-// then the workgroup merges its threads exactly (rescale to the common max) and writes
-// one partial (m, l, o[D]) per chunk. decode_merge.comp merges the chunks.
+// then the workgroup merges its parts exactly (rescale to the common max) and writes one
+// partial (m, l, o[D]) per chunk. decode_merge.comp merges the chunks.
+// USE_SUBGROUP: a team of TPE consecutive lanes shares an entry (each lane D/TPE columns,
+// one coalesced row read per team), the dot product is reduced with subgroupShuffleXor
+// (needs subgroup size a multiple of TPE, checked by the host). Otherwise each thread owns
+// whole entries and the workgroup reduces through shared memory.
 // c is a double-float pair per entry/query (see prefill.glsl). Entries are in any order;
 // `pos` masks entries newer than the query when a step has several queries.
 #extension GL_EXT_control_flow_attributes : enable
@@ -16,12 +20,13 @@
 #endif
 #if USE_SUBGROUP
 #extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #endif
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WGS = 128;  // power of two
 layout(constant_id = 1) const uint D = 64;
+layout(constant_id = 2) const uint TPE = 8;     // lanes per entry (USE_SUBGROUP), divides D/4
 const uint D4 = D / 4;
 const float LOG2E = 1.4426950408889634;
 const float NEG = -1.0e30;
@@ -45,10 +50,11 @@ layout(push_constant) uniform Push {
 } pc;
 
 #if USE_SUBGROUP
-const uint MAX_SG = 64;          // host guarantees WGS / subgroup size <= MAX_SG
-shared vec4 sg_o[MAX_SG * D4];   // [subgroup][D4]
-shared float sg_m[MAX_SG];
-shared float sg_l[MAX_SG];
+const uint TEAMS = WGS / TPE;
+const uint CL = D4 / TPE;        // vec4 columns per lane
+shared vec4 tm_o[TEAMS * D4];    // [team][D4]
+shared float tm_m[TEAMS];
+shared float tm_l[TEAMS];
 #else
 shared float red_m[WGS];
 shared float red_l[WGS];
@@ -64,21 +70,87 @@ void main() {
     const uint e0 = info.x, n = info.y, qpos = info.w;
     const uint out_idx = info.z + ch;
     if (ch * pc.chunk >= n) return;   // past this query's chunks (uniform per workgroup)
-
-    vec4 qr[D4];
-    [[unroll]] for (uint c = 0; c < D4; ++c) qr[c] = vec4(q[qi * D4 + c]) * pc.scale_log2;
     const vec2 ct = qc[qi];
-
-    vec4 acc[D4];
-    [[unroll]] for (uint c = 0; c < D4; ++c) acc[c] = vec4(0.0);
+    const uint lo = ch * pc.chunk;
+    const uint hi = min(lo + pc.chunk, n);
     float m = NEG;
     float l = 0.0;
 
-    const uint lo = ch * pc.chunk;
-    const uint hi = min(lo + pc.chunk, n);
+#if USE_SUBGROUP
+    const uint team = tid / TPE;
+    const uint lane = tid % TPE;
+    vec4 qr[CL];
+    vec4 acc[CL];
+    [[unroll]] for (uint c = 0; c < CL; ++c) {
+        qr[c] = q[qi * D4 + lane + TPE * c] * pc.scale_log2;
+        acc[c] = vec4(0.0);
+    }
     for (uint b0 = lo; b0 < hi; b0 += pc.block) {
-        // Block flags are indexed per query head's cache: entry0 / block is exact because
-        // each head's entries start on a block boundary of the flag array (host layout).
+        if (kept[(e0 + b0) / pc.block] == 0u) continue;
+        const uint b1 = min(b0 + pc.block, hi);
+        // The loop bound is uniform per workgroup; teams past b1 idle but still shuffle.
+        // Two entries per team and iteration keep two rows' loads in flight.
+        for (uint jb = b0; jb < b1; jb += 2u * TEAMS) {
+            float part[2];
+            vec4 vr[2][CL];
+            uint e[2];
+            bool live[2];
+            [[unroll]] for (uint x = 0; x < 2u; ++x) {
+                const uint j = jb + team + x * TEAMS;
+                live[x] = j < b1;
+                e[x] = e0 + min(j, b1 - 1u);
+                part[x] = 0.0;
+            }
+            [[unroll]] for (uint x = 0; x < 2u; ++x) {
+                [[unroll]] for (uint c = 0; c < CL; ++c) {
+                    part[x] += dot(qr[c], vec4(k[e[x] * D4 + lane + TPE * c]));
+                    vr[x][c] = vec4(v[e[x] * D4 + lane + TPE * c]);
+                }
+            }
+            [[unroll]] for (uint o2 = 1u; o2 < TPE; o2 <<= 1) {
+                part[0] += subgroupShuffleXor(part[0], o2);
+                part[1] += subgroupShuffleXor(part[1], o2);
+            }
+            [[unroll]] for (uint x = 0; x < 2u; ++x) {
+                if (!live[x] || epos[e[x]] > int(qpos)) continue;
+                const vec2 cj = ce[e[x]];
+                const float sc = part[x] + ((ct.x - cj.x) + (ct.y - cj.y)) * LOG2E;
+                if (sc > m) {
+                    const float a = exp2(m - sc);
+                    [[unroll]] for (uint c = 0; c < CL; ++c) acc[c] *= a;
+                    l *= a;
+                    m = sc;
+                }
+                const float p = exp2(sc - m);
+                l += p;
+                [[unroll]] for (uint c = 0; c < CL; ++c) acc[c] += p * vr[x][c];
+            }
+        }
+    }
+    // Merge the teams: common max, then sums through shared memory.
+    if (lane == 0u) { tm_m[team] = m; tm_l[team] = l; }
+    barrier();
+    float mw = NEG;
+    for (uint g = 0; g < TEAMS; ++g) mw = max(mw, tm_m[g]);
+    const float f = exp2(m - mw);
+    [[unroll]] for (uint c = 0; c < CL; ++c) tm_o[team * D4 + lane + TPE * c] = acc[c] * f;
+    barrier();
+    if (tid == 0u) {
+        float lw = 0.0;
+        for (uint g = 0; g < TEAMS; ++g) lw += tm_l[g] * exp2(tm_m[g] - mw);
+        part_ml[out_idx] = vec2(mw, lw);
+    }
+    for (uint c = tid; c < D4; c += WG) {
+        vec4 x = vec4(0.0);
+        for (uint g = 0; g < TEAMS; ++g) x += tm_o[g * D4 + c];
+        part_o[out_idx * D4 + c] = x;
+    }
+#else
+    vec4 qr[D4];
+    [[unroll]] for (uint c = 0; c < D4; ++c) qr[c] = vec4(q[qi * D4 + c]) * pc.scale_log2;
+    vec4 acc[D4];
+    [[unroll]] for (uint c = 0; c < D4; ++c) acc[c] = vec4(0.0);
+    for (uint b0 = lo; b0 < hi; b0 += pc.block) {
         if (kept[(e0 + b0) / pc.block] == 0u) continue;
         const uint b1 = min(b0 + pc.block, hi);
         for (uint j = b0 + tid; j < b1; j += WG) {
@@ -99,33 +171,6 @@ void main() {
             [[unroll]] for (uint c = 0; c < D4; ++c) acc[c] += p * vec4(v[e * D4 + c]);
         }
     }
-
-#if USE_SUBGROUP
-    // Max over the workgroup: subgroup max, then across subgroups through shared memory.
-    const float msg = subgroupMax(m);
-    if (subgroupElect()) sg_m[gl_SubgroupID] = msg;
-    barrier();
-    float mw = NEG;
-    for (uint g = 0; g < gl_NumSubgroups; ++g) mw = max(mw, sg_m[g]);
-    const float f = exp2(m - mw);
-    const float lsg = subgroupAdd(l * f);
-    if (subgroupElect()) sg_l[gl_SubgroupID] = lsg;
-    [[unroll]] for (uint c = 0; c < D4; ++c) {
-        const vec4 x = subgroupAdd(acc[c] * f);
-        if (subgroupElect()) sg_o[gl_SubgroupID * D4 + c] = x;
-    }
-    barrier();
-    if (tid == 0u) {
-        float lw = 0.0;
-        for (uint g = 0; g < gl_NumSubgroups; ++g) lw += sg_l[g];
-        part_ml[out_idx] = vec2(mw, lw);
-    }
-    for (uint c = tid; c < D4; c += WG) {
-        vec4 x = vec4(0.0);
-        for (uint g = 0; g < gl_NumSubgroups; ++g) x += sg_o[g * D4 + c];
-        part_o[out_idx * D4 + c] = x;
-    }
-#else
     // Shared-memory tree reductions (no subgroup operations).
     red_m[tid] = m;
     barrier();

@@ -277,15 +277,22 @@ pub(crate) fn prepare<Q: Storage, T: Storage>(
 
     let f16 = T::DTYPE == crate::api::DType::F16 && ctx.info.storage_16bit;
     let esize = if f16 { 2 } else { 4 };
-    let sg =
-        ctx.info.subgroup_arithmetic && ctx.info.subgroup_size.is_some_and(|s| WG / s.max(1) <= 64);
+    // Lane teams: TPE lanes per entry, each D/(4 TPE) vec4 columns; needs shuffles within
+    // a subgroup whose size is a multiple of TPE.
+    let tpe = (d / 4).min(8) as u32;
+    let sg = !ctx
+        .decode_no_subgroups
+        .load(std::sync::atomic::Ordering::Relaxed)
+        && ctx.info.subgroup_shuffle
+        && ctx.info.subgroup_size.is_some_and(|s| s % tpe == 0)
+        && (d / 4) as u32 % tpe == 0;
     let (name, spv) = match (f16, sg) {
         (true, true) => ("decode_f16", DECODE_F16),
         (false, true) => ("decode_f32", DECODE_F32),
         (true, false) => ("decode_f16_nosg", DECODE_F16_NOSG),
         (false, false) => ("decode_f32_nosg", DECODE_F32_NOSG),
     };
-    let pipe = ctx.pipeline(name, spv, &[(0, WG), (1, d as u32)])?;
+    let pipe = ctx.pipeline(name, spv, &[(0, WG), (1, d as u32), (2, tpe)])?;
     let merge = ctx.pipeline("decode_merge", DECODE_MERGE, &[(0, 64), (1, d as u32)])?;
 
     // Head chunks under the binding range (the K/V entry buffers dominate).

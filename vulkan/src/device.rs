@@ -55,13 +55,18 @@ pub struct DeviceInfo {
     pub driver_version: u32,
     /// Subgroup size reported by the device (`None` before Vulkan 1.1).
     pub subgroup_size: Option<u32>,
-    /// Subgroup arithmetic in compute shaders: the decode reduction uses it.
+    /// Subgroup arithmetic in compute shaders.
     pub subgroup_arithmetic: bool,
+    /// Subgroup shuffles in compute shaders: decode's lane teams reduce with them.
+    pub subgroup_shuffle: bool,
     /// 16-bit storage buffers enabled: f16 tensors stay f16 on the device.
     pub storage_16bit: bool,
     /// VK_KHR_cooperative_matrix / VK_NV_cooperative_matrix advertised by the device.
     pub cooperative_matrix_khr: bool,
     pub cooperative_matrix_nv: bool,
+    /// The tensor-core prefill kernel (`prefill_cm.comp`) can run: NV cooperative matrix,
+    /// f16 arithmetic and storage, subgroup size a multiple of 16 with shuffles.
+    pub coopmat_prefill: bool,
     /// Largest binding range of one storage buffer (bytes): tensors are split under it.
     pub max_storage_buffer_range: u64,
     /// Largest single allocation (bytes).
@@ -75,17 +80,19 @@ impl std::fmt::Display for DeviceInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {}, 16-bit storage {}, \
-             cooperative matrix KHR {} / NV {}, max storage range {} MiB, shared {} KiB",
+            "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {} shuffle {}, 16-bit storage {}, \
+             cooperative matrix KHR {} / NV {} (tensor-core prefill {}), max storage range {} MiB, shared {} KiB",
             self.name,
             self.device_type,
             self.api_version,
             self.subgroup_size
                 .map_or("n/a".to_string(), |s| s.to_string()),
             self.subgroup_arithmetic,
+            self.subgroup_shuffle,
             self.storage_16bit,
             self.cooperative_matrix_khr,
             self.cooperative_matrix_nv,
+            self.coopmat_prefill,
             self.max_storage_buffer_range >> 20,
             self.max_shared_memory >> 10,
         )
@@ -103,6 +110,10 @@ pub(crate) struct Context {
     pub cmd: Arc<StandardCommandBufferAllocator>,
     pub desc: Arc<StandardDescriptorSetAllocator>,
     pub info: DeviceInfo,
+    /// Decode without subgroup operations even where the device has them.
+    pub decode_no_subgroups: std::sync::atomic::AtomicBool,
+    /// Prefill kernel choice, a [`crate::PrefillKernel`] as u8.
+    pub prefill_kernel: std::sync::atomic::AtomicU8,
     /// Largest binding (bytes) a chunk may use: the device limit, or lower when set.
     pub binding_limit: std::sync::atomic::AtomicU64,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
@@ -213,9 +224,33 @@ impl Context {
         let subgroup_arithmetic = sg_stages.intersects(ShaderStages::COMPUTE)
             && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::ARITHMETIC)
             && props.subgroup_size.is_some_and(|s| s >= 2);
+        // Tensor-core path: VK_NV_cooperative_matrix (glslc 2023.2 has only the NV GLSL
+        // extension) with f16 arithmetic and storage, subgroups of a multiple of 16 lanes
+        // with shuffles, 4 subgroups per workgroup.
+        let sg = props.subgroup_size.unwrap_or(0);
+        let coopmat = ext.nv_cooperative_matrix
+            && sup.cooperative_matrix
+            && sup.shader_float16
+            && storage_16bit
+            && sg >= 16
+            && sg % 16 == 0
+            && 4 * sg <= props.max_compute_work_group_invocations
+            && sg_stages.intersects(ShaderStages::COMPUTE)
+            && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::SHUFFLE)
+            && sup.vulkan_memory_model;
+        let subgroup_shuffle = sg_stages.intersects(ShaderStages::COMPUTE)
+            && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::SHUFFLE)
+            && props.subgroup_size.is_some_and(|s| s >= 2);
         let features = DeviceFeatures {
             storage_buffer16_bit_access: storage_16bit,
+            cooperative_matrix: coopmat,
+            shader_float16: coopmat,
+            vulkan_memory_model: coopmat,
             ..DeviceFeatures::empty()
+        };
+        let extensions = DeviceExtensions {
+            nv_cooperative_matrix: coopmat,
+            ..DeviceExtensions::empty()
         };
         let (device, mut queues) = Device::new(
             pd.clone(),
@@ -225,7 +260,7 @@ impl Context {
                     ..Default::default()
                 }],
                 enabled_features: features,
-                enabled_extensions: DeviceExtensions::empty(),
+                enabled_extensions: extensions,
                 ..Default::default()
             },
         )?;
@@ -238,9 +273,11 @@ impl Context {
             driver_version: props.driver_version,
             subgroup_size: props.subgroup_size,
             subgroup_arithmetic,
+            subgroup_shuffle,
             storage_16bit,
             cooperative_matrix_khr: ext.khr_cooperative_matrix,
             cooperative_matrix_nv: ext.nv_cooperative_matrix,
+            coopmat_prefill: coopmat,
             max_storage_buffer_range: u64::from(props.max_storage_buffer_range),
             max_allocation: props.max_memory_allocation_size.unwrap_or(1 << 30),
             max_shared_memory: props.max_compute_shared_memory_size,
@@ -267,6 +304,8 @@ impl Context {
             desc,
             info,
             binding_limit,
+            prefill_kernel: 0.into(),
+            decode_no_subgroups: false.into(),
             pipelines: Mutex::new(HashMap::new()),
         })
     }

@@ -33,7 +33,7 @@ pub use decode::PreparedDecode;
 pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
 pub use error::{Error, Result};
 pub use foxedge_core::{AttentionShape, Layout};
-pub use prefill::{PrefillTile, PreparedPrefill};
+pub use prefill::{PrefillKernel, PrefillTile, PreparedPrefill};
 
 use std::sync::Arc;
 
@@ -60,6 +60,31 @@ impl Vulkan {
     /// Name, API version, subgroup size and the optional features in use.
     pub fn info(&self) -> &DeviceInfo {
         &self.ctx.info
+    }
+
+    /// Chooses the prefill kernel for later calls ([`PrefillKernel::Auto`] by default:
+    /// the tensor-core kernel where it applies, else the scalar one).
+    pub fn set_prefill_kernel(&self, k: PrefillKernel) {
+        self.ctx
+            .prefill_kernel
+            .store(k as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether this device can run kernel `k` at all (CoopMat: also needs f16 storage and
+    /// head_dim 64 in the call).
+    pub fn supports(&self, k: PrefillKernel) -> bool {
+        match k {
+            PrefillKernel::Auto | PrefillKernel::Scalar => true,
+            PrefillKernel::CoopMat => self.ctx.info.coopmat_prefill,
+        }
+    }
+
+    /// `true` makes decode use its shared-memory reduction variant (what devices without
+    /// subgroup shuffles run) even where lane teams are available; tests cover both.
+    pub fn set_decode_without_subgroups(&self, on: bool) {
+        self.ctx
+            .decode_no_subgroups
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Caps the bytes one buffer binding may hold (never above the device's

@@ -26,6 +26,20 @@ use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
 
 static PREFILL_F32: &[u8] = include_bytes!("../shaders/prefill_f32.spv");
 static PREFILL_F16: &[u8] = include_bytes!("../shaders/prefill_f16.spv");
+static PREFILL_CM: &[u8] = include_bytes!("../shaders/prefill_cm.spv");
+
+/// Which prefill kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum PrefillKernel {
+    /// The tensor-core kernel when the device and the call allow it, else the scalar one.
+    #[default]
+    Auto = 0,
+    /// `prefill.glsl`: shared-memory tiles, f32 FMA (any device, any head_dim).
+    Scalar = 1,
+    /// `prefill_cm.comp`: NV cooperative matrix (tensor cores), f16 storage, head_dim 64.
+    CoopMat = 2,
+}
 
 /// Push constants of `prefill.glsl` (same order and types).
 #[derive(BufferContents, Clone, Copy, Debug)]
@@ -102,6 +116,7 @@ pub struct PreparedPrefill {
     stats: AttentionStats,
     tile: PrefillTile,
     f16: bool,
+    coopmat: bool,
 }
 
 impl std::fmt::Debug for PreparedPrefill {
@@ -110,6 +125,7 @@ impl std::fmt::Debug for PreparedPrefill {
             .field("shape", &self.shape)
             .field("tile", &self.tile)
             .field("f16_storage", &self.f16)
+            .field("coopmat", &self.coopmat)
             .field("chunks", &self.chunks.len())
             .finish()
     }
@@ -275,20 +291,55 @@ pub(crate) fn prepare<T: Storage>(
 
     let f16 = T::DTYPE == crate::api::DType::F16 && ctx.info.storage_16bit;
     let esize = if f16 { 2 } else { 4 };
-    let tile = PrefillTile::choose(ctx, d)?;
-    let spv = if f16 { PREFILL_F16 } else { PREFILL_F32 };
-    let name = if f16 { "prefill_f16" } else { "prefill_f32" };
-    let pipe = ctx.pipeline(
-        name,
-        spv,
-        &[
-            (0, tile.bm * tile.tpr),
-            (1, d as u32),
-            (2, tile.bm),
-            (3, tile.bn),
-            (4, tile.tpr),
-        ],
-    )?;
+    let cm_ok = ctx.info.coopmat_prefill && f16 && d == 64;
+    let want = ctx
+        .prefill_kernel
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let coopmat = match want {
+        x if x == PrefillKernel::CoopMat as u8 => {
+            if !cm_ok {
+                return Err(Error::Unsupported(format!(
+                    "tensor-core prefill needs NV cooperative matrix (device: {}), f16 storage                      (call: {:?}) and head_dim 64 (call: {d})",
+                    ctx.info.coopmat_prefill,
+                    T::DTYPE
+                )));
+            }
+            true
+        }
+        x if x == PrefillKernel::Scalar as u8 => false,
+        _ => cm_ok,
+    };
+    let (tile, pipe) = if coopmat {
+        let sg = ctx.info.subgroup_size.unwrap_or(32);
+        let tile = PrefillTile {
+            bm: 64,
+            bn: 64,
+            tpr: 0,
+        };
+        (
+            tile,
+            ctx.pipeline("prefill_cm", PREFILL_CM, &[(0, 4 * sg), (2, sg)])?,
+        )
+    } else {
+        let tile = PrefillTile::choose(ctx, d)?;
+        let spv = if f16 { PREFILL_F16 } else { PREFILL_F32 };
+        let name = if f16 { "prefill_f16" } else { "prefill_f32" };
+        let pipe = ctx.pipeline(
+            name,
+            spv,
+            &[
+                (0, tile.bm * tile.tpr),
+                (1, d as u32),
+                (2, tile.bm),
+                (3, tile.bn),
+                (4, tile.tpr),
+            ],
+        )?;
+        (tile, pipe)
+    };
+    // The tensor-core kernel loads whole 16-row / 64-key fragments: one tile of slack at
+    // the end of q, k and v keeps those loads inside the buffers.
+    let slack = if coopmat { 64 * d / 2 } else { 0 };
     let n_tiles = sh.seq_q.div_ceil(tile.bm as usize);
 
     // Chunking under the binding range: bytes per kv slab of every binding.
@@ -317,7 +368,7 @@ pub(crate) fn prepare<T: Storage>(
         let s0 = kv0 * g;
         let ns = nkv * g;
         // Device slabs in (b, kv head, group member) order = (b, q head) order.
-        let q = pack_rows(args.q, f16, ns * sh.seq_q, d, |r| {
+        let mut q = pack_rows(args.q, f16, ns * sh.seq_q, d, |r| {
             let (s, t) = (s0 + r / sh.seq_q, r % sh.seq_q);
             sh.q_at(s / sh.heads_q, t, s % sh.heads_q)
         });
@@ -325,8 +376,11 @@ pub(crate) fn prepare<T: Storage>(
             let (s, t) = (kv0 + r / sh.seq_k, r % sh.seq_k);
             sh.kv_at(s / sh.heads_kv, t, s % sh.heads_kv)
         };
-        let k = pack_rows(args.k, f16, nkv * sh.seq_k, d, kv_row);
-        let v = pack_rows(args.v, f16, nkv * sh.seq_k, d, kv_row);
+        let mut k = pack_rows(args.k, f16, nkv * sh.seq_k, d, kv_row);
+        let mut v = pack_rows(args.v, f16, nkv * sh.seq_k, d, kv_row);
+        for p in [&mut q, &mut k, &mut v] {
+            p.words.resize(p.words.len() + slack, 0);
+        }
         let cw = &c_pairs[s0 * sh.seq_k * 2..(s0 + ns) * sh.seq_k * 2];
         let fk = &first_key[s0 * nqb..(s0 + ns) * nqb];
         let bufs = ctx.upload(&[&q.words, &k.words, &v.words, cw, fk])?;
@@ -381,6 +435,7 @@ pub(crate) fn prepare<T: Storage>(
         stats,
         tile,
         f16,
+        coopmat,
     })
 }
 
@@ -418,6 +473,11 @@ impl PreparedPrefill {
     /// The kernel tile in use.
     pub fn tile(&self) -> PrefillTile {
         self.tile
+    }
+
+    /// Whether the tensor-core kernel runs.
+    pub fn coopmat(&self) -> bool {
+        self.coopmat
     }
 
     /// Whether q/k/v are f16 on the device.

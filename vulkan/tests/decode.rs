@@ -148,11 +148,17 @@ fn decode_f32_unordered_cache_several_queries_and_empty_head() {
         split: 256,
         ..Default::default()
     };
-    let (out, stats) = run(&vk, &case, &case.k, &case.v, true, opts);
     let refo = reference(&case, &widen(&case.k), &widen(&case.v), true, 0.125);
-    let (max, rel) = errors(&out, &refo);
-    eprintln!("decode f32: max {max:.2e} rel {rel:.2e}");
-    assert!(max <= 2e-5, "{max}");
+    // Both reductions: lane teams with shuffles, and the shared-memory variant.
+    vk.set_decode_without_subgroups(true);
+    let (out_nosg, _) = run(&vk, &case, &case.k, &case.v, true, opts);
+    vk.set_decode_without_subgroups(false);
+    let (out, stats) = run(&vk, &case, &case.k, &case.v, true, opts);
+    for (o, what) in [(&out, "teams"), (&out_nosg, "shared-memory")] {
+        let (max, rel) = errors(o, &refo);
+        eprintln!("decode f32 ({what}): max {max:.2e} rel {rel:.2e}");
+        assert!(max <= 2e-5, "{what}: {max}");
+    }
     // The empty head attends nothing: zeros.
     assert!(out[3 * 64..6 * 64].iter().all(|&x| x == 0.0));
 

@@ -138,12 +138,17 @@ pub fn shape(
     }
 }
 
-/// Minimal .npy reader for little-endian f32 / i32 arrays in C order.
+/// Minimal .npy reader for little-endian f32 / i32 arrays (C order, or 2-D Fortran order).
+/// Files come from the repository's fixture directory; `FOXEDGE_FIXTURE_DIR` overrides it
+/// for a binary that runs from another checkout (the GPU machine's copy of the tree).
 pub fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
-    let path = format!(
-        "{}/../tests/fixtures/fox-tiny-pro/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let dir = std::env::var("FOXEDGE_FIXTURE_DIR").unwrap_or_else(|_| {
+        format!(
+            "{}/../tests/fixtures/fox-tiny-pro",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    let path = format!("{dir}/{name}");
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     assert_eq!(&bytes[..6], b"\x93NUMPY", "{path}: not an npy file");
     let (hlen, h0) = if bytes[6] == 1 {

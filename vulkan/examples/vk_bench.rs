@@ -1,0 +1,575 @@
+//! Vulkan backend benchmark and on-device correctness check (what the H100 run uses).
+//!
+//! `cargo run --release -p foxedge-vulkan --example vk_bench -- [--quick] [--lengths 4096,16384]
+//!  [--batches 1,8] [--decode 32768,4096]`
+//!
+//! 1. Correctness on this device: the layer-1 fixture (dense and ACP; f32 and f16 storage,
+//!    every prefill kernel) against the official outputs; random inputs at L = 2048 against
+//!    the CPU backend; decode against the CPU backend.
+//! 2. Prefill timing: H = 4, d = 64, per (L, B): dense, and ACP for each of the 4 layers of
+//!    fox-tiny-pro with real-gate statistics (below). Device time of the kernel on resident
+//!    inputs: `reps` calls in one command buffer, wall time of submit-to-fence / reps, the
+//!    median of 5 such samples. Host decisions (f64 cumsum + start blocks through
+//!    foxedge-core) are timed separately.
+//! 3. Decode timing: 8 heads x N cached entries, d = 64, one query (the ggml shapes).
+//!
+//! Gates for L > 1024: fox-tiny-pro's real log gates are 1024 positions long per (layer,
+//! head) (`log_fgate.npy`). Each head's gates at length L are drawn i.i.d. from that head's
+//! 1024 real values (bootstrap): same per-head distribution, so the same mean decay, which
+//! is what sets the ACP boundary. Thresholds: the model's own per (layer, head),
+//! `delta_L = delta_1024 - ln(L / 1024)` (the `- ln L` term of delta = -2U - ln L + ln eps).
+//! q, k, v: random in [-1, 1] (the kernel's speed does not depend on their values).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use foxedge_vulkan::{
+    Acp, AttentionShape, DecodeArgs, DecodeOptions, Layout, PrefillArgs, PrefillKernel,
+    PrefillOptions, Storage, Vulkan,
+};
+use half::f16;
+use rand::Rng;
+use std::time::Instant;
+
+fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Seconds per call of a prepared run: warm-up, reps sized to ~0.1 s, median of 5.
+fn time_it(run: &dyn Fn(usize) -> foxedge_vulkan::Result<std::time::Duration>) -> (f64, f64) {
+    let _ = run(1);
+    let one = run(1).map(|d| d.as_secs_f64()).unwrap_or(1.0);
+    let reps = ((0.1 / one.max(1e-6)) as usize).clamp(3, 400);
+    let samples: Vec<f64> = (0..5)
+        .map(|_| {
+            run(reps)
+                .map(|d| d.as_secs_f64() / reps as f64)
+                .unwrap_or(f64::NAN)
+        })
+        .collect();
+    let lo = samples.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = samples.iter().copied().fold(0.0, f64::max);
+    (median(samples), (hi - lo) / lo)
+}
+
+/// `e <= tol`, false for NaN.
+fn within(e: f64, tol: f64) -> bool {
+    e <= tol
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut n, mut d) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        let e = f64::from(*x) - f64::from(*y);
+        n += e * e;
+        d += f64::from(*y) * f64::from(*y);
+    }
+    (n / d.max(1e-300)).sqrt()
+}
+
+fn kernels(vk: &Vulkan) -> Vec<PrefillKernel> {
+    let mut k = vec![PrefillKernel::Scalar];
+    if vk.supports(PrefillKernel::CoopMat) {
+        k.push(PrefillKernel::CoopMat);
+    }
+    k
+}
+
+fn check_fixture(vk: &Vulkan, failures: &mut Vec<String>) {
+    let (qs, q) = common::npy_f32("kernel_l1_q.npy");
+    let (_, k) = common::npy_f32("kernel_l1_k.npy");
+    let (_, v) = common::npy_f32("kernel_l1_v.npy");
+    let (_, g) = common::npy_f32("kernel_l1_log_fgate.npy");
+    let (_, o) = common::npy_f32("kernel_l1_o.npy");
+    let (_, o_acp) = common::npy_f32("kernel_l1_o_acp.npy");
+    let (_, thr) = common::npy_f32("kernel_l1_threshold.npy");
+    let sh = common::shape(1, qs[0], qs[0], qs[1], qs[1], qs[2], Layout::HeadFirst);
+    let t: Vec<f64> = thr.iter().map(|&x| f64::from(x)).collect();
+    let h16 = |x: &[f32]| x.iter().map(|&y| f16::from_f32(y)).collect::<Vec<_>>();
+    let (q16, k16, v16) = (h16(&q), h16(&k), h16(&v));
+    for kern in kernels(vk) {
+        vk.set_prefill_kernel(kern);
+        for acp in [false, true] {
+            let opts = PrefillOptions {
+                sm_scale: Some(0.125),
+                acp: if acp { Acp::Threshold(&t) } else { Acp::Off },
+                block_q: 128,
+                block_k: 64,
+            };
+            let want = if acp { &o_acp } else { &o };
+            let mut out = vec![f32::NAN; sh.q_len()];
+            if kern == PrefillKernel::Scalar {
+                let args = PrefillArgs {
+                    shape: sh,
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    log_fgate: &g,
+                    seq_start: None,
+                };
+                match vk.prefill(&args, &opts, &mut out, None) {
+                    Ok(_) => {
+                        let e = rel_l2(&out, want);
+                        println!(
+                            "check fixture L1 {kern:?} f32 acp={acp}: rel L2 {e:.2e} (tol 2e-5)"
+                        );
+                        if !within(e, 2e-5) {
+                            failures.push(format!("fixture {kern:?} f32 acp={acp}: {e:.2e}"));
+                        }
+                    }
+                    Err(e) => failures.push(format!("fixture {kern:?} f32: {e}")),
+                }
+            }
+            let args = PrefillArgs {
+                shape: sh,
+                q: &q16,
+                k: &k16,
+                v: &v16,
+                log_fgate: &g,
+                seq_start: None,
+            };
+            match vk.prefill(&args, &opts, &mut out, None) {
+                Ok(_) => {
+                    // f16 rounding of q/k/v (the official bf16 kernel sits at ~4e-3).
+                    let e = rel_l2(&out, want);
+                    println!("check fixture L1 {kern:?} f16 acp={acp}: rel L2 {e:.2e} (tol 5e-3)");
+                    if !within(e, 5e-3) {
+                        failures.push(format!("fixture {kern:?} f16 acp={acp}: {e:.2e}"));
+                    }
+                }
+                Err(e) => failures.push(format!("fixture {kern:?} f16: {e}")),
+            }
+        }
+    }
+    vk.set_prefill_kernel(PrefillKernel::Auto);
+}
+
+fn check_random_vs_cpu(vk: &Vulkan, failures: &mut Vec<String>) {
+    let sh = common::shape(2, 4, 2, 1000, 2048, 64, Layout::SeqFirst);
+    let mut r = common::rng(99);
+    let q: Vec<f16> = common::randn(&mut r, sh.q_len(), 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let k: Vec<f16> = common::randn(&mut r, sh.kv_len(), 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let v: Vec<f16> = common::randn(&mut r, sh.kv_len(), 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let g = common::log_gates(&mut r, sh.gate_len(), 2.0);
+    let u = [4.0f64; 4];
+    for acp in [false, true] {
+        let opts = PrefillOptions {
+            acp: if acp {
+                Acp::Bound {
+                    u: &u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+            ..Default::default()
+        };
+        let cargs = foxedge_cpu::PrefillArgs {
+            shape: sh,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_fgate: &g,
+            seq_start: Some(&[0, 300]),
+        };
+        let copts = foxedge_cpu::PrefillOptions {
+            acp: if acp {
+                foxedge_cpu::Acp::Bound {
+                    u: &u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                foxedge_cpu::Acp::Off
+            },
+            ..Default::default()
+        };
+        let mut cout = vec![0.0f32; sh.q_len()];
+        let cst = match foxedge_cpu::prefill(&cargs, &copts, &mut cout, None) {
+            Ok(s) => s,
+            Err(e) => {
+                failures.push(format!("cpu prefill: {e}"));
+                return;
+            }
+        };
+        for kern in kernels(vk) {
+            vk.set_prefill_kernel(kern);
+            let args = PrefillArgs {
+                shape: sh,
+                q: &q,
+                k: &k,
+                v: &v,
+                log_fgate: &g,
+                seq_start: Some(&[0, 300]),
+            };
+            let mut out = vec![f32::NAN; sh.q_len()];
+            match vk.prefill(&args, &opts, &mut out, None) {
+                Ok(st) => {
+                    let e = rel_l2(&out, &cout);
+                    let same = st.heads.iter().zip(&cst.heads).all(|(a, b)| {
+                        a.kept_pairs == b.kept_pairs && a.total_pairs == b.total_pairs
+                    });
+                    println!(
+                        "check random GQA seq_q<seq_k padded f16 {kern:?} acp={acp}: rel L2 vs CPU {e:.2e} (tol 1e-3), stats equal {same}"
+                    );
+                    if !within(e, 1e-3) || !same {
+                        failures.push(format!("random {kern:?} acp={acp}: {e:.2e} stats {same}"));
+                    }
+                }
+                Err(e) => failures.push(format!("random {kern:?}: {e}")),
+            }
+        }
+    }
+    vk.set_prefill_kernel(PrefillKernel::Auto);
+}
+
+/// Real-gate statistics: bootstrap of each head's 1024 real gates to length `l`.
+fn gates(real: &[f32], layer: usize, b: usize, h: usize, l: usize, seed: u64) -> Vec<f32> {
+    let src = &real[(layer * 4 + h) * 1024..(layer * 4 + h + 1) * 1024];
+    let mut r = common::rng(seed ^ ((layer * 64 + b * 4 + h) as u64) << 20);
+    (0..l).map(|_| src[r.gen_range(0..1024)]).collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let lengths = arg_list(
+        &args,
+        "--lengths",
+        if quick { &[4096] } else { &[4096, 16384] },
+    );
+    let batches = arg_list(&args, "--batches", if quick { &[1] } else { &[1, 8] });
+    let dec = arg_list(&args, "--decode", &[32768, 4096]);
+    let vk = match Vulkan::new() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("no Vulkan device: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!("device: {}", vk.info());
+    println!("prefill kernels: {:?}", kernels(&vk));
+
+    let mut failures = Vec::new();
+    check_fixture(&vk, &mut failures);
+    check_random_vs_cpu(&vk, &mut failures);
+
+    let (_, real) = common::npy_f32("log_fgate.npy");
+    let (_, thr) = common::npy_f32("acp_threshold.npy");
+    let mut table = Vec::new();
+    let d = 64;
+    let h = 4;
+    for &l in &lengths {
+        for &b in &batches {
+            let sh = AttentionShape {
+                batch: b,
+                heads_q: h,
+                heads_kv: h,
+                seq_q: l,
+                seq_k: l,
+                head_dim: d,
+                layout: Layout::HeadFirst,
+            };
+            let mut r = common::rng(l as u64 * 31 + b as u64);
+            let q32: Vec<f32> = (0..sh.q_len()).map(|_| r.gen_range(-1.0..1.0)).collect();
+            let k32: Vec<f32> = (0..sh.kv_len()).map(|_| r.gen_range(-1.0..1.0)).collect();
+            let v32: Vec<f32> = (0..sh.kv_len()).map(|_| r.gen_range(-1.0..1.0)).collect();
+            let h16 = |x: &[f32]| x.iter().map(|&y| f16::from_f32(y)).collect::<Vec<_>>();
+            let (q16, k16, v16) = (h16(&q32), h16(&k32), h16(&v32));
+            let dense_flops = 4.0 * (d * b * h) as f64 * (l * (l + 1) / 2) as f64;
+            for layer in [None, Some(0), Some(1), Some(2), Some(3)] {
+                let li = layer.unwrap_or(0);
+                let mut g = vec![0.0f32; sh.gate_len()];
+                for bb in 0..b {
+                    for hh in 0..h {
+                        let gh = gates(&real, li, bb, hh, l, 7);
+                        g[(bb * h + hh) * l..(bb * h + hh + 1) * l].copy_from_slice(&gh);
+                    }
+                }
+                let deltas: Vec<f64> = (0..b * h)
+                    .map(|bh| f64::from(thr[li * 4 + bh % h]) - (l as f64 / 1024.0).ln())
+                    .collect();
+                let opts = PrefillOptions {
+                    acp: if layer.is_some() {
+                        Acp::Threshold(&deltas)
+                    } else {
+                        Acp::Off
+                    },
+                    block_q: 64,
+                    block_k: 64,
+                    ..Default::default()
+                };
+                // Host decisions alone (what prepare does before packing): cumsum + boundary.
+                let t0 = Instant::now();
+                let grid = foxedge_core::boundary::BlockGrid::new(64, 64, l, l).expect("grid");
+                let mut c = vec![0.0f64; l];
+                let mut st = vec![0u32; grid.q_blocks()];
+                for bh in 0..b * h {
+                    let _ = foxedge_core::gate::cumsum_strided(
+                        &g[bh * l..(bh + 1) * l],
+                        1,
+                        0.0,
+                        &mut c,
+                    );
+                    let _ = foxedge_core::boundary::start_blocks(
+                        &grid,
+                        &c,
+                        layer.map(|_| deltas[bh]),
+                        0,
+                        &mut st,
+                    );
+                }
+                let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let name = layer.map_or("dense".to_string(), |x| format!("ACP L{x}"));
+                let mut variants: Vec<(String, PrefillKernel, bool)> = vec![
+                    ("scalar f32".into(), PrefillKernel::Scalar, false),
+                    ("scalar f16".into(), PrefillKernel::Scalar, true),
+                ];
+                if vk.supports(PrefillKernel::CoopMat) {
+                    variants.push(("coopmat f16".into(), PrefillKernel::CoopMat, true));
+                }
+                for (vname, kern, half) in variants {
+                    vk.set_prefill_kernel(kern);
+                    let prepared = if half {
+                        vk.prepare_prefill(
+                            &PrefillArgs {
+                                shape: sh,
+                                q: &q16,
+                                k: &k16,
+                                v: &v16,
+                                log_fgate: &g,
+                                seq_start: None,
+                            },
+                            &opts,
+                        )
+                    } else {
+                        vk.prepare_prefill(
+                            &PrefillArgs {
+                                shape: sh,
+                                q: &q32,
+                                k: &k32,
+                                v: &v32,
+                                log_fgate: &g,
+                                seq_start: None,
+                            },
+                            &opts,
+                        )
+                    };
+                    let p = match prepared {
+                        Ok(p) => p,
+                        Err(e) => {
+                            println!("L={l} B={b} {name} {vname}: {e}");
+                            continue;
+                        }
+                    };
+                    let (s, spread) = time_it(&|n| p.run(n));
+                    let kept = p.stats().kept_fraction();
+                    let flops = 4.0 * d as f64 * p.stats().kept_pairs() as f64;
+                    let row = format!(
+                        "| {l} | {b} | {name} | {vname} | {:.3} | {:.1} | {:.1} | {:.3} | {:.2} | {:.0}% |",
+                        s * 1e3,
+                        flops / s / 1e12,
+                        dense_flops / s / 1e12,
+                        kept,
+                        host_ms,
+                        spread * 100.0
+                    );
+                    println!("{row}");
+                    table.push(row);
+                }
+            }
+        }
+    }
+    vk.set_prefill_kernel(PrefillKernel::Auto);
+
+    // Decode: 8 heads x n entries, one query, d = 64.
+    let mut dtable = Vec::new();
+    for &n in &dec {
+        let heads = 8;
+        let mut r = common::rng(n as u64);
+        let k32: Vec<f32> = (0..heads * n * d).map(|_| r.gen_range(-1.0..1.0)).collect();
+        let v32: Vec<f32> = (0..heads * n * d).map(|_| r.gen_range(-1.0..1.0)).collect();
+        let k16: Vec<f16> = k32.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v32.iter().map(|&x| f16::from_f32(x)).collect();
+        let q: Vec<f32> = (0..heads * d).map(|_| r.gen_range(-1.0..1.0)).collect();
+        let mut cs = Vec::new();
+        for hh in 0..heads {
+            let g = gates(&real, 3, 0, hh % 4, n, 11);
+            let mut acc = 0.0f64;
+            cs.push(
+                g.iter()
+                    .map(|&x| {
+                        acc += f64::from(x);
+                        acc
+                    })
+                    .collect::<Vec<f64>>(),
+            );
+        }
+        let q_c: Vec<f64> = cs.iter().map(|c| c[n - 1]).collect();
+        for split in [128usize, 256, 512, 2048] {
+            for half in [true, false] {
+                let res = if half {
+                    let hs: Vec<_> = (0..heads)
+                        .map(|hh| foxedge_vulkan::CacheHead {
+                            k: &k16[hh * n * d..(hh + 1) * n * d],
+                            v: &v16[hh * n * d..(hh + 1) * n * d],
+                            c: &cs[hh],
+                            pos: None,
+                        })
+                        .collect();
+                    let a = DecodeArgs {
+                        head_dim: d,
+                        n_queries: 1,
+                        q: &q,
+                        q_c: &q_c,
+                        q_pos: None,
+                        heads: &hs,
+                    };
+                    check_and_time_decode(&vk, &a, split, &mut failures)
+                } else {
+                    let hs: Vec<_> = (0..heads)
+                        .map(|hh| foxedge_vulkan::CacheHead {
+                            k: &k32[hh * n * d..(hh + 1) * n * d],
+                            v: &v32[hh * n * d..(hh + 1) * n * d],
+                            c: &cs[hh],
+                            pos: None,
+                        })
+                        .collect();
+                    let a = DecodeArgs {
+                        head_dim: d,
+                        n_queries: 1,
+                        q: &q,
+                        q_c: &q_c,
+                        q_pos: None,
+                        heads: &hs,
+                    };
+                    check_and_time_decode(&vk, &a, split, &mut failures)
+                };
+                if let Some((s, spread, bytes)) = res {
+                    let row = format!(
+                        "| {n} | {heads} | {} | {split} | {:.1} | {:.2} | {:.0}% |",
+                        if half { "f16" } else { "f32" },
+                        s * 1e6,
+                        bytes / s / 1e12,
+                        spread * 100.0
+                    );
+                    println!("{row}");
+                    dtable.push(row);
+                }
+            }
+        }
+    }
+
+    println!(
+        "\n## prefill (H = 4, d = 64; ms per call, kernel only, inputs resident; TFLOP/s of kept work and dense-equivalent)"
+    );
+    println!(
+        "| L | B | gates | kernel | ms | kept TFLOP/s | dense-equiv TFLOP/s | kept frac | host decisions ms | spread |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in &table {
+        println!("{r}");
+    }
+    println!("\n## decode (one query, dense; K/V bytes read per step)");
+    println!("| cached | heads | storage | split | us | TB/s | spread |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for r in &dtable {
+        println!("{r}");
+    }
+    if failures.is_empty() {
+        println!("\nall correctness checks passed");
+    } else {
+        println!("\nCORRECTNESS FAILURES:");
+        for f in &failures {
+            println!("  {f}");
+        }
+        std::process::exit(1);
+    }
+}
+
+fn check_and_time_decode<T: Storage + foxedge_cpu::Storage>(
+    vk: &Vulkan,
+    a: &DecodeArgs<'_, f32, T>,
+    split: usize,
+    failures: &mut Vec<String>,
+) -> Option<(f64, f64, f64)> {
+    let opts = DecodeOptions {
+        split,
+        ..Default::default()
+    };
+    let p = match vk.prepare_decode(a, &opts) {
+        Ok(p) => p,
+        Err(e) => {
+            failures.push(format!("decode prepare: {e}"));
+            return None;
+        }
+    };
+    let n = a.heads[0].c.len();
+    let d = a.head_dim;
+    let mut out = vec![0.0f32; a.heads.len() * d];
+    if let Err(e) = p.run(1).and_then(|_| p.read(&mut out, None)) {
+        failures.push(format!("decode run: {e}"));
+        return None;
+    }
+    // Against the CPU backend on the same cache.
+    let hs: Vec<_> = a
+        .heads
+        .iter()
+        .map(|h| foxedge_cpu::CacheHead {
+            k: h.k,
+            v: h.v,
+            c: h.c,
+            pos: None,
+        })
+        .collect();
+    let ca = foxedge_cpu::DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: a.q,
+        q_c: a.q_c,
+        q_pos: None,
+        heads: &hs,
+    };
+    let mut cout = vec![0.0f32; out.len()];
+    if foxedge_cpu::decode(&ca, &foxedge_cpu::DecodeOptions::default(), &mut cout, None).is_ok() {
+        let e = rel_l2(&out, &cout);
+        if split == 128 {
+            println!(
+                "check decode {n} x {} {:?}: rel L2 vs CPU {e:.2e} (tol 1e-4)",
+                a.heads.len(),
+                <T as Storage>::DTYPE
+            );
+        }
+        if !within(e, 1e-4) {
+            failures.push(format!("decode {n} {:?}: {e:.2e}", <T as Storage>::DTYPE));
+        }
+    }
+    let (s, spread) = time_it(&|r| p.run(r));
+    let bytes = (2
+        * a.heads.len()
+        * n
+        * d
+        * if <T as Storage>::DTYPE == foxedge_vulkan::DType::F16 {
+            2
+        } else {
+            4
+        }) as f64;
+    Some((s, spread, bytes))
+}
