@@ -511,16 +511,18 @@ impl Isa {
 
     /// Every instruction set this CPU can run (scalar first), for tests and benches.
     pub fn available() -> Vec<Isa> {
-        let mut v = vec![Isa::Scalar, Isa::Portable];
+        let v = vec![Isa::Scalar, Isa::Portable];
         #[cfg(target_arch = "x86_64")]
-        {
+        let v = {
+            let mut v = v;
             if has_avx2() {
                 v.push(Isa::Avx2);
             }
             if has_avx512() {
                 v.push(Isa::Avx512);
             }
-        }
+            v
+        };
         v
     }
 }

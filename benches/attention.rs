@@ -1,0 +1,369 @@
+//! CPU forgetting-attention benches (foxedge-cpu): dense vs ACP prefill, decode over a
+//! 32k cache, f32 / f16 / bf16 storage, plus this machine's limits (fp32 FMA peak, DRAM
+//! read bandwidth) so that every figure can be stated as a fraction of the machine.
+//!
+//! `cargo bench --no-default-features --bench attention [-- FILTER]`
+//!
+//! Work is counted as in the issue: 4·d FLOPs per kept query-key pair (criterion's
+//! "elem/s" is FLOP/s for prefill); decode throughput is K/V bytes read per step.
+//! Threads: rayon's global pool (all cores; `RAYON_NUM_THREADS` to change).
+//!
+//! ACP gates: the fixture model's real log forget gates (`log_fgate.npy`, layers 1 and 2,
+//! 4 heads each = 8 heads of 1024 positions) repeated periodically to length L: per-head
+//! gate statistics and decay rates are those of the trained model. The logit bound per
+//! head is recovered from the model's own thresholds (`acp_threshold.npy`,
+//! `delta = -(2U + ln 1024) - 10`), and core derives delta at length L with ln eps = -10.
+//! q, k, v are random (they do not change which blocks are pruned).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use foxedge_cpu::{
+    Acp, AttentionShape, CacheHead, DecodeArgs, DecodeOptions, Layout, PrefillArgs, PrefillOptions,
+    Storage, decode, prefill,
+};
+use half::{bf16, f16};
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const HEADS: usize = 8;
+const D: usize = 64;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Little-endian `<f4` .npy (C or Fortran order) as f32 in C order, with its shape.
+fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
+    // The run-time CARGO_MANIFEST_DIR (set by cargo bench) wins, so that a copied bench
+    // binary finds the repository it runs in.
+    let root = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    let path = PathBuf::from(root)
+        .join("tests/fixtures/fox-tiny-pro")
+        .join(name);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + hlen]).expect("npy header");
+    assert!(header.contains("'<f4'"), "{name}: {header}");
+    let shape: Vec<usize> = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .expect("npy shape")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().expect("npy dim"))
+        .collect();
+    let raw: Vec<f32> = bytes[10 + hlen..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if !header.contains("'fortran_order': True") {
+        return (shape, raw);
+    }
+    let mut strides = vec![1usize; shape.len()];
+    for a in 1..shape.len() {
+        strides[a] = strides[a - 1] * shape[a - 1];
+    }
+    let mut idx = vec![0usize; shape.len()];
+    let mut out = Vec::with_capacity(raw.len());
+    for _ in 0..raw.len() {
+        out.push(raw[idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>()]);
+        for a in (0..shape.len()).rev() {
+            idx[a] += 1;
+            if idx[a] < shape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+    }
+    (shape, out)
+}
+
+/// The fixture model's gates for 8 heads (layers 1, 2), repeated to `l`, in
+/// `[1, l, HEADS]` (seq-first) order, and the logit bound U per head.
+fn real_gates(l: usize) -> (Vec<f32>, Vec<f64>) {
+    let (gs, g) = npy_f32("log_fgate.npy");
+    assert_eq!(gs, [4, 4, 1024]);
+    let (_, thr) = npy_f32("acp_threshold.npy");
+    let heads: Vec<(usize, usize)> = (1..3).flat_map(|ly| (0..4).map(move |h| (ly, h))).collect();
+    let mut out = vec![0.0f32; l * HEADS];
+    for t in 0..l {
+        for (h, &(ly, hh)) in heads.iter().enumerate() {
+            out[t * HEADS + h] = g[(ly * 4 + hh) * 1024 + t % 1024];
+        }
+    }
+    let u = heads
+        .iter()
+        .map(|&(ly, hh)| (-f64::from(thr[ly * 4 + hh]) - (1024f64).ln() - 10.0) / 2.0)
+        .collect();
+    (out, u)
+}
+
+struct Prefill<T> {
+    shape: AttentionShape,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    g: Vec<f32>,
+    u: Vec<f64>,
+}
+
+fn prefill_problem<T: Storage>(l: usize) -> Prefill<T> {
+    let shape = AttentionShape {
+        batch: 1,
+        heads_q: HEADS,
+        heads_kv: HEADS,
+        seq_q: l,
+        seq_k: l,
+        head_dim: D,
+        layout: Layout::SeqFirst,
+    };
+    let mut s = 1;
+    let mut gen_t = |n| (0..n).map(|_| T::from_f32(lcg(&mut s))).collect::<Vec<T>>();
+    let (q, k, v) = (
+        gen_t(shape.q_len()),
+        gen_t(shape.kv_len()),
+        gen_t(shape.kv_len()),
+    );
+    let (g, u) = real_gates(l);
+    Prefill {
+        shape,
+        q,
+        k,
+        v,
+        g,
+        u,
+    }
+}
+
+fn bench_prefill_one<T: Storage>(c: &mut Criterion, l: usize, modes: &[bool]) {
+    let p = prefill_problem::<T>(l);
+    let args = PrefillArgs {
+        shape: p.shape,
+        q: &p.q,
+        k: &p.k,
+        v: &p.v,
+        log_fgate: &p.g,
+        seq_start: None,
+    };
+    let mut out = vec![0.0f32; p.shape.q_len()];
+    let mut g = c.benchmark_group(format!("prefill_{:?}", T::DTYPE).to_lowercase());
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(if l >= 16384 { 30 } else { 10 }));
+    for &acp in modes {
+        let opts = PrefillOptions {
+            acp: if acp {
+                Acp::Bound {
+                    u: &p.u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+            ..Default::default()
+        };
+        let st = prefill(&args, &opts, &mut out, None).expect("prefill");
+        let flops = 4 * D as u64 * st.kept_pairs();
+        eprintln!(
+            "prefill {:?} L={l} acp={acp}: kept pairs {} of {} ({:.1}%), {:.3} GFLOP",
+            T::DTYPE,
+            st.kept_pairs(),
+            st.total_pairs(),
+            100.0 * st.kept_fraction(),
+            flops as f64 / 1e9
+        );
+        g.throughput(Throughput::Elements(flops));
+        let name = if acp { "acp" } else { "dense" };
+        g.bench_with_input(BenchmarkId::new(name, l), &l, |b, _| {
+            b.iter(|| prefill(black_box(&args), &opts, &mut out, None).expect("prefill"))
+        });
+    }
+    g.finish();
+}
+
+fn bench_prefill(c: &mut Criterion) {
+    for l in [2048, 8192, 16384] {
+        bench_prefill_one::<f32>(c, l, &[false, true]);
+    }
+    bench_prefill_one::<f16>(c, 8192, &[false, true]);
+    bench_prefill_one::<bf16>(c, 8192, &[false, true]);
+}
+
+fn bench_decode_one<T: Storage>(c: &mut Criterion, n: usize) {
+    // A cache of n entries per head in position order, c_j from the real gates.
+    let (g, u) = real_gates(n);
+    let mut s = 7;
+    let mut gen_t = |m| (0..m).map(|_| T::from_f32(lcg(&mut s))).collect::<Vec<T>>();
+    let k: Vec<Vec<T>> = (0..HEADS).map(|_| gen_t(n * D)).collect();
+    let v: Vec<Vec<T>> = (0..HEADS).map(|_| gen_t(n * D)).collect();
+    let cs: Vec<Vec<f64>> = (0..HEADS)
+        .map(|h| {
+            let mut acc = 0.0;
+            (0..n)
+                .map(|t| {
+                    acc += f64::from(g[t * HEADS + h]);
+                    acc
+                })
+                .collect()
+        })
+        .collect();
+    let heads: Vec<CacheHead<T>> = (0..HEADS)
+        .map(|h| CacheHead {
+            k: &k[h],
+            v: &v[h],
+            c: &cs[h],
+            pos: None,
+        })
+        .collect();
+    let q: Vec<f32> = (0..HEADS * D).map(|_| lcg(&mut s)).collect();
+    let q_c: Vec<f64> = cs.iter().map(|x| x[n - 1]).collect();
+    let args = DecodeArgs {
+        head_dim: D,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &heads,
+    };
+    let mut out = vec![0.0f32; HEADS * D];
+    let mut grp = c.benchmark_group(format!("decode_{:?}", T::DTYPE).to_lowercase());
+    grp.sample_size(50).measurement_time(Duration::from_secs(5));
+    for acp in [false, true] {
+        let opts = DecodeOptions {
+            acp: if acp {
+                Acp::Bound {
+                    u: &u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+            ..Default::default()
+        };
+        let st = decode(&args, &opts, &mut out, None).expect("decode");
+        let bytes = st.kept_pairs() * 2 * D as u64 * std::mem::size_of::<T>() as u64;
+        eprintln!(
+            "decode {:?} n={n} acp={acp}: kept entries {} of {} ({:.1}%), K/V bytes {bytes}",
+            T::DTYPE,
+            st.kept_pairs(),
+            st.total_pairs(),
+            100.0 * st.kept_fraction()
+        );
+        grp.throughput(Throughput::Bytes(bytes));
+        let name = if acp { "acp" } else { "dense" };
+        grp.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+            b.iter(|| decode(black_box(&args), &opts, &mut out, None).expect("decode"))
+        });
+    }
+    grp.finish();
+}
+
+fn bench_decode(c: &mut Criterion) {
+    bench_decode_one::<f32>(c, 32768);
+    bench_decode_one::<f16>(c, 32768);
+    bench_decode_one::<bf16>(c, 32768);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_chains_avx512(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm512_set1_ps(1.0); 12];
+    let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, m, c);
+        }
+    }
+    a.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_chains_avx2(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm256_set1_ps(1.0); 12];
+    let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = [0.0f32; 8];
+    for x in a {
+        let mut t = [0.0f32; 8];
+        // SAFETY: `t` holds 8 f32, the width of one store.
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), x) };
+        s.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+    }
+    s.iter().sum()
+}
+
+/// The machine's limits, measured with rayon's pool size of threads: fp32 FMA peak
+/// (12 independent vector FMA chains per thread: enough to hide the latency on 2 pipes)
+/// and DRAM read bandwidth (sum over a 1 GiB buffer split across the threads).
+fn bench_limits(c: &mut Criterion) {
+    let threads = rayon::current_num_threads();
+    let mut g = c.benchmark_group("limits");
+    g.sample_size(10);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        if avx512 || avx2 {
+            let iters = 2_000_000u64;
+            let lanes = if avx512 { 16 } else { 8 };
+            g.throughput(Throughput::Elements(
+                threads as u64 * iters * 12 * lanes * 2,
+            ));
+            g.bench_function(
+                format!("fp32_fma_peak_{lanes}lanes_{threads}threads"),
+                |b| {
+                    b.iter(|| {
+                        rayon::broadcast(|_| {
+                            if avx512 {
+                                // SAFETY: avx512f was detected above.
+                                black_box(unsafe { fma_chains_avx512(black_box(iters)) })
+                            } else {
+                                // SAFETY: avx2 and fma were detected above.
+                                black_box(unsafe { fma_chains_avx2(black_box(iters)) })
+                            }
+                        })
+                    })
+                },
+            );
+        }
+    }
+    let n = 1usize << 28;
+    let buf: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    g.throughput(Throughput::Bytes((n * 4) as u64));
+    g.bench_function(format!("dram_read_{threads}threads"), |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let parts: Vec<&[f32]> = buf.chunks(n.div_ceil(threads)).collect();
+                rayon::broadcast(|ctx| {
+                    let mut acc = [0.0f32; 16];
+                    for ch in parts[ctx.index()].chunks_exact(16) {
+                        for (a, x) in acc.iter_mut().zip(ch) {
+                            *a += x;
+                        }
+                    }
+                    black_box(acc)
+                });
+            }
+            start.elapsed()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_limits, bench_prefill, bench_decode);
+criterion_main!(benches);
