@@ -6,7 +6,8 @@
  * Build (after `bash ffi/scripts/ci.sh` staged the library and foxedge.pc):
  *   gcc -std=c11 ffi/examples/stream.c $(pkg-config --cflags --libs foxedge) -o stream
  * Run:
- *   ./stream [MODEL_DIR] [N_TOKENS]      (defaults: models/fox-tiny-pro, 96)
+ *   ./stream [MODEL_DIR] [N_TOKENS] [BACKEND]   (defaults: models/fox-tiny-pro, 96, cpu;
+ *                                                BACKEND: cpu, vulkan, auto or hybrid)
  */
 #include <foxedge.h>
 
@@ -34,6 +35,7 @@ static int32_t argmax(const float *x, size_t n) {
 int main(int argc, char **argv) {
   const char *dir = argc > 1 ? argv[1] : "models/fox-tiny-pro";
   long n_gen = argc > 2 ? strtol(argv[2], NULL, 10) : 96;
+  const char *backend = argc > 3 ? argv[3] : "cpu";
   const char *text = "import os\nimport sys\n\n\ndef main(argv):\n    ";
   fx_model *model = NULL;
   fx_session *session = NULL;
@@ -55,7 +57,18 @@ int main(int argc, char **argv) {
 
   /* A budget well below the stream length so eviction runs; the protected window keeps the
      recent tokens, the certificate reports what eviction may cost. */
-  opts.backend = FX_BACKEND_CPU;
+  if (strcmp(backend, "cpu") == 0)
+    opts.backend = FX_BACKEND_CPU;
+  else if (strcmp(backend, "vulkan") == 0)
+    opts.backend = FX_BACKEND_VULKAN;
+  else if (strcmp(backend, "auto") == 0)
+    opts.backend = FX_BACKEND_AUTO;
+  else if (strcmp(backend, "hybrid") == 0)
+    opts.backend = FX_BACKEND_HYBRID;
+  else {
+    fprintf(stderr, "unknown backend %s (cpu, vulkan, auto, hybrid)\n", backend);
+    return 2;
+  }
   opts.budget_kind = FX_BUDGET_ENTRIES_PER_HEAD;
   opts.budget = 64;
   opts.window = 16;
@@ -69,8 +82,8 @@ int main(int argc, char **argv) {
   for (i = 1; i < n_prompt; i++) prompt[i] = (unsigned char)text[i - 1];
 
   CHECK(fx_session_feed(session, prompt, n_prompt, logits));
-  printf("---- prompt + %ld greedy tokens (budget %llu entries per head)\n%s", n_gen,
-         (unsigned long long)opts.budget, text);
+  printf("---- prompt + %ld greedy tokens on %s (budget %llu entries per head)\n%s", n_gen,
+         backend, (unsigned long long)opts.budget, text);
   for (t = 0; t < n_gen; t++) {
     int32_t next = argmax(logits, info.vocab_size);
     putchar(next >= 32 && next < 127 ? next : (next == '\n' ? '\n' : '?'));

@@ -7,25 +7,43 @@
 #   3. build ffi/examples/stream.c (shared library, via pkg-config) and run it on the tiny
 #      model; build ffi/tests/c_errors.c (static library, pkg-config --static) and run it.
 # Env: CARGO_TARGET_DIR (default ./target), FFI_FEATURES (cargo feature flags for the
-# crate, default "--no-default-features" until the Vulkan backend builds everywhere),
-# PROFILE (debug|release, default debug).
+# crate; default none, i.e. with Vulkan, the same build `cargo test --workspace` made;
+# "--no-default-features" builds without Vulkan), PROFILE (debug|release, default debug).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 target="${CARGO_TARGET_DIR:-$root/target}"
 profile="${PROFILE:-debug}"
-features="${FFI_FEATURES:---no-default-features}"
+features="${FFI_FEATURES-}"
 step() { printf '\n---- ffi: %s\n' "$*"; }
 
 step "build foxedge-ffi ($profile) and regenerate the header"
 header="ffi/include/foxedge.h"
 committed="$(mktemp)"
-trap 'rm -f "$committed"' EXIT
+trap 'rm -f "$committed" "$committed.log"' EXIT
 if [ -f "$header" ]; then cp "$header" "$committed"; else : >"$committed"; fi
 cargo_profile=()
 [ "$profile" = release ] && cargo_profile=(--release)
-# shellcheck disable=SC2086
-cargo build -p foxedge-ffi $features "${cargo_profile[@]}"
+# `cargo rustc` builds the lib's crate types (cdylib, staticlib, rlib) like `cargo build`
+# and lets rustc print the system libraries the static library needs (for foxedge.pc). A
+# fresh build prints nothing, so the list is kept beside the library.
+build() {
+  # shellcheck disable=SC2086
+  cargo rustc -p foxedge-ffi --lib $features "${cargo_profile[@]}" -- --print native-static-libs \
+    2>&1 | tee "$committed.log"
+}
+build
+libs_file="$target/$profile/foxedge.native-static-libs"
+native="$(sed -n 's/.*native-static-libs: //p' "$committed.log" | tail -n1)"
+if [ -n "$native" ]; then
+  echo "$native" >"$libs_file"
+elif [ -f "$libs_file" ]; then
+  native="$(cat "$libs_file")"
+else
+  touch ffi/src/lib.rs && build
+  native="$(sed -n 's/.*native-static-libs: //p' "$committed.log" | tail -n1)"
+  echo "$native" >"$libs_file"
+fi
 if ! cmp -s "$committed" "$header"; then
   echo "ffi/include/foxedge.h is stale: cbindgen regenerated it from ffi/src. Diff:" >&2
   diff -u "$committed" "$header" >&2 || true
@@ -41,7 +59,7 @@ rm -rf "$stage"
 mkdir -p "$libdir/pkgconfig" "$stage/include/foxedge"
 cp "$target/$profile/libfoxedge.a" "$target/$profile/libfoxedge.so" "$libdir/"
 cp "$header" "$stage/include/foxedge/"
-bash ffi/scripts/pkgconfig.sh "$stage" >"$libdir/pkgconfig/foxedge.pc"
+bash ffi/scripts/pkgconfig.sh "$stage" "$native" >"$libdir/pkgconfig/foxedge.pc"
 cat "$libdir/pkgconfig/foxedge.pc"
 export PKG_CONFIG_PATH="$libdir/pkgconfig"
 pkg-config --exists --print-errors foxedge

@@ -5,7 +5,6 @@ use std::ffi::c_void;
 use std::mem::size_of;
 
 use foxedge_core::{AttentionShape, Layout};
-use foxedge_cpu::{Acp, AttentionStats, PrefillArgs, PrefillOptions, Storage};
 use half::{bf16, f16};
 
 use crate::abi::{Versioned, check_buf, check_out, checked_product, read_req, write_out};
@@ -101,6 +100,9 @@ pub struct fx_attention_desc {
     pub dtype: fx_dtype_raw,
     /// Storage type of out.
     pub out_dtype: fx_dtype_raw,
+    /// FX_BACKEND_CPU or FX_BACKEND_AUTO: the SIMD CPU kernels. FX_BACKEND_VULKAN: the Vulkan
+    /// kernels (FX_ERR_BACKEND_UNAVAILABLE in a build without them or with no device).
+    /// FX_BACKEND_HYBRID schedules whole sessions only: FX_ERR_BACKEND_UNAVAILABLE here.
     pub backend: fx_backend_raw,
     /// Logit scale s; 0 means `1/sqrt(head_dim)`.
     pub sm_scale: f32,
@@ -298,9 +300,18 @@ fn buffer<T>(what: &str, p: *const T, elems: usize) -> FxResult<usize> {
     Ok(elems)
 }
 
+/// The kernels a standalone attention call runs on (`FX_BACKEND_AUTO` means the CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Cpu,
+    #[cfg(feature = "vulkan")]
+    Vulkan,
+}
+
 /// Everything `fx_attention_forward` checked, ready for the kernel.
 struct Call {
     shape: AttentionShape,
+    backend: Target,
     dtype: fx_dtype,
     out_dtype: fx_dtype,
     sm_scale: Option<f32>,
@@ -323,17 +334,25 @@ fn check_desc(d: &fx_attention_desc) -> FxResult<Call> {
     shape.validate().map_err(map_core)?;
     let dtype = dtype_of(d.dtype, "dtype")?;
     let out_dtype = dtype_of(d.out_dtype, "out_dtype")?;
-    match backend_of(d.backend)? {
-        facade::BackendKind::Cpu | facade::BackendKind::Auto => {}
-        other => {
+    let backend = match backend_of(d.backend)? {
+        facade::BackendKind::Cpu | facade::BackendKind::Auto => Target::Cpu,
+        #[cfg(feature = "vulkan")]
+        facade::BackendKind::Vulkan => Target::Vulkan,
+        #[cfg(not(feature = "vulkan"))]
+        facade::BackendKind::Vulkan => {
             return Err(fail(
                 FX_ERR_BACKEND_UNAVAILABLE,
-                format!(
-                    "backend {other}: fx_attention_forward runs on the CPU kernels only in this build"
-                ),
+                "vulkan: this build of foxedge has no Vulkan backend (cargo feature `vulkan`)",
             ));
         }
-    }
+        facade::BackendKind::Hybrid => {
+            return Err(fail(
+                FX_ERR_BACKEND_UNAVAILABLE,
+                "hybrid: runs inside sessions (fx_session_options.backend), not for a single \
+                 fx_attention_forward call",
+            ));
+        }
+    };
     if !d.sm_scale.is_finite() || d.sm_scale < 0.0 {
         return Err(invalid(format!(
             "fx_attention_desc.sm_scale {} must be finite and >= 0 (0 = 1/sqrt(head_dim))",
@@ -353,6 +372,7 @@ fn check_desc(d: &fx_attention_desc) -> FxResult<Call> {
     };
     Ok(Call {
         shape,
+        backend,
         dtype,
         out_dtype,
         sm_scale: (d.sm_scale > 0.0).then_some(d.sm_scale),
@@ -373,79 +393,170 @@ unsafe fn slice<'a, T>(p: *const T, len: usize) -> &'a [T] {
     unsafe { std::slice::from_raw_parts(p, len) }
 }
 
-/// Runs the CPU prefill kernel with storage `T` and output `O`.
+/// Generates `$name::<T, O>(call, desc, q, k, v, log_fgate, out)`: one prefill with storage
+/// `T` and output `O` on the kernels of crate `$krate` (foxedge-cpu and foxedge-vulkan share
+/// the argument types' shape), returning per-head figures in `fx_head_stats` form.
 ///
-/// # Safety
-/// The pointers were checked by [`buffer`] with the lengths in `call.shape`, the output
-/// does not overlap any input (checked), and the C caller owns that memory for the call.
-#[allow(clippy::too_many_arguments)]
-unsafe fn run<T: Storage, O: Storage>(
-    call: &Call,
-    d: &fx_attention_desc,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    log_fgate: *const f32,
-    out: *mut c_void,
-) -> FxResult<AttentionStats> {
-    let sh = call.shape;
-    // SAFETY: checked by the caller of `run` (function contract), per buffer.
-    let (q, k, v, g) = unsafe {
-        (
-            slice(q.cast::<T>(), sh.q_len()),
-            slice(k.cast::<T>(), sh.kv_len()),
-            slice(v.cast::<T>(), sh.kv_len()),
-            slice(log_fgate, sh.gate_len()),
-        )
+/// Safety of the generated function: the pointers were checked by [`buffer`] with the
+/// lengths in `call.shape`, no output overlaps another buffer (checked), and the C caller
+/// owns that memory for the duration of the call.
+macro_rules! prefill_on {
+    ($name:ident, $krate:ident, $run:ident) => {
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name<T: $krate::Storage, O: $krate::Storage>(
+            call: &Call,
+            d: &fx_attention_desc,
+            q: *const c_void,
+            k: *const c_void,
+            v: *const c_void,
+            log_fgate: *const f32,
+            out: *mut c_void,
+        ) -> FxResult<Vec<fx_head_stats>> {
+            let sh = call.shape;
+            // SAFETY: checked by the caller (see the macro's safety note), per buffer.
+            let (q, k, v, g) = unsafe {
+                (
+                    slice(q.cast::<T>(), sh.q_len()),
+                    slice(k.cast::<T>(), sh.kv_len()),
+                    slice(v.cast::<T>(), sh.kv_len()),
+                    slice(log_fgate, sh.gate_len()),
+                )
+            };
+            let seq_start = if d.seq_start.is_null() {
+                None
+            } else {
+                // SAFETY: checked by `buffer` with `batch` elements.
+                Some(unsafe { slice(d.seq_start, sh.batch) })
+            };
+            let values = if d.acp_values.is_null() {
+                &[][..]
+            } else {
+                // SAFETY: checked by `buffer` with `acp_values_len` elements.
+                unsafe { slice(d.acp_values, d.acp_values_len) }
+            };
+            let acp = match call.acp_mode {
+                fx_acp_mode::FX_ACP_OFF => $krate::Acp::Off,
+                fx_acp_mode::FX_ACP_THRESHOLD => $krate::Acp::Threshold(values),
+                fx_acp_mode::FX_ACP_BOUND => $krate::Acp::Bound {
+                    u: values,
+                    ln_eps: call.log_eps,
+                },
+                fx_acp_mode::FX_ACP_OBSERVED_NORMS => $krate::Acp::ObservedNorms {
+                    ln_eps: call.log_eps,
+                },
+            };
+            // SAFETY: `out` was checked by `buffer` for q_len elements of O and overlaps no
+            // other buffer; no other reference to it exists during the call.
+            let out = unsafe { std::slice::from_raw_parts_mut(out.cast::<O>(), sh.q_len()) };
+            let lse = if d.lse_out.is_null() {
+                None
+            } else {
+                let n = sh.batch * sh.heads_q * sh.seq_q;
+                // SAFETY: checked by `buffer` for n floats, no overlap.
+                Some(unsafe { std::slice::from_raw_parts_mut(d.lse_out, n) })
+            };
+            let args = $krate::PrefillArgs {
+                shape: sh,
+                q,
+                k,
+                v,
+                log_fgate: g,
+                seq_start,
+            };
+            let opts = $krate::PrefillOptions {
+                sm_scale: call.sm_scale,
+                acp,
+                block_q: call.block_q,
+                block_k: call.block_k,
+            };
+            let stats = $run(&args, &opts, out, lse)?;
+            Ok(stats
+                .heads
+                .iter()
+                .map(|h| fx_head_stats {
+                    kept_pairs: h.kept_pairs,
+                    total_pairs: h.total_pairs,
+                    kept_blocks: h.kept_blocks,
+                    total_blocks: h.total_blocks,
+                    delta: h.delta.unwrap_or(f64::NAN),
+                })
+                .collect())
+        }
     };
-    let seq_start = if d.seq_start.is_null() {
-        None
-    } else {
-        // SAFETY: checked non-null/aligned by `buffer` in fx_attention_forward with `batch`
-        // elements.
-        Some(unsafe { slice(d.seq_start, sh.batch) })
-    };
-    let values = if d.acp_values.is_null() {
-        &[][..]
-    } else {
-        // SAFETY: checked by `buffer` with `acp_values_len` elements.
-        unsafe { slice(d.acp_values, d.acp_values_len) }
-    };
-    let acp = match call.acp_mode {
-        fx_acp_mode::FX_ACP_OFF => Acp::Off,
-        fx_acp_mode::FX_ACP_THRESHOLD => Acp::Threshold(values),
-        fx_acp_mode::FX_ACP_BOUND => Acp::Bound {
-            u: values,
-            ln_eps: call.log_eps,
-        },
-        fx_acp_mode::FX_ACP_OBSERVED_NORMS => Acp::ObservedNorms {
-            ln_eps: call.log_eps,
-        },
-    };
-    // SAFETY: `out` was checked by `buffer` for q_len elements of O and does not overlap
-    // any input; no other reference to it exists during the call.
-    let out = unsafe { std::slice::from_raw_parts_mut(out.cast::<O>(), sh.q_len()) };
-    let lse = if d.lse_out.is_null() {
-        None
-    } else {
-        // SAFETY: checked by `buffer` for batch*heads_q*seq_q floats, no overlap.
-        Some(unsafe { std::slice::from_raw_parts_mut(d.lse_out, sh.batch * sh.heads_q * sh.seq_q) })
-    };
-    let args = PrefillArgs {
-        shape: sh,
-        q,
-        k,
-        v,
-        log_fgate: g,
-        seq_start,
-    };
-    let opts = PrefillOptions {
-        sm_scale: call.sm_scale,
-        acp,
-        block_q: call.block_q,
-        block_k: call.block_k,
-    };
-    foxedge_cpu::prefill(&args, &opts, out, lse).map_err(map_core)
+}
+
+/// foxedge-cpu's prefill with its errors mapped.
+fn cpu_prefill<T: foxedge_cpu::Storage, O: foxedge_cpu::Storage>(
+    args: &foxedge_cpu::PrefillArgs<'_, T>,
+    opts: &foxedge_cpu::PrefillOptions<'_>,
+    out: &mut [O],
+    lse: Option<&mut [f32]>,
+) -> FxResult<foxedge_cpu::AttentionStats> {
+    foxedge_cpu::prefill(args, opts, out, lse).map_err(map_core)
+}
+
+/// foxedge-vulkan's prefill on the process-wide device, with its errors mapped.
+#[cfg(feature = "vulkan")]
+fn vulkan_prefill<T: foxedge_vulkan::Storage, O: foxedge_vulkan::Storage>(
+    args: &foxedge_vulkan::PrefillArgs<'_, T>,
+    opts: &foxedge_vulkan::PrefillOptions<'_>,
+    out: &mut [O],
+    lse: Option<&mut [f32]>,
+) -> FxResult<foxedge_vulkan::AttentionStats> {
+    vulkan_device()?
+        .prefill(args, opts, out, lse)
+        .map_err(map_vulkan)
+}
+
+prefill_on!(run_cpu, foxedge_cpu, cpu_prefill);
+#[cfg(feature = "vulkan")]
+prefill_on!(run_vulkan, foxedge_vulkan, vulkan_prefill);
+
+/// The process-wide Vulkan device for `fx_attention_forward`, opened on first use
+/// (`FOXEDGE_VULKAN_DEVICE` picks one). A failure to open is remembered.
+#[cfg(feature = "vulkan")]
+fn vulkan_device() -> FxResult<&'static foxedge_vulkan::Vulkan> {
+    static DEVICE: std::sync::OnceLock<Result<foxedge_vulkan::Vulkan, crate::status::Failure>> =
+        std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| foxedge_vulkan::Vulkan::new().map_err(map_vulkan))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Maps a Vulkan backend error to a status and message.
+#[cfg(feature = "vulkan")]
+fn map_vulkan(e: foxedge_vulkan::Error) -> crate::status::Failure {
+    use foxedge_vulkan::Error as E;
+    match e {
+        E::Input(c) => map_core(c),
+        E::NoLoader(_)
+        | E::NoInstance(_)
+        | E::NoDevice
+        | E::DeviceNotFound { .. }
+        | E::DeviceLost
+        | E::Vulkan(_) => fail(FX_ERR_BACKEND_UNAVAILABLE, format!("vulkan: {e}")),
+        E::OutOfDeviceMemory => fail(FX_ERR_OUT_OF_MEMORY, format!("vulkan: {e}")),
+        E::Unsupported(_) => fail(FX_ERR_UNSUPPORTED, format!("vulkan: {e}")),
+    }
+}
+
+/// Calls `$f::<T, O>(args...)` for the storage and output types of `call`.
+macro_rules! by_dtype {
+    ($f:ident, $call:expr, $($arg:expr),*) => {{
+        use fx_dtype::*;
+        match ($call.dtype, $call.out_dtype) {
+            (FX_DTYPE_F32, FX_DTYPE_F32) => $f::<f32, f32>($call, $($arg),*),
+            (FX_DTYPE_F32, FX_DTYPE_F16) => $f::<f32, f16>($call, $($arg),*),
+            (FX_DTYPE_F32, FX_DTYPE_BF16) => $f::<f32, bf16>($call, $($arg),*),
+            (FX_DTYPE_F16, FX_DTYPE_F32) => $f::<f16, f32>($call, $($arg),*),
+            (FX_DTYPE_F16, FX_DTYPE_F16) => $f::<f16, f16>($call, $($arg),*),
+            (FX_DTYPE_F16, FX_DTYPE_BF16) => $f::<f16, bf16>($call, $($arg),*),
+            (FX_DTYPE_BF16, FX_DTYPE_F32) => $f::<bf16, f32>($call, $($arg),*),
+            (FX_DTYPE_BF16, FX_DTYPE_F16) => $f::<bf16, f16>($call, $($arg),*),
+            (FX_DTYPE_BF16, FX_DTYPE_BF16) => $f::<bf16, bf16>($call, $($arg),*),
+        }
+    }};
 }
 
 /// Forgetting-attention prefill on caller memory (the kernel of the chosen backend):
@@ -585,60 +696,31 @@ pub unsafe extern "C" fn fx_attention_forward(
                 }
             }
         }
-        use fx_dtype::*;
         // SAFETY: every pointer was validated above against its element count and type, and
         // no output overlaps another buffer.
-        let result = unsafe {
-            match (call.dtype, call.out_dtype) {
-                (FX_DTYPE_F32, FX_DTYPE_F32) => run::<f32, f32>(&call, &d, q, k, v, log_fgate, out),
-                (FX_DTYPE_F32, FX_DTYPE_F16) => run::<f32, f16>(&call, &d, q, k, v, log_fgate, out),
-                (FX_DTYPE_F32, FX_DTYPE_BF16) => {
-                    run::<f32, bf16>(&call, &d, q, k, v, log_fgate, out)
-                }
-                (FX_DTYPE_F16, FX_DTYPE_F32) => run::<f16, f32>(&call, &d, q, k, v, log_fgate, out),
-                (FX_DTYPE_F16, FX_DTYPE_F16) => run::<f16, f16>(&call, &d, q, k, v, log_fgate, out),
-                (FX_DTYPE_F16, FX_DTYPE_BF16) => {
-                    run::<f16, bf16>(&call, &d, q, k, v, log_fgate, out)
-                }
-                (FX_DTYPE_BF16, FX_DTYPE_F32) => {
-                    run::<bf16, f32>(&call, &d, q, k, v, log_fgate, out)
-                }
-                (FX_DTYPE_BF16, FX_DTYPE_F16) => {
-                    run::<bf16, f16>(&call, &d, q, k, v, log_fgate, out)
-                }
-                (FX_DTYPE_BF16, FX_DTYPE_BF16) => {
-                    run::<bf16, bf16>(&call, &d, q, k, v, log_fgate, out)
-                }
+        let heads = unsafe {
+            match call.backend {
+                Target::Cpu => by_dtype!(run_cpu, &call, &d, q, k, v, log_fgate, out),
+                #[cfg(feature = "vulkan")]
+                Target::Vulkan => by_dtype!(run_vulkan, &call, &d, q, k, v, log_fgate, out),
             }
         }?;
         if let (Some(size), Some(s_in)) = (stats_size, stats_in) {
             let mut s = s_in;
-            s.kept_pairs = result.kept_pairs();
-            s.total_pairs = result.total_pairs();
-            s.kept_blocks = result.heads.iter().map(|h| h.kept_blocks).sum();
-            s.total_blocks = result.heads.iter().map(|h| h.total_blocks).sum();
+            s.kept_pairs = heads.iter().map(|h| h.kept_pairs).sum();
+            s.total_pairs = heads.iter().map(|h| h.total_pairs).sum();
+            s.kept_blocks = heads.iter().map(|h| h.kept_blocks).sum();
+            s.total_blocks = heads.iter().map(|h| h.total_blocks).sum();
             s.flops = 4.0 * sh.head_dim as f64 * s.kept_pairs as f64;
             if let Some((p, n)) = heads_out {
-                if result.heads.len() != n {
+                if heads.len() != n {
                     return Err(fail(
                         FX_ERR_INTERNAL,
-                        format!(
-                            "kernel returned {} head stats, expected {n}",
-                            result.heads.len()
-                        ),
+                        format!("kernel returned {} head stats, expected {n}", heads.len()),
                     ));
                 }
                 // SAFETY: p was validated for n writable entries, disjoint from the rest.
-                let dst = unsafe { std::slice::from_raw_parts_mut(p, n) };
-                for (o, h) in dst.iter_mut().zip(&result.heads) {
-                    *o = fx_head_stats {
-                        kept_pairs: h.kept_pairs,
-                        total_pairs: h.total_pairs,
-                        kept_blocks: h.kept_blocks,
-                        total_blocks: h.total_blocks,
-                        delta: h.delta.unwrap_or(f64::NAN),
-                    };
-                }
+                unsafe { std::slice::from_raw_parts_mut(p, n) }.copy_from_slice(&heads);
             }
             // SAFETY: size came from check_out on this pointer.
             unsafe { write_out(stats, size, s) };

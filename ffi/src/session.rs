@@ -26,6 +26,16 @@ pub struct fx_session {
     poisoned: bool,
 }
 
+// The header's thread-safety promises, checked by the compiler: a model is shared by
+// reference across threads (Sync) and freed from any thread (Send); a session moves between
+// threads (Send) but is never used by two at once.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    const fn movable<T: Send>() {}
+    shareable::<Model>();
+    movable::<Session>();
+};
+
 /// Options of `fx_model_open` (none yet besides the version field).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]

@@ -248,3 +248,32 @@ fn one_model_serves_sessions_on_several_threads() {
     // SAFETY: every session is freed; freed once.
     unsafe { fx_model_free(m.0) };
 }
+
+/// The Vulkan kernels through the same entry point agree with the CPU kernels (CI runs this
+/// on Mesa's lavapipe). f32 compute on both; the tolerance covers the device's `exp` and a
+/// different summation order over 90 keys with |v| <= 1.
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_backend_matches_cpu_through_the_abi() {
+    for layout in [
+        fx_layout::FX_LAYOUT_SEQ_FIRST,
+        fx_layout::FX_LAYOUT_HEAD_FIRST,
+    ] {
+        let mut d = desc(layout);
+        let x = inputs(&d);
+        let (q, k, v) = (
+            x.q.as_ptr().cast(),
+            x.k.as_ptr().cast(),
+            x.v.as_ptr().cast(),
+        );
+        let cpu = forward(&d, q, k, v, &x.g);
+        d.backend = fx_backend::FX_BACKEND_VULKAN as i32;
+        let gpu = forward(&d, q, k, v, &x.g);
+        let err = gpu
+            .iter()
+            .zip(&cpu)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err <= 1e-4, "{layout:?}: max abs diff {err}");
+    }
+}

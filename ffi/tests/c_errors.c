@@ -238,8 +238,21 @@ static void test_attention(void) {
          "attention: unknown backend");
   d = small_desc();
   d.backend = FX_BACKEND_VULKAN;
+  {
+    /* Built without Vulkan, or no device: BACKEND_UNAVAILABLE. With a device: a result. */
+    fx_status st = fx_attention_forward(&d, q, k, v, gates, out, NULL);
+    if (st == FX_OK) {
+      char detail[128];
+      double err = reference_max_err();
+      snprintf(detail, sizeof detail, "ran on Vulkan: max abs error %.3g (tol 1e-5)", err);
+      check(err < 1e-5, "attention: vulkan backend", detail);
+    } else {
+      expect(st, FX_ERR_BACKEND_UNAVAILABLE, "attention: vulkan backend");
+    }
+  }
+  d.backend = FX_BACKEND_HYBRID;
   expect(fx_attention_forward(&d, q, k, v, gates, out, NULL), FX_ERR_BACKEND_UNAVAILABLE,
-         "attention: vulkan backend");
+         "attention: hybrid backend (sessions only)");
   d = small_desc();
   d.sm_scale = NAN;
   expect(fx_attention_forward(&d, q, k, v, gates, out, NULL), FX_ERR_INVALID_ARGUMENT,
