@@ -71,7 +71,11 @@ fuzz_target!(|data: &[u8]| {
     let acp_values: Vec<f64> = (0..usize::from(r.u8() % 8))
         .map(|_| {
             let b = r.u8();
-            if b < 200 { -f64::from(b) / 8.0 } else { f64::from(f32::from_bits(r.u32())) }
+            if b < 200 {
+                -f64::from(b) / 8.0
+            } else {
+                f64::from(f32::from_bits(r.u32()))
+            }
         })
         .collect();
     if flags & 8 != 0 {
@@ -97,13 +101,23 @@ fuzz_target!(|data: &[u8]| {
             f32::from(r.u8() as i8) / 128.0
         }
     };
-    let q: Vec<f32> = (0..(b * hq * sq * hd).max(1)).map(|_| val(&mut r)).collect();
-    let k: Vec<f32> = (0..(b * hk * sk * hd).max(1)).map(|_| val(&mut r)).collect();
-    let v: Vec<f32> = (0..(b * hk * sk * hd).max(1)).map(|_| val(&mut r)).collect();
+    let q: Vec<f32> = (0..(b * hq * sq * hd).max(1))
+        .map(|_| val(&mut r))
+        .collect();
+    let k: Vec<f32> = (0..(b * hk * sk * hd).max(1))
+        .map(|_| val(&mut r))
+        .collect();
+    let v: Vec<f32> = (0..(b * hk * sk * hd).max(1))
+        .map(|_| val(&mut r))
+        .collect();
     let g: Vec<f32> = (0..(b * hq * sk).max(1))
         .map(|_| {
             let x = r.u8();
-            if x < 250 { -f32::from(x) / 64.0 } else { [f32::NAN, 0.5, f32::INFINITY, -f32::INFINITY, -0.0, f32::MIN][usize::from(x - 250)] }
+            if x < 250 {
+                -f32::from(x) / 64.0
+            } else {
+                [f32::NAN, 0.5, f32::INFINITY, -f32::INFINITY, -0.0, f32::MIN][usize::from(x - 250)]
+            }
         })
         .collect();
     let narrow = |x: &[f32], dt: i32| -> Vec<u16> {
@@ -114,11 +128,19 @@ fuzz_target!(|data: &[u8]| {
             })
             .collect()
     };
-    let (q16, k16, v16) = (narrow(&q, d.dtype), narrow(&k, d.dtype), narrow(&v, d.dtype));
+    let (q16, k16, v16) = (
+        narrow(&q, d.dtype),
+        narrow(&k, d.dtype),
+        narrow(&v, d.dtype),
+    );
     let (qp, kp, vp): (*const c_void, *const c_void, *const c_void) = if d.dtype == 0 {
         (q.as_ptr().cast(), k.as_ptr().cast(), v.as_ptr().cast())
     } else {
-        (q16.as_ptr().cast(), k16.as_ptr().cast(), v16.as_ptr().cast())
+        (
+            q16.as_ptr().cast(),
+            k16.as_ptr().cast(),
+            v16.as_ptr().cast(),
+        )
     };
     let n_out = (b * hq * sq * hd).max(1);
     let mut out32 = vec![0.0f32; n_out];
@@ -151,7 +173,10 @@ fuzz_target!(|data: &[u8]| {
     if !finite_in || !tame_gates || d.dtype != 0 || d.out_dtype != 0 || d.acp_mode != 0 {
         return;
     }
-    assert!(out32.iter().all(|x| x.is_finite()), "non-finite output for {d:?}");
+    assert!(
+        out32.iter().all(|x| x.is_finite()),
+        "non-finite output for {d:?}"
+    );
     let shape = AttentionShape {
         batch: b,
         heads_q: hq,
@@ -159,7 +184,11 @@ fuzz_target!(|data: &[u8]| {
         seq_q: sq,
         seq_k: sk,
         head_dim: hd,
-        layout: if d.layout == 0 { Layout::SeqFirst } else { Layout::HeadFirst },
+        layout: if d.layout == 0 {
+            Layout::SeqFirst
+        } else {
+            Layout::HeadFirst
+        },
     };
     let args = PrefillArgs {
         shape,
@@ -180,6 +209,9 @@ fuzz_target!(|data: &[u8]| {
     let tol = 1e-4 * (1.0 + s * hd as f64);
     let (want, _) = foxedge_cpu::reference::prefill_f64(&args, scale, None);
     for (i, (&o, &w)) in out32.iter().zip(&want).enumerate() {
-        assert!((f64::from(o) - w).abs() <= tol, "out[{i}] = {o}, reference {w}, tol {tol}, {d:?}");
+        assert!(
+            (f64::from(o) - w).abs() <= tol,
+            "out[{i}] = {o}, reference {w}, tol {tol}, {d:?}"
+        );
     }
 });

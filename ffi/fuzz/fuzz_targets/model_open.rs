@@ -75,7 +75,11 @@ fuzz_target!(|data: &[u8]| {
     let opts = fx_session_options_default();
     // SAFETY: live model, valid options and out pointer.
     let st = unsafe { fx_session_new(m, &opts, &mut s) };
-    assert_ne!(st, fx_status::FX_ERR_INTERNAL, "internal error on session_new");
+    assert_ne!(
+        st,
+        fx_status::FX_ERR_INTERNAL,
+        "internal error on session_new"
+    );
     if st == fx_status::FX_OK && info.vocab_size > 0 && info.vocab_size <= 1 << 16 {
         let tokens: Vec<i32> = (0..3).map(|i| (i % info.vocab_size) as i32).collect();
         let mut logits = vec![0.0f32; info.vocab_size];
