@@ -222,6 +222,9 @@ struct fx_attention_desc {
   fx_dtype dtype;
   // Storage type of out.
   fx_dtype out_dtype;
+  // FX_BACKEND_CPU or FX_BACKEND_AUTO: the SIMD CPU kernels. FX_BACKEND_VULKAN: the Vulkan
+  // kernels (FX_ERR_BACKEND_UNAVAILABLE in a build without them or with no device).
+  // FX_BACKEND_HYBRID schedules whole sessions only: FX_ERR_BACKEND_UNAVAILABLE here.
   fx_backend backend;
   // Logit scale s; 0 means `1/sqrt(head_dim)`.
   float sm_scale;
