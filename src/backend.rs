@@ -45,7 +45,7 @@ pub enum BackendKind {
     Cpu,
     /// Vulkan compute kernels (foxedge-vulkan).
     Vulkan,
-    /// Picks from measured costs; today the CPU (no Vulkan backend is wired yet).
+    /// Picks cpu, vulkan or hybrid from measured costs; the CPU when there is no device.
     Auto,
     /// Heavy heads on the GPU, light heads on the CPU (needs the Vulkan backend).
     Hybrid,
@@ -208,13 +208,8 @@ fn convert_stats(st: &foxedge_cpu::AttentionStats) -> AttentionStats {
 /// The backend for `kind`, or [`Error::BackendUnavailable`] saying why not.
 pub(crate) fn resolve(kind: BackendKind) -> Result<Box<dyn AttentionBackend>> {
     match kind {
-        BackendKind::Cpu | BackendKind::Auto => Ok(Box::new(CpuBackend)),
-        BackendKind::Vulkan => Err(Error::BackendUnavailable(
-            "vulkan: the Vulkan backend is not part of this build yet (use --backend cpu)".into(),
-        )),
-        BackendKind::Hybrid => Err(Error::BackendUnavailable(
-            "hybrid: needs the Vulkan backend, which is not part of this build yet".into(),
-        )),
+        BackendKind::Cpu => Ok(Box::new(CpuBackend)),
+        other => crate::hybrid::resolve(other, None),
     }
 }
 
@@ -233,10 +228,6 @@ mod tests {
             assert_eq!(k.name().parse::<BackendKind>().unwrap(), k);
         }
         assert!("tpu".parse::<BackendKind>().is_err());
-        assert_eq!(resolve(BackendKind::Auto).unwrap().kind(), BackendKind::Cpu);
-        assert!(matches!(
-            resolve(BackendKind::Vulkan),
-            Err(Error::BackendUnavailable(_))
-        ));
+        assert_eq!(resolve(BackendKind::Cpu).unwrap().kind(), BackendKind::Cpu);
     }
 }

@@ -144,7 +144,9 @@ fn plan(work: &[u64], cpu: LinearCost, gpu: LinearCost, concurrent: bool, mode: 
     let split_of = |gpu_heads: Vec<usize>, predicted_seconds: f64| {
         let mut gpu_heads = gpu_heads;
         gpu_heads.sort_unstable();
-        let cpu_heads = (0..n).filter(|h| gpu_heads.binary_search(h).is_err()).collect();
+        let cpu_heads = (0..n)
+            .filter(|h| gpu_heads.binary_search(h).is_err())
+            .collect();
         Split {
             gpu_heads,
             cpu_heads,
@@ -296,8 +298,10 @@ fn core_err(e: foxedge_core::Error) -> Error {
 }
 
 /// Process-wide calibrations, keyed by (device, heads, head_dim).
-fn calibration_cache() -> &'static Mutex<HashMap<(String, usize, usize), Calibration>> {
-    static CACHE: OnceLock<Mutex<HashMap<(String, usize, usize), Calibration>>> = OnceLock::new();
+type CalibrationCache = Mutex<HashMap<(String, usize, usize), Calibration>>;
+
+fn calibration_cache() -> &'static CalibrationCache {
+    static CACHE: OnceLock<CalibrationCache> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -603,18 +607,19 @@ impl Scheduler {
         Ok(())
     }
 
-    fn gpu_alone<F: FnOnce() -> Result<AttentionStats>, R: FnOnce() -> Result<AttentionStats>>(
+    /// `r` when it is not a device failure; else says so (once), stops using the GPU and
+    /// returns `rerun()` (the same work on the CPU).
+    fn or_cpu(
         &self,
-        gpu: F,
-        rerun: R,
+        r: Result<AttentionStats>,
+        rerun: impl FnOnce() -> Result<AttentionStats>,
     ) -> Result<AttentionStats> {
-        match gpu() {
-            Ok(s) => Ok(s),
+        match r {
             Err(e) if is_device_failure(&e) => {
                 self.fall_back(&e);
                 rerun()
             }
-            Err(e) => Err(e),
+            other => other,
         }
     }
 
@@ -640,6 +645,105 @@ impl Scheduler {
 fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
     m.lock()
         .map_err(|_| Error::Internal("hybrid scheduler lock poisoned".into()))
+}
+
+/// Gathered q, k, v, log f of some heads (`[t, n, d]`, `[t, n]`) and their bounds.
+struct PrefillPart {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    log_f: Vec<f32>,
+    u: Vec<f64>,
+}
+
+impl PrefillPart {
+    fn gather(call: &PrefillCall<'_>, idx: &[usize]) -> PrefillPart {
+        let (t, nh, d) = (call.t, call.heads, call.head_dim);
+        PrefillPart {
+            q: gather_seq(call.q, t, nh, d, idx),
+            k: gather_seq(call.k, t, nh, d, idx),
+            v: gather_seq(call.v, t, nh, d, idx),
+            log_f: gather_seq(call.log_f, t, nh, 1, idx),
+            u: match call.acp {
+                Acp::Bound { u, .. } => idx
+                    .iter()
+                    .map(|&h| u.get(h).copied().unwrap_or(f64::NAN))
+                    .collect(),
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    fn call<'a>(&'a self, whole: &PrefillCall<'_>) -> PrefillCall<'a> {
+        PrefillCall {
+            t: whole.t,
+            heads: self.log_f.len() / whole.t.max(1),
+            head_dim: whole.head_dim,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            log_f: &self.log_f,
+            acp: match whole.acp {
+                Acp::Bound { ln_eps, .. } => Acp::Bound { u: &self.u, ln_eps },
+                Acp::Off => Acp::Off,
+                Acp::ObservedNorms { ln_eps } => Acp::ObservedNorms { ln_eps },
+            },
+        }
+    }
+}
+
+/// The queries, cache views and bounds of some heads of a decode call.
+struct DecodePart<'c> {
+    q: Vec<f32>,
+    q_c: Vec<f64>,
+    q_pos: Option<Vec<u64>>,
+    heads: Vec<CacheHead<'c>>,
+    u: Vec<f64>,
+}
+
+impl<'c> DecodePart<'c> {
+    fn gather(call: &DecodeCall<'c>, idx: &[usize]) -> DecodePart<'c> {
+        let (nq, d) = (call.n_queries, call.head_dim);
+        DecodePart {
+            q: gather_major(call.q, nq * d, idx),
+            q_c: gather_major(call.q_c, nq, idx),
+            q_pos: call.q_pos.map(|p| gather_major(p, nq, idx)),
+            heads: idx.iter().map(|&h| call.heads[h]).collect(),
+            u: match call.acp {
+                Acp::Bound { u, .. } => idx
+                    .iter()
+                    .map(|&h| u.get(h).copied().unwrap_or(f64::NAN))
+                    .collect(),
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    fn call<'a>(&'a self, whole: &DecodeCall<'_>) -> DecodeCall<'a>
+    where
+        'c: 'a,
+    {
+        DecodeCall {
+            head_dim: whole.head_dim,
+            n_queries: whole.n_queries,
+            q: &self.q,
+            q_c: &self.q_c,
+            q_pos: self.q_pos.as_deref(),
+            heads: &self.heads,
+            acp: match whole.acp {
+                Acp::Bound { ln_eps, .. } => Acp::Bound { u: &self.u, ln_eps },
+                Acp::Off => Acp::Off,
+                Acp::ObservedNorms { ln_eps } => Acp::ObservedNorms { ln_eps },
+            },
+        }
+    }
+}
+
+fn join_gpu(
+    h: std::thread::ScopedJoinHandle<'_, Result<AttentionStats>>,
+) -> Result<AttentionStats> {
+    h.join()
+        .unwrap_or_else(|_| Err(Error::Internal("the GPU submission thread panicked".into())))
 }
 
 impl AttentionBackend for Scheduler {
@@ -670,69 +774,22 @@ impl AttentionBackend for Scheduler {
             return self.cpu.prefill(call, out);
         }
         if split.cpu_heads.is_empty() {
-            return self.gpu_alone(
-                || self.gpu.backend.prefill(call, out),
-                || self.cpu.prefill(call, out),
-            );
+            let r = self.gpu.backend.prefill(call, out);
+            return self.or_cpu(r, || self.cpu.prefill(call, out));
         }
-        let sub = |idx: &[usize], u_buf: &mut Vec<f64>| -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-            if let Acp::Bound { u, .. } = call.acp {
-                *u_buf = idx.iter().map(|&h| u.get(h).copied().unwrap_or(f64::NAN)).collect();
-            }
-            let log_f = gather_seq(call.log_f, t, nh, 1, idx);
-            (
-                gather_seq(call.q, t, nh, d, idx),
-                gather_seq(call.k, t, nh, d, idx),
-                gather_seq(call.v, t, nh, d, idx),
-                log_f,
-            )
-        };
-        let (mut gu, mut cu) = (Vec::new(), Vec::new());
-        let g_in = sub(&split.gpu_heads, &mut gu);
-        let c_in = sub(&split.cpu_heads, &mut cu);
-        let sub_acp = |u_sub: &'_ [f64]| -> Acp<'_> {
-            match call.acp {
-                Acp::Bound { ln_eps, .. } => Acp::Bound { u: u_sub, ln_eps },
-                Acp::Off => Acp::Off,
-                Acp::ObservedNorms { ln_eps } => Acp::ObservedNorms { ln_eps },
-            }
-        };
-        let mk = |x: &'_ (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>), n: usize, u: &'_ [f64]| {
-            PrefillCall {
-                t,
-                heads: n,
-                head_dim: d,
-                q: &x.0,
-                k: &x.1,
-                v: &x.2,
-                log_f: &x.3,
-                acp: sub_acp(u),
-            }
-        };
-        let gcall = mk(&g_in, split.gpu_heads.len(), &gu);
-        let ccall = mk(&c_in, split.cpu_heads.len(), &cu);
+        let gp = PrefillPart::gather(call, &split.gpu_heads);
+        let cp = PrefillPart::gather(call, &split.cpu_heads);
+        let (gcall, ccall) = (gp.call(call), cp.call(call));
         let mut g_out = vec![0.0f32; t * split.gpu_heads.len() * d];
         let mut c_out = vec![0.0f32; t * split.cpu_heads.len() * d];
         let gpu = self.gpu.backend.as_ref();
         let (gres, cres) = std::thread::scope(|s| {
             let h = s.spawn(|| gpu.prefill(&gcall, &mut g_out));
             let c = self.cpu.prefill(&ccall, &mut c_out);
-            (
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Internal("the GPU submission thread panicked".into()))
-                }),
-                c,
-            )
+            (join_gpu(h), c)
         });
         let cs = cres?;
-        let gs = match gres {
-            Ok(g) => g,
-            Err(e) if is_device_failure(&e) => {
-                self.fall_back(&e);
-                self.cpu.prefill(&gcall, &mut g_out)?
-            }
-            Err(e) => return Err(e),
-        };
+        let gs = self.or_cpu(gres, || self.cpu.prefill(&gcall, &mut g_out))?;
         scatter_seq(&g_out, t, nh, d, &split.gpu_heads, out);
         scatter_seq(&c_out, t, nh, d, &split.cpu_heads, out);
         Ok(merge_stats(
@@ -744,7 +801,9 @@ impl AttentionBackend for Scheduler {
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         let (nh, nq, d) = (call.heads.len(), call.n_queries, call.head_dim);
         if out.len() != nh * nq * d {
-            return Err(Error::invalid("decode out: [heads, n_queries, head_dim] values"));
+            return Err(Error::invalid(
+                "decode out: [heads, n_queries, head_dim] values",
+            ));
         }
         let work = if self.mode == Mode::GpuOnly || self.fell_back() {
             vec![0; nh]
@@ -757,75 +816,951 @@ impl AttentionBackend for Scheduler {
             return self.cpu.decode(call, out);
         }
         if split.cpu_heads.is_empty() {
-            return self.gpu_alone(
-                || self.gpu.backend.decode(call, out),
-                || self.cpu.decode(call, out),
-            );
+            let r = self.gpu.backend.decode(call, out);
+            return self.or_cpu(r, || self.cpu.decode(call, out));
         }
-        struct Part<'a> {
-            q: Vec<f32>,
-            q_c: Vec<f64>,
-            q_pos: Option<Vec<u64>>,
-            heads: Vec<CacheHead<'a>>,
-            u: Vec<f64>,
-        }
-        let part = |idx: &[usize]| -> Part<'_> {
-            Part {
-                q: gather_major(call.q, nq * d, idx),
-                q_c: gather_major(call.q_c, nq, idx),
-                q_pos: call.q_pos.map(|p| gather_major(p, nq, idx)),
-                heads: idx.iter().map(|&h| call.heads[h]).collect(),
-                u: match call.acp {
-                    Acp::Bound { u, .. } => {
-                        idx.iter().map(|&h| u.get(h).copied().unwrap_or(f64::NAN)).collect()
-                    }
-                    _ => Vec::new(),
-                },
-            }
-        };
-        let gp = part(&split.gpu_heads);
-        let cp = part(&split.cpu_heads);
-        let mk = |p: &'_ Part<'_>| DecodeCall {
-            head_dim: d,
-            n_queries: nq,
-            q: &p.q,
-            q_c: &p.q_c,
-            q_pos: p.q_pos.as_deref(),
-            heads: &p.heads,
-            acp: match call.acp {
-                Acp::Bound { ln_eps, .. } => Acp::Bound { u: &p.u, ln_eps },
-                other => other,
-            },
-        };
-        let gcall = mk(&gp);
-        let ccall = mk(&cp);
+        let gp = DecodePart::gather(call, &split.gpu_heads);
+        let cp = DecodePart::gather(call, &split.cpu_heads);
+        let (gcall, ccall) = (gp.call(call), cp.call(call));
         let mut g_out = vec![0.0f32; split.gpu_heads.len() * nq * d];
         let mut c_out = vec![0.0f32; split.cpu_heads.len() * nq * d];
         let gpu = self.gpu.backend.as_ref();
         let (gres, cres) = std::thread::scope(|s| {
             let h = s.spawn(|| gpu.decode(&gcall, &mut g_out));
             let c = self.cpu.decode(&ccall, &mut c_out);
-            (
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Internal("the GPU submission thread panicked".into()))
-                }),
-                c,
-            )
+            (join_gpu(h), c)
         });
         let cs = cres?;
-        let gs = match gres {
-            Ok(g) => g,
-            Err(e) if is_device_failure(&e) => {
-                self.fall_back(&e);
-                self.cpu.decode(&gcall, &mut g_out)?
-            }
-            Err(e) => return Err(e),
-        };
+        let gs = self.or_cpu(gres, || self.cpu.decode(&gcall, &mut g_out))?;
         scatter_major(&g_out, nq * d, &split.gpu_heads, out);
         scatter_major(&c_out, nq * d, &split.cpu_heads, out);
         Ok(merge_stats(
             nh,
             &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
         ))
+    }
+}
+
+/// Opens the Vulkan side: `device` as in `FOXEDGE_VULKAN_DEVICE` (None = that variable,
+/// else the best device).
+#[cfg(feature = "vulkan")]
+fn open_gpu(device: Option<&str>) -> Result<Gpu> {
+    let vb = crate::vulkan_backend::open(device)?;
+    Ok(Gpu {
+        name: vb.device_name(),
+        concurrent: !vb.is_cpu_device(),
+        backend: Box::new(vb),
+    })
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn open_gpu(_device: Option<&str>) -> Result<Gpu> {
+    Err(Error::BackendUnavailable(
+        "vulkan: this build has no Vulkan backend (cargo feature `vulkan`)".into(),
+    ))
+}
+
+/// Says once per process that `auto` found no Vulkan device and uses the CPU.
+fn note_auto_cpu(why: &Error) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::AcqRel) {
+        eprintln!("foxedge: auto backend: {why}; attention runs on the CPU");
+    }
+}
+
+/// The session's backend for `kind` (`device` as in `FOXEDGE_VULKAN_DEVICE`).
+///
+/// `cpu` always works; `vulkan` and `hybrid` need a Vulkan device
+/// ([`Error::BackendUnavailable`] otherwise); `auto` uses the CPU when there is none.
+pub(crate) fn resolve(
+    kind: BackendKind,
+    device: Option<&str>,
+) -> Result<Box<dyn AttentionBackend>> {
+    let mode = match kind {
+        BackendKind::Cpu => return Ok(Box::new(CpuBackend)),
+        BackendKind::Vulkan => Mode::GpuOnly,
+        BackendKind::Hybrid => Mode::Hybrid,
+        BackendKind::Auto => Mode::Auto,
+    };
+    match open_gpu(device) {
+        Ok(gpu) => Ok(Box::new(Scheduler::new(mode, gpu))),
+        Err(e) if mode == Mode::Auto => {
+            note_auto_cpu(&e);
+            Ok(Box::new(CpuBackend))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// How a [`Problem`] is pruned.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AcpMode {
+    /// Dense.
+    Off,
+    /// ACP with the problem's logit bounds `u` and this `ln eps` (< 0):
+    /// `delta_h = -2 U_h - ln N + ln eps` (ACP paper, section 3).
+    Bound { ln_eps: f64 },
+}
+
+impl AcpMode {
+    fn to_acp<'a>(self, u: &'a [f64]) -> Acp<'a> {
+        match self {
+            AcpMode::Off => Acp::Off,
+            AcpMode::Bound { ln_eps } => Acp::Bound { u, ln_eps },
+        }
+    }
+}
+
+/// Per-head work of one call (query-key pairs; FLOPs = `4 · head_dim · kept`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallStats {
+    pub kept_pairs: Vec<u64>,
+    pub total_pairs: Vec<u64>,
+}
+
+impl CallStats {
+    /// Sum of kept pairs over heads.
+    pub fn kept(&self) -> u64 {
+        self.kept_pairs.iter().sum()
+    }
+    /// Sum of attendable pairs over heads.
+    pub fn total(&self) -> u64 {
+        self.total_pairs.iter().sum()
+    }
+    /// `kept / total` (1 when there is no pair).
+    pub fn kept_fraction(&self) -> f64 {
+        let t = self.total();
+        if t == 0 {
+            1.0
+        } else {
+            self.kept() as f64 / t as f64
+        }
+    }
+    /// Kept FLOPs: `4 · head_dim · kept` (QK^T and PV, a multiply-add = 2 FLOPs).
+    pub fn flops(&self, head_dim: usize) -> f64 {
+        4.0 * head_dim as f64 * self.kept() as f64
+    }
+}
+
+impl From<AttentionStats> for CallStats {
+    fn from(s: AttentionStats) -> Self {
+        CallStats {
+            kept_pairs: s.kept_pairs,
+            total_pairs: s.total_pairs,
+        }
+    }
+}
+
+/// One causal prefill from an empty cache: `t` tokens, `heads` heads of `head_dim`.
+///
+/// `q`, `k`, `v`: `[t, heads, head_dim]`; `log_f`: `[t, heads]` log forget gates (finite,
+/// `<= 0`); `u`: `[heads]` logit bounds `U_h >= max |s q·k|` used by [`AcpMode::Bound`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    pub t: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub log_f: Vec<f32>,
+    pub u: Vec<f64>,
+}
+
+/// The ACP boundary of a [`Problem`] (what both kernels skip), per head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Boundary {
+    /// Tokens per block (query and key).
+    pub block: usize,
+    /// Query blocks per head.
+    pub q_blocks: usize,
+    /// `[heads, q_blocks]`: key blocks `< start` are pruned for that query block.
+    pub start_blocks: Vec<u32>,
+    pub kept_pairs: Vec<u64>,
+    pub total_pairs: Vec<u64>,
+    /// The threshold of each head (None: dense).
+    pub delta: Vec<Option<f64>>,
+    /// `[heads, t]` cumulative log gates `c_i = sum_{l<=i} log f_l` (f64).
+    pub c: Vec<f64>,
+}
+
+impl Problem {
+    /// Checks sizes, gates (finite, `<= 0`) and bounds (finite, `>= 0`).
+    pub fn validate(&self) -> Result<()> {
+        let (t, h, d) = (self.t, self.heads, self.head_dim);
+        if t == 0 || h == 0 || d == 0 {
+            return Err(Error::invalid("problem: t, heads and head_dim must be > 0"));
+        }
+        let n = t
+            .checked_mul(h)
+            .and_then(|x| x.checked_mul(d))
+            .ok_or_else(|| Error::invalid("problem: t * heads * head_dim overflows"))?;
+        for (name, len, want) in [
+            ("q", self.q.len(), n),
+            ("k", self.k.len(), n),
+            ("v", self.v.len(), n),
+            ("log_f", self.log_f.len(), t * h),
+            ("u", self.u.len(), h),
+        ] {
+            if len != want {
+                return Err(Error::invalid(format!(
+                    "problem: {name} has {len} values, expected {want}"
+                )));
+            }
+        }
+        gate::validate_log_gates(&self.log_f).map_err(core_err)?;
+        if self.u.iter().any(|u| !(u.is_finite() && *u >= 0.0)) {
+            return Err(Error::invalid(
+                "problem: logit bounds must be finite and >= 0",
+            ));
+        }
+        Ok(())
+    }
+
+    fn call(&self, acp: AcpMode) -> PrefillCall<'_> {
+        PrefillCall {
+            t: self.t,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            log_f: &self.log_f,
+            acp: acp.to_acp(&self.u),
+        }
+    }
+
+    /// The pruning boundary both backends use for this problem under `acp`.
+    pub fn boundary(&self, acp: AcpMode) -> Result<Boundary> {
+        self.validate()?;
+        let b = prefill_boundary(&self.call(acp))?;
+        Ok(Boundary {
+            block: BLOCK,
+            q_blocks: b.q_blocks,
+            start_blocks: b.start_blocks,
+            kept_pairs: b.kept_pairs,
+            total_pairs: b.total_pairs,
+            delta: b.delta,
+            c: b.c,
+        })
+    }
+
+    /// The first `t` tokens.
+    pub fn prefix(&self, t: usize) -> Result<Problem> {
+        if t == 0 || t > self.t {
+            return Err(Error::invalid(format!(
+                "prefix of {t} tokens of a {}-token problem",
+                self.t
+            )));
+        }
+        let (h, d) = (self.heads, self.head_dim);
+        Ok(Problem {
+            t,
+            heads: h,
+            head_dim: d,
+            q: self.q[..t * h * d].to_vec(),
+            k: self.k[..t * h * d].to_vec(),
+            v: self.v[..t * h * d].to_vec(),
+            log_f: self.log_f[..t * h].to_vec(),
+            u: self.u.clone(),
+        })
+    }
+
+    /// The heads of every part side by side (same `t` and `head_dim`): heads are
+    /// independent in attention, so layers' calls can be run as one wider call.
+    pub fn concat_heads(parts: &[Problem]) -> Result<Problem> {
+        let first = parts
+            .first()
+            .ok_or_else(|| Error::invalid("concat_heads: no problem"))?;
+        let (t, d) = (first.t, first.head_dim);
+        if parts.iter().any(|p| p.t != t || p.head_dim != d) {
+            return Err(Error::invalid(
+                "concat_heads: parts differ in t or head_dim",
+            ));
+        }
+        let heads: usize = parts.iter().map(|p| p.heads).sum();
+        let mut o = Problem {
+            t,
+            heads,
+            head_dim: d,
+            q: Vec::with_capacity(t * heads * d),
+            k: Vec::with_capacity(t * heads * d),
+            v: Vec::with_capacity(t * heads * d),
+            log_f: Vec::with_capacity(t * heads),
+            u: parts.iter().flat_map(|p| p.u.iter().copied()).collect(),
+        };
+        for r in 0..t {
+            for p in parts {
+                let row = r * p.heads * d..(r + 1) * p.heads * d;
+                o.q.extend_from_slice(&p.q[row.clone()]);
+                o.k.extend_from_slice(&p.k[row.clone()]);
+                o.v.extend_from_slice(&p.v[row]);
+                o.log_f
+                    .extend_from_slice(&p.log_f[r * p.heads..(r + 1) * p.heads]);
+            }
+        }
+        Ok(o)
+    }
+
+    /// The parts one after another in time (same heads and `head_dim`; `u` = the largest
+    /// bound of each head, so it bounds every part).
+    pub fn concat_time(parts: &[Problem]) -> Result<Problem> {
+        let first = parts
+            .first()
+            .ok_or_else(|| Error::invalid("concat_time: no problem"))?;
+        let (h, d) = (first.heads, first.head_dim);
+        if parts.iter().any(|p| p.heads != h || p.head_dim != d) {
+            return Err(Error::invalid(
+                "concat_time: parts differ in heads or head_dim",
+            ));
+        }
+        let mut o = Problem {
+            t: parts.iter().map(|p| p.t).sum(),
+            heads: h,
+            head_dim: d,
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            log_f: Vec::new(),
+            u: vec![0.0; h],
+        };
+        for p in parts {
+            o.q.extend_from_slice(&p.q);
+            o.k.extend_from_slice(&p.k);
+            o.v.extend_from_slice(&p.v);
+            o.log_f.extend_from_slice(&p.log_f);
+            for (a, b) in o.u.iter_mut().zip(&p.u) {
+                *a = a.max(*b);
+            }
+        }
+        Ok(o)
+    }
+
+    /// A decode step at position `n - 1`: the cache holds tokens `0..n` of every head (the
+    /// query's own key included), the query is token `n - 1`'s q.
+    pub fn decode_at(&self, n: usize) -> Result<DecodeProblem> {
+        self.validate()?;
+        if n == 0 || n > self.t {
+            return Err(Error::invalid(format!(
+                "decode at {n} entries of a {}-token problem",
+                self.t
+            )));
+        }
+        let (h, d) = (self.heads, self.head_dim);
+        let mut p = DecodeProblem {
+            heads: h,
+            head_dim: d,
+            n,
+            k: Vec::with_capacity(h * n * d),
+            v: Vec::with_capacity(h * n * d),
+            c: vec![0.0; h * n],
+            q: Vec::with_capacity(h * d),
+            q_c: Vec::with_capacity(h),
+            u: self.u.clone(),
+        };
+        for head in 0..h {
+            for r in 0..n {
+                p.k.extend_from_slice(&self.k[(r * h + head) * d..][..d]);
+                p.v.extend_from_slice(&self.v[(r * h + head) * d..][..d]);
+            }
+            let c = &mut p.c[head * n..(head + 1) * n];
+            gate::cumsum_strided(&self.log_f[head..], h, 0.0, c).map_err(core_err)?;
+            p.q.extend_from_slice(&self.q[((n - 1) * h + head) * d..][..d]);
+            p.q_c.push(c[n - 1]);
+        }
+        Ok(p)
+    }
+}
+
+/// One decode step of one query per head against `n` cached entries per head.
+///
+/// `k`, `v`: `[heads, n, head_dim]`; `c`: `[heads, n]` (f64, non-increasing);
+/// `q`: `[heads, head_dim]`; `q_c`: `[heads]`; `u`: `[heads]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeProblem {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub n: usize,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub c: Vec<f64>,
+    pub q: Vec<f32>,
+    pub q_c: Vec<f64>,
+    pub u: Vec<f64>,
+}
+
+impl DecodeProblem {
+    /// Checks sizes and finiteness.
+    pub fn validate(&self) -> Result<()> {
+        let (h, n, d) = (self.heads, self.n, self.head_dim);
+        if h == 0 || n == 0 || d == 0 {
+            return Err(Error::invalid(
+                "decode problem: heads, n, head_dim must be > 0",
+            ));
+        }
+        for (name, len, want) in [
+            ("k", self.k.len(), h * n * d),
+            ("v", self.v.len(), h * n * d),
+            ("c", self.c.len(), h * n),
+            ("q", self.q.len(), h * d),
+            ("q_c", self.q_c.len(), h),
+            ("u", self.u.len(), h),
+        ] {
+            if len != want {
+                return Err(Error::invalid(format!(
+                    "decode problem: {name} has {len} values, expected {want}"
+                )));
+            }
+        }
+        if self.c.iter().chain(&self.q_c).any(|c| !c.is_finite()) {
+            return Err(Error::invalid("decode problem: c must be finite"));
+        }
+        if self.u.iter().any(|u| !(u.is_finite() && *u >= 0.0)) {
+            return Err(Error::invalid(
+                "decode problem: bounds must be finite and >= 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A backend driven directly on [`Problem`]s (benchmarks, tools, tests), with the same
+/// selection and fallback rules as a session's.
+#[derive(Debug)]
+pub struct Engine {
+    inner: EngineInner,
+}
+
+#[derive(Debug)]
+enum EngineInner {
+    Cpu(CpuBackend),
+    Sched(Box<Scheduler>),
+}
+
+impl Engine {
+    /// The backend `kind` on the device `FOXEDGE_VULKAN_DEVICE` names (or the best one).
+    pub fn new(kind: BackendKind) -> Result<Engine> {
+        Engine::with_device(kind, None)
+    }
+
+    /// The backend `kind` on `device` (an index or a name substring; None = the
+    /// environment variable, else the best device). `auto` without a device is the CPU.
+    pub fn with_device(kind: BackendKind, device: Option<&str>) -> Result<Engine> {
+        let mode = match kind {
+            BackendKind::Cpu => {
+                return Ok(Engine {
+                    inner: EngineInner::Cpu(CpuBackend),
+                });
+            }
+            BackendKind::Vulkan => Mode::GpuOnly,
+            BackendKind::Hybrid => Mode::Hybrid,
+            BackendKind::Auto => Mode::Auto,
+        };
+        let inner = match open_gpu(device) {
+            Ok(gpu) => EngineInner::Sched(Box::new(Scheduler::new(mode, gpu))),
+            Err(e) if mode == Mode::Auto => {
+                note_auto_cpu(&e);
+                EngineInner::Cpu(CpuBackend)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Engine { inner })
+    }
+
+    fn backend(&self) -> &dyn AttentionBackend {
+        match &self.inner {
+            EngineInner::Cpu(c) => c,
+            EngineInner::Sched(s) => s.as_ref(),
+        }
+    }
+
+    /// The backend in effect (`cpu` after a fallback).
+    pub fn kind(&self) -> BackendKind {
+        self.backend().kind()
+    }
+
+    /// The Vulkan device's name, if one is open.
+    pub fn device(&self) -> Option<String> {
+        match &self.inner {
+            EngineInner::Sched(s) => Some(s.gpu_name().to_string()),
+            EngineInner::Cpu(_) => None,
+        }
+    }
+
+    /// Whether the GPU failed and the CPU took over.
+    pub fn fell_back(&self) -> bool {
+        matches!(&self.inner, EngineInner::Sched(s) if s.fell_back())
+    }
+
+    /// The cost calibration (after the first call of a `hybrid` or `auto` engine).
+    pub fn calibration(&self) -> Option<Calibration> {
+        match &self.inner {
+            EngineInner::Sched(s) => s.calibration(),
+            EngineInner::Cpu(_) => None,
+        }
+    }
+
+    /// Where the heads of the last call ran (`cpu`: all on the CPU).
+    pub fn last_split(&self) -> Option<Split> {
+        match &self.inner {
+            EngineInner::Sched(s) => s.last_split(),
+            EngineInner::Cpu(_) => None,
+        }
+    }
+
+    /// Runs the calibration now (a no-op for `cpu` and `vulkan`, and once calibrated).
+    pub fn calibrate(&self, heads: usize, head_dim: usize) -> Result<Option<Calibration>> {
+        match &self.inner {
+            EngineInner::Sched(s) => s.costs(heads, head_dim),
+            EngineInner::Cpu(_) => Ok(None),
+        }
+    }
+
+    /// Prefill of `p` into `out` (`[t, heads, head_dim]`).
+    pub fn prefill(&self, p: &Problem, acp: AcpMode, out: &mut [f32]) -> Result<CallStats> {
+        p.validate()?;
+        if out.len() != p.q.len() {
+            return Err(Error::invalid(format!(
+                "prefill out has {} values, expected {}",
+                out.len(),
+                p.q.len()
+            )));
+        }
+        Ok(self.backend().prefill(&p.call(acp), out)?.into())
+    }
+
+    /// One decode step of `p` into `out` (`[heads, head_dim]`).
+    pub fn decode(&self, p: &DecodeProblem, acp: AcpMode, out: &mut [f32]) -> Result<CallStats> {
+        p.validate()?;
+        if out.len() != p.q.len() {
+            return Err(Error::invalid(format!(
+                "decode out has {} values, expected {}",
+                out.len(),
+                p.q.len()
+            )));
+        }
+        let (n, d) = (p.n, p.head_dim);
+        let heads: Vec<CacheHead<'_>> = (0..p.heads)
+            .map(|h| CacheHead {
+                k: &p.k[h * n * d..(h + 1) * n * d],
+                v: &p.v[h * n * d..(h + 1) * n * d],
+                c: &p.c[h * n..(h + 1) * n],
+                pos: None,
+            })
+            .collect();
+        let call = DecodeCall {
+            head_dim: d,
+            n_queries: 1,
+            q: &p.q,
+            q_c: &p.q_c,
+            q_pos: None,
+            heads: &heads,
+            acp: acp.to_acp(&p.u),
+        };
+        Ok(self.backend().decode(&call, out)?.into())
+    }
+}
+
+/// Records each prefill call's inputs, then runs it on the CPU.
+#[derive(Debug)]
+struct Recorder {
+    calls: Arc<Mutex<Vec<Problem>>>,
+}
+
+impl AttentionBackend for Recorder {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        let u = match call.acp {
+            Acp::Bound { u, .. } => u.to_vec(),
+            // Observed norms: U from this call's q and k (Cauchy-Schwarz), per head.
+            _ => {
+                let (nh, d) = (call.heads, call.head_dim);
+                let scale = 1.0 / (d as f64).sqrt();
+                (0..nh)
+                    .map(|h| {
+                        let mx = |x: &[f32]| {
+                            (0..call.t)
+                                .map(|r| {
+                                    x[(r * nh + h) * d..][..d]
+                                        .iter()
+                                        .map(|v| f64::from(*v) * f64::from(*v))
+                                        .sum::<f64>()
+                                        .sqrt()
+                                })
+                                .fold(0.0f64, f64::max)
+                        };
+                        scale * mx(call.q) * mx(call.k)
+                    })
+                    .collect()
+            }
+        };
+        lock(&self.calls)?.push(Problem {
+            t: call.t,
+            heads: call.heads,
+            head_dim: call.head_dim,
+            q: call.q.to_vec(),
+            k: call.k.to_vec(),
+            v: call.v.to_vec(),
+            log_f: call.log_f.to_vec(),
+            u,
+        });
+        CpuBackend.prefill(call, out)
+    }
+
+    fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        CpuBackend.decode(call, out)
+    }
+}
+
+/// Runs `model` over `tokens` (one prefill chunk, a fresh session) and returns the
+/// attention inputs of every layer (q and k after QK-norm, log gates as the kernels get
+/// them, the layer's logit bounds): one [`Problem`] per layer.
+pub fn capture_prefill(model: &Arc<Model>, tokens: &[u32]) -> Result<Vec<Problem>> {
+    if tokens.len() < 2 {
+        return Err(Error::invalid("capture_prefill needs at least 2 tokens"));
+    }
+    let opts = SessionOptions {
+        prefill_chunk: tokens.len(),
+        max_entries_per_head: tokens
+            .len()
+            .max(SessionOptions::default().max_entries_per_head),
+        certified_eviction: false,
+        ..SessionOptions::default()
+    };
+    let mut s = Session::new(model.clone(), opts)?;
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    s.set_backend(Box::new(Recorder {
+        calls: calls.clone(),
+    }));
+    s.feed(tokens, None)?;
+    let mut v = lock(&calls)?;
+    let layers = model.info().layers;
+    if v.len() != layers {
+        return Err(Error::Internal(format!(
+            "capture_prefill: {} attention calls for {layers} layers",
+            v.len()
+        )));
+    }
+    Ok(std::mem::take(&mut *v))
+}
+
+/// Token rows of an int32 `.npy` of shape `[B, T]` (or `[T]`), e.g. the fixture
+/// `long_input_ids.npy` (8 x 16384 held-out bytes).
+pub fn read_token_rows(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    let arr = crate::npy::NpyArray::read(path)?;
+    let ids = arr.to_i32()?;
+    let (b, t) = match arr.shape.as_slice() {
+        [t] => (1, *t),
+        [b, t] => (*b, *t),
+        s => {
+            return Err(Error::invalid(format!(
+                "{}: token ids must be [T] or [B, T], got {s:?}",
+                path.display()
+            )));
+        }
+    };
+    if b == 0 || t == 0 {
+        return Err(Error::invalid(format!("{}: no tokens", path.display())));
+    }
+    ids.chunks(t)
+        .map(|row| {
+            row.iter()
+                .map(|&x| {
+                    u32::try_from(x).map_err(|_| {
+                        Error::invalid(format!("{}: negative token {x}", path.display()))
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The attention of every layer of `model` on real text, as one problem of
+/// `layers * heads` heads (heads are independent, so the layers' calls stack side by side)
+/// and `len` tokens. Up to one row's length it is the model run over the start of row 0;
+/// beyond, the model runs over whole rows 0, 1, ... and their inputs are joined in time
+/// (real gates of consecutive documents; `c` keeps falling across the joins).
+pub fn real_gate_problem(model: &Arc<Model>, rows: &[Vec<u32>], len: usize) -> Result<Problem> {
+    let row_len = rows.first().map_or(0, Vec::len);
+    if len == 0 || row_len < 2 {
+        return Err(Error::invalid(
+            "real_gate_problem: need len > 0 and rows of >= 2 tokens",
+        ));
+    }
+    if len <= row_len {
+        let layers = capture_prefill(model, &rows[0][..len.max(2)])?;
+        return Problem::concat_heads(&layers)?.prefix(len);
+    }
+    let need = len.div_ceil(row_len);
+    if need > rows.len() {
+        return Err(Error::invalid(format!(
+            "real_gate_problem: {len} tokens need {need} rows of {row_len}, have {}",
+            rows.len()
+        )));
+    }
+    let parts = rows[..need]
+        .iter()
+        .map(|r| Problem::concat_heads(&capture_prefill(model, r)?))
+        .collect::<Result<Vec<_>>>()?;
+    Problem::concat_time(&parts)?.prefix(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cost(a: f64, b: f64) -> LinearCost {
+        LinearCost { a, b }
+    }
+
+    /// Predicted time of putting `gpu` heads on the GPU (the rule `plan` minimises).
+    fn predicted(work: &[u64], gpu: &[usize], c: LinearCost, g: LinearCost, conc: bool) -> f64 {
+        let gp: u64 = gpu.iter().map(|&h| work[h]).sum();
+        let cp: u64 = work.iter().sum::<u64>() - gp;
+        let (tc, tg) = (
+            c.predict(cp, gpu.len() == work.len()),
+            g.predict(gp, gpu.is_empty()),
+        );
+        if conc { tc.max(tg) } else { tc + tg }
+    }
+
+    #[test]
+    fn heavy_heads_go_to_a_faster_gpu() {
+        // GPU 4x faster per pair, larger fixed cost; two global heads, six local ones.
+        let work = [10, 1_000_000, 12, 9, 900_000, 11, 10, 8];
+        let s = plan(
+            &work,
+            cost(1e-5, 4e-9),
+            cost(1e-4, 1e-9),
+            true,
+            Mode::Hybrid,
+        );
+        assert_eq!(s.gpu_heads, vec![1, 4]);
+        assert_eq!(s.cpu_heads, vec![0, 2, 3, 5, 6, 7]);
+    }
+
+    #[test]
+    fn shared_cores_never_split_in_auto() {
+        let work = [1000, 2000, 3000];
+        let s = plan(&work, cost(1e-5, 1e-9), cost(1e-5, 5e-9), false, Mode::Auto);
+        assert!(s.gpu_heads.is_empty(), "{s:?}");
+        // Hybrid must still split, and puts the lightest head on the slower GPU.
+        let s = plan(
+            &work,
+            cost(1e-5, 1e-9),
+            cost(1e-5, 5e-9),
+            false,
+            Mode::Hybrid,
+        );
+        assert_eq!(s.gpu_heads, vec![0]);
+    }
+
+    proptest! {
+        #[test]
+        fn plan_is_consistent(
+            work in proptest::collection::vec(0u64..1_000_000, 1..12),
+            ca in 0.0f64..1e-3, cb in 1e-10f64..1e-8,
+            ga in 0.0f64..1e-3, gb in 1e-10f64..1e-8,
+            conc: bool,
+        ) {
+            let (c, g) = (cost(ca, cb), cost(ga, gb));
+            let n = work.len();
+            for mode in [Mode::Auto, Mode::Hybrid, Mode::GpuOnly] {
+                let s = plan(&work, c, g, conc, mode);
+                let mut all: Vec<usize> = s.gpu_heads.iter().chain(&s.cpu_heads).copied().collect();
+                all.sort_unstable();
+                prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
+                let p = predicted(&work, &s.gpu_heads, c, g, conc);
+                prop_assert!((p - s.predicted_seconds).abs() <= 1e-12 + 1e-9 * p);
+                let t_cpu = predicted(&work, &[], c, g, conc);
+                let t_gpu = predicted(&work, &(0..n).collect::<Vec<_>>(), c, g, conc);
+                match mode {
+                    Mode::Auto => prop_assert!(p <= t_cpu.min(t_gpu) + 1e-15),
+                    Mode::Hybrid if n >= 2 => {
+                        prop_assert!(!s.gpu_heads.is_empty() && !s.cpu_heads.is_empty());
+                        // The optimum over every heaviest- and lightest-first prefix.
+                        let mut desc: Vec<usize> = (0..n).collect();
+                        desc.sort_by_key(|&h| std::cmp::Reverse(work[h]));
+                        for k in 1..n {
+                            prop_assert!(p <= predicted(&work, &desc[..k], c, g, conc) + 1e-15);
+                            prop_assert!(p <= predicted(&work, &desc[n - k..], c, g, conc) + 1e-15);
+                        }
+                    }
+                    Mode::GpuOnly => prop_assert_eq!(s.gpu_heads.len(), n),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn problem(t: usize, heads: usize, d: usize) -> Problem {
+        let n = t * heads * d;
+        let mut q = vec![0.0; n];
+        let mut k = vec![0.0; n];
+        let mut v = vec![0.0; n];
+        fill_random(&mut q, 5);
+        fill_random(&mut k, 6);
+        fill_random(&mut v, 7);
+        let log_f = (0..t * heads)
+            .map(|i| -0.001 * (1 + 50 * (i % heads)) as f32)
+            .collect();
+        Problem {
+            t,
+            heads,
+            head_dim: d,
+            q,
+            k,
+            v,
+            log_f,
+            u: vec![(d as f64).sqrt(); heads],
+        }
+    }
+
+    #[test]
+    fn boundary_counts_equal_the_cpu_kernels() {
+        let p = problem(700, 5, 16);
+        for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
+            let b = p.boundary(acp).unwrap();
+            let mut out = vec![0.0; p.q.len()];
+            let st = CpuBackend.prefill(&p.call(acp), &mut out).unwrap();
+            assert_eq!(b.kept_pairs, st.kept_pairs);
+            assert_eq!(b.total_pairs, st.total_pairs);
+        }
+        // Observed norms too.
+        let mut call = p.call(AcpMode::Off);
+        call.acp = Acp::ObservedNorms { ln_eps: -10.0 };
+        let b = prefill_boundary(&call).unwrap();
+        let mut out = vec![0.0; p.q.len()];
+        let st = CpuBackend.prefill(&call, &mut out).unwrap();
+        assert_eq!(b.kept_pairs, st.kept_pairs);
+        assert!(b.kept_pairs.iter().zip(&b.total_pairs).any(|(k, t)| k < t));
+    }
+
+    #[test]
+    fn decode_work_equals_the_cpu_kernels() {
+        let p = problem(3000, 4, 16);
+        let d = p.decode_at(3000).unwrap();
+        let n = d.n;
+        let heads: Vec<CacheHead<'_>> = (0..4)
+            .map(|h| CacheHead {
+                k: &d.k[h * n * 16..(h + 1) * n * 16],
+                v: &d.v[h * n * 16..(h + 1) * n * 16],
+                c: &d.c[h * n..(h + 1) * n],
+                pos: None,
+            })
+            .collect();
+        let call = DecodeCall {
+            head_dim: 16,
+            n_queries: 1,
+            q: &d.q,
+            q_c: &d.q_c,
+            q_pos: None,
+            heads: &heads,
+            acp: Acp::Bound {
+                u: &d.u,
+                ln_eps: -10.0,
+            },
+        };
+        let w = decode_work(&call).unwrap();
+        let mut out = vec![0.0; 4 * 16];
+        let st = CpuBackend.decode(&call, &mut out).unwrap();
+        assert_eq!(w, st.kept_pairs);
+        assert!(w.iter().any(|&x| (x as usize) < n), "something pruned");
+    }
+
+    /// A second CPU backend standing in for the GPU side, failing on demand (the only way
+    /// to exercise device loss without a device that can be lost).
+    #[derive(Debug)]
+    struct FlakyGpu {
+        fail: Arc<AtomicBool>,
+    }
+
+    impl AttentionBackend for FlakyGpu {
+        fn kind(&self) -> BackendKind {
+            BackendKind::Vulkan
+        }
+        fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+            if self.fail.load(Ordering::Acquire) {
+                return Err(Error::BackendUnavailable("vulkan: device lost".into()));
+            }
+            CpuBackend.prefill(call, out)
+        }
+        fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+            if self.fail.load(Ordering::Acquire) {
+                return Err(Error::BackendUnavailable("vulkan: device lost".into()));
+            }
+            CpuBackend.decode(call, out)
+        }
+    }
+
+    fn scheduler(mode: Mode, fail: &Arc<AtomicBool>) -> Scheduler {
+        Scheduler::new(
+            mode,
+            Gpu {
+                backend: Box::new(FlakyGpu { fail: fail.clone() }),
+                name: format!("flaky test gpu {mode:?}"),
+                concurrent: true,
+            },
+        )
+    }
+
+    #[test]
+    fn split_scatter_is_exact_and_device_loss_falls_back() {
+        let fail = Arc::new(AtomicBool::new(false));
+        let s = scheduler(Mode::Hybrid, &fail);
+        let p = problem(257, 6, 16);
+        let acp = AcpMode::Bound { ln_eps: -10.0 };
+        let mut want = vec![0.0; p.q.len()];
+        let st_want = CpuBackend.prefill(&p.call(acp), &mut want).unwrap();
+        let mut got = vec![0.0; p.q.len()];
+        let st = s.prefill(&p.call(acp), &mut got).unwrap();
+        let split = s.last_split().unwrap();
+        assert!(!split.gpu_heads.is_empty() && !split.cpu_heads.is_empty());
+        // Same kernels on both sides: the split output is bit-identical.
+        assert_eq!(got, want);
+        assert_eq!(st, st_want);
+        assert_eq!(s.kind(), BackendKind::Hybrid);
+
+        fail.store(true, Ordering::Release);
+        let mut got = vec![0.0; p.q.len()];
+        let st = s.prefill(&p.call(acp), &mut got).unwrap();
+        assert_eq!(got, want, "the lost device's heads reran on the CPU");
+        assert_eq!(st, st_want);
+        assert!(s.fell_back());
+        assert_eq!(s.kind(), BackendKind::Cpu);
+        let d = p.decode_at(200).unwrap();
+        let e = Engine {
+            inner: EngineInner::Sched(Box::new(s)),
+        };
+        let cpu = Engine {
+            inner: EngineInner::Cpu(CpuBackend),
+        };
+        let (mut a, mut b) = (vec![0.0; d.q.len()], vec![0.0; d.q.len()]);
+        e.decode(&d, acp, &mut a).unwrap();
+        cpu.decode(&d, acp, &mut b).unwrap();
+        assert_eq!(a, b);
+        assert!(e.last_split().unwrap().gpu_heads.is_empty());
+    }
+
+    #[test]
+    fn gpu_only_falls_back_mid_decode() {
+        let fail = Arc::new(AtomicBool::new(false));
+        let e = Engine {
+            inner: EngineInner::Sched(Box::new(scheduler(Mode::GpuOnly, &fail))),
+        };
+        let p = problem(300, 3, 16);
+        let d = p.decode_at(300).unwrap();
+        let (mut a, mut b) = (vec![0.0; d.q.len()], vec![0.0; d.q.len()]);
+        e.decode(&d, AcpMode::Off, &mut a).unwrap();
+        assert_eq!(e.kind(), BackendKind::Vulkan);
+        fail.store(true, Ordering::Release);
+        e.decode(&d, AcpMode::Off, &mut b).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(e.kind(), BackendKind::Cpu);
+        assert!(e.fell_back());
     }
 }

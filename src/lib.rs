@@ -15,11 +15,15 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod hybrid;
 pub mod model;
 pub mod npy;
 mod ops;
+pub mod plot;
 pub mod sample;
 pub mod session;
+#[cfg(feature = "vulkan")]
+mod vulkan_backend;
 mod weights;
 
 pub use backend::BackendKind;

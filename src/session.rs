@@ -380,6 +380,11 @@ impl Session {
         self.backend.kind()
     }
 
+    /// Replaces the attention backend (crate-internal: input capture in `hybrid`).
+    pub(crate) fn set_backend(&mut self, backend: Box<dyn AttentionBackend>) {
+        self.backend = backend;
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> SessionStats {
         self.stats.clone()

@@ -7,9 +7,7 @@
 //! remembers it; a caller that wants to go on must use another backend, see
 //! `crate::hybrid`); device memory exhausted → [`Error::OutOfMemory`].
 
-use crate::backend::{
-    Acp, AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall,
-};
+use crate::backend::{Acp, AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -49,7 +47,11 @@ impl VulkanBackend {
     /// Whether the device is a CPU implementation (lavapipe): it then shares the cores with
     /// the CPU kernels, so CPU and GPU work do not overlap in time.
     pub(crate) fn is_cpu_device(&self) -> bool {
-        self.vk.info().device_type.to_ascii_lowercase().contains("cpu")
+        self.vk
+            .info()
+            .device_type
+            .to_ascii_lowercase()
+            .contains("cpu")
     }
 
     fn check_alive(&self) -> Result<()> {

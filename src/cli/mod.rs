@@ -1,7 +1,9 @@
 //! The `foxedge` command line: one module per subcommand.
 
 pub mod args;
+pub mod bench;
 pub mod generate;
+pub mod inspect;
 pub mod logits;
 
 use foxedge::{Error, Result};
@@ -42,6 +44,8 @@ pub fn run(argv: Vec<String>) -> i32 {
     let result = match sub.as_deref() {
         Some("generate") => generate::run(rest),
         Some("logits") => logits::run(rest),
+        Some("bench") => bench::run(rest),
+        Some("inspect") => inspect::run(rest),
         Some("-h") | Some("--help") | Some("help") | None => {
             print!("{}", USAGE);
             return if sub.is_none() { 2 } else { 0 };
@@ -51,7 +55,7 @@ pub fn run(argv: Vec<String>) -> i32 {
             return 0;
         }
         Some(other) => Err(Error::InvalidArgument(format!(
-            "unknown command `{other}` (expected generate or logits; see --help)"
+            "unknown command `{other}` (expected generate, logits, bench or inspect; see --help)"
         ))),
     };
     match result {
@@ -72,10 +76,17 @@ USAGE:
                    [--backend cpu|vulkan|auto|hybrid] [--seed N] [--temperature T] [--json]
   foxedge logits --model DIR --input ids.npy --output logits.npy
                    [--no-acp | --log-eps X] [--backend ...]
+  foxedge bench [--backend cpu,vulkan,hybrid,auto] [--json] [--plot DIR] [--full]
+                   [--lengths 1k,4k] [--reps N] [--device SEL] [--log-eps X]
+  foxedge inspect [--model DIR] --text FILE --plot out.png [--heads L.H,...]
+                   [--max-tokens N] [--log-eps X] [--clip D]
 
 generate streams bytes from a byte-level model (default: models/fox-tiny-pro) and ends with a
 statistics line (--json: one JSON object). --budget: N entries per head, Nl entries per
 layer, or a byte size (e.g. 4MiB) for the whole cache. --log-eps: ln eps of ACP and
 certified eviction (default -10); --no-acp turns both off. --temperature 0 is greedy.
+bench: attention prefill/decode per backend, dense and ACP, on the model's real gates
+(quick: 1k and 4k tokens; --full: 1k-64k); table of time, GFLOP/s, % of the measured
+FMA peak, kept fraction and speedups. inspect: decay matrix D with the ACP boundary.
 logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
 ";

@@ -1,0 +1,125 @@
+//! Attention backends compared: prefill and decode x cpu / vulkan / hybrid (/ auto) x
+//! dense / ACP x L in {1k, 4k, 16k, 64k}, on real q/k/v/gates: the bundled fox-tiny-pro run
+//! over the held-out long fixture (8 x 16384 tokens), all 4 layers' 4 heads stacked into one
+//! 16-head call. 64k joins the inputs of the model run over rows 0..3 (16k each) in time.
+//!
+//!     cargo bench --bench backends                      # the whole grid (slow on 2 cores)
+//!     FOXEDGE_BENCH_LENGTHS=1k,4k cargo bench --bench backends
+//!     cargo bench --bench backends -- 'prefill/.*/acp'  # criterion's name filter
+//!
+//! Throughput is kept FLOPs (`4 * head_dim * kept_pairs`) per second. Backends without a
+//! Vulkan device are left out with a message (the CPU is always measured).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use foxedge::BackendKind;
+use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
+use foxedge::{Model, Result};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn lengths() -> Vec<usize> {
+    let s = std::env::var("FOXEDGE_BENCH_LENGTHS").unwrap_or_else(|_| "1k,4k,16k,64k".into());
+    s.split(',')
+        .filter_map(|x| {
+            let x = x.trim();
+            match x.strip_suffix(['k', 'K']) {
+                Some(n) => n.parse::<usize>().ok().map(|n| n * 1024),
+                None => x.parse().ok(),
+            }
+        })
+        .filter(|&n| n >= 2)
+        .collect()
+}
+
+fn workload(max_len: usize) -> Result<Problem> {
+    let model = Arc::new(Model::open(root().join("models/fox-tiny-pro"))?);
+    let rows = read_token_rows(&root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
+    real_gate_problem(&model, &rows, max_len)
+}
+
+fn bench(c: &mut Criterion) {
+    let lens = lengths();
+    let Some(&max_len) = lens.iter().max() else {
+        eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
+        return;
+    };
+    let big = match workload(max_len) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cannot build the real-gate workload: {e}");
+            return;
+        }
+    };
+    let mut engines = Vec::new();
+    for k in [
+        BackendKind::Cpu,
+        BackendKind::Vulkan,
+        BackendKind::Hybrid,
+        BackendKind::Auto,
+    ] {
+        match Engine::new(k) {
+            Ok(e) => {
+                if let Err(err) = e.calibrate(big.heads, big.head_dim) {
+                    eprintln!("{k}: calibration failed: {err}");
+                    continue;
+                }
+                engines.push((k, e));
+            }
+            Err(e) => eprintln!("{k}: not measured: {e}"),
+        }
+    }
+    for op in ["prefill", "decode"] {
+        let mut g = c.benchmark_group(op);
+        g.sample_size(10);
+        g.warm_up_time(Duration::from_millis(500));
+        g.measurement_time(Duration::from_secs(3));
+        for &len in &lens {
+            let Ok(p) = big.prefix(len) else { continue };
+            let dp = match op {
+                "decode" => match p.decode_at(len) {
+                    Ok(d) => Some(d),
+                    Err(_) => continue,
+                },
+                _ => None,
+            };
+            for (acp_name, acp) in [
+                ("dense", AcpMode::Off),
+                ("acp", AcpMode::Bound { ln_eps: -10.0 }),
+            ] {
+                for (k, eng) in &engines {
+                    let n_out = if dp.is_some() {
+                        p.heads * p.head_dim
+                    } else {
+                        p.q.len()
+                    };
+                    let mut out = vec![0.0f32; n_out];
+                    let st = match &dp {
+                        Some(d) => eng.decode(d, acp, &mut out),
+                        None => eng.prefill(&p, acp, &mut out),
+                    };
+                    let Ok(st) = st else {
+                        eprintln!("{op} {k} L={len}: failed, not measured");
+                        continue;
+                    };
+                    g.throughput(Throughput::Elements(st.flops(p.head_dim) as u64));
+                    let id = BenchmarkId::new(format!("{k}/{acp_name}"), len);
+                    g.bench_function(id, |b| {
+                        b.iter(|| match &dp {
+                            Some(d) => eng.decode(d, acp, &mut out).map(|_| ()),
+                            None => eng.prefill(&p, acp, &mut out).map(|_| ()),
+                        })
+                    });
+                }
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,587 @@
+//! `foxedge bench`: attention prefill and decode on each backend, dense and with ACP, over
+//! context lengths, on the bundled model's real q/k/v/gates (all layers' heads in one call).
+//!
+//! Reported per cell: best-of-N wall time, kept GFLOP/s (`4 · head_dim · kept_pairs`
+//! FLOPs), that as a fraction of this machine's measured fp32 FMA peak (all threads),
+//! the kept fraction, and speedups: against the CPU (same op, length and pruning) and of
+//! ACP against dense (same backend).
+
+use super::args::Args;
+use foxedge::hybrid::{AcpMode, CallStats, Engine, read_token_rows, real_gate_problem};
+use foxedge::plot::{PALETTE, Series, line_chart};
+use foxedge::{BackendKind, Error, Model, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One measured cell.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cell {
+    pub op: &'static str,
+    pub len: usize,
+    pub acp: bool,
+    pub backend: String,
+    /// Best wall time of `reps` runs (seconds).
+    pub seconds: f64,
+    pub reps: usize,
+    pub gflops: f64,
+    pub peak_fraction: f64,
+    pub kept_fraction: f64,
+    /// CPU time / this time (same op, len, acp).
+    pub vs_cpu: f64,
+    /// Dense time / ACP time (same backend, op, len); 1 for dense rows.
+    pub acp_speedup: f64,
+    /// Heads on the GPU in the last run (hybrid/auto), of `heads`.
+    pub gpu_heads: Option<usize>,
+    /// Largest |difference| from the CPU output (same op, len, acp).
+    pub max_abs_diff_vs_cpu: f32,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    machine_peak_gflops: f64,
+    threads: usize,
+    heads: usize,
+    head_dim: usize,
+    device: Option<String>,
+    calibration: Option<String>,
+    cells: Vec<Cell>,
+    /// auto time / best single-backend time, per (op, len, acp).
+    auto_vs_best: Vec<(String, f64)>,
+}
+
+pub fn run(rest: Vec<String>) -> Result<()> {
+    let mut a = Args::new(rest);
+    let json = a.flag("--json");
+    let full = a.flag("--full");
+    let plot_dir = a.value("--plot")?.map(PathBuf::from);
+    let model_dir = a.value("--model")?;
+    let ids_path = a.value("--ids")?.map(PathBuf::from);
+    let device = a.value("--device")?;
+    let backends_arg = a.value("--backend")?;
+    let lens_arg = a.value("--lengths")?;
+    let max_reps: usize = a.parsed("--reps")?.unwrap_or(5);
+    let ln_eps: f64 = a.parsed("--log-eps")?.unwrap_or(-10.0);
+    a.finish()?;
+    if max_reps == 0 {
+        return Err(Error::InvalidArgument("--reps must be > 0".into()));
+    }
+    if !(ln_eps.is_finite() && ln_eps < 0.0) {
+        return Err(Error::InvalidArgument(
+            "--log-eps must be finite and < 0".into(),
+        ));
+    }
+    let backends: Vec<BackendKind> = match backends_arg.as_deref() {
+        None | Some("all") => vec![
+            BackendKind::Cpu,
+            BackendKind::Vulkan,
+            BackendKind::Hybrid,
+            BackendKind::Auto,
+        ],
+        Some(s) => s
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<Vec<BackendKind>>>()?,
+    };
+    let lens: Vec<usize> = match lens_arg {
+        Some(s) => s
+            .split(',')
+            .map(|x| parse_len(x.trim()))
+            .collect::<Result<_>>()?,
+        None if full => vec![1024, 4096, 16384, 65536],
+        None => vec![1024, 4096],
+    };
+    let dir = match model_dir {
+        Some(m) => PathBuf::from(m),
+        None => super::default_model_dir()?,
+    };
+    let ids_path = match ids_path {
+        Some(p) => p,
+        None => fixture_ids(&dir)?,
+    };
+    let model = Arc::new(Model::open(&dir)?);
+    let rows = read_token_rows(&ids_path)?;
+    let max_len = lens.iter().copied().max().unwrap_or(1024);
+    eprintln!(
+        "[bench] running the model over {max_len} tokens of {} for real gates",
+        ids_path.display()
+    );
+    let t0 = Instant::now();
+    let big = real_gate_problem(&model, &rows, max_len)?;
+    eprintln!(
+        "[bench] captured in {:.1} s; measuring the FMA peak",
+        t0.elapsed().as_secs_f64()
+    );
+    let (peak, threads) = peak::fma_peak_gflops(0.3);
+
+    let mut engines: Vec<(BackendKind, Engine)> = Vec::new();
+    for &k in &backends {
+        match Engine::with_device(k, device.as_deref()) {
+            Ok(e) => engines.push((k, e)),
+            Err(e) => eprintln!("[bench] skipping {k}: {e}"),
+        }
+    }
+    if !engines.iter().any(|(k, _)| *k == BackendKind::Cpu) {
+        engines.insert(0, (BackendKind::Cpu, Engine::new(BackendKind::Cpu)?));
+    }
+    let mut calibration = None;
+    for (k, e) in &engines {
+        if let Some(c) = e.calibrate(big.heads, big.head_dim)? {
+            eprintln!("[bench] {k} calibration: {c}");
+            calibration = Some(c.to_string());
+        }
+    }
+    let device_name = engines.iter().find_map(|(_, e)| e.device());
+
+    let mut cells: Vec<Cell> = Vec::new();
+    for op in ["prefill", "decode"] {
+        for &len in &lens {
+            let p = big.prefix(len)?;
+            let dp = if op == "decode" {
+                Some(p.decode_at(len)?)
+            } else {
+                None
+            };
+            for acp in [false, true] {
+                let mode = if acp {
+                    AcpMode::Bound { ln_eps }
+                } else {
+                    AcpMode::Off
+                };
+                let mut cpu_out: Option<Vec<f32>> = None;
+                for (kind, eng) in &engines {
+                    let n_out = if op == "prefill" {
+                        p.q.len()
+                    } else {
+                        p.heads * p.head_dim
+                    };
+                    let mut out = vec![0.0f32; n_out];
+                    let mut run = |out: &mut [f32]| -> Result<CallStats> {
+                        match &dp {
+                            Some(d) => eng.decode(d, mode, out),
+                            None => eng.prefill(&p, mode, out),
+                        }
+                    };
+                    let (secs, reps, st) = time_cell(&mut run, &mut out, max_reps, op == "decode")?;
+                    let diff = match &cpu_out {
+                        Some(c) => max_abs_diff(c, &out),
+                        None => 0.0,
+                    };
+                    if *kind == BackendKind::Cpu {
+                        cpu_out = Some(out.clone());
+                    }
+                    let gflops = st.flops(p.head_dim) / secs / 1e9;
+                    cells.push(Cell {
+                        op,
+                        len,
+                        acp,
+                        backend: kind.name().to_string(),
+                        seconds: secs,
+                        reps,
+                        gflops,
+                        peak_fraction: gflops / peak,
+                        kept_fraction: st.kept_fraction(),
+                        vs_cpu: 1.0,
+                        acp_speedup: 1.0,
+                        gpu_heads: eng.last_split().map(|s| s.gpu_heads.len()),
+                        max_abs_diff_vs_cpu: diff,
+                    });
+                    eprintln!(
+                        "[bench] {op} L={len} {} {kind}: {:.3} ms",
+                        if acp { "acp" } else { "dense" },
+                        secs * 1e3
+                    );
+                }
+            }
+        }
+    }
+    // Speedups.
+    let find = |cells: &[Cell], op: &str, len: usize, acp: bool, b: &str| {
+        cells
+            .iter()
+            .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == b)
+            .map(|c| c.seconds)
+    };
+    let snapshot = cells.clone();
+    for c in &mut cells {
+        if let Some(t) = find(&snapshot, c.op, c.len, c.acp, "cpu") {
+            c.vs_cpu = t / c.seconds;
+        }
+        if c.acp
+            && let Some(t) = find(&snapshot, c.op, c.len, false, &c.backend)
+        {
+            c.acp_speedup = t / c.seconds;
+        }
+    }
+    let mut auto_vs_best = Vec::new();
+    for c in cells.iter().filter(|c| c.backend == "auto") {
+        let best = ["cpu", "vulkan", "hybrid"]
+            .iter()
+            .filter_map(|b| find(&cells, c.op, c.len, c.acp, b))
+            .fold(f64::INFINITY, f64::min);
+        if best.is_finite() {
+            auto_vs_best.push((
+                format!(
+                    "{} L={} {}",
+                    c.op,
+                    c.len,
+                    if c.acp { "acp" } else { "dense" }
+                ),
+                best / c.seconds,
+            ));
+        }
+    }
+
+    let report = Report {
+        machine_peak_gflops: peak,
+        threads,
+        heads: big.heads,
+        head_dim: big.head_dim,
+        device: device_name,
+        calibration,
+        cells,
+        auto_vs_best,
+    };
+    if json {
+        let s = serde_json::to_string_pretty(&report)
+            .map_err(|e| Error::Internal(format!("JSON: {e}")))?;
+        println!("{s}");
+    } else {
+        print_table(&report);
+    }
+    if let Some(d) = plot_dir {
+        std::fs::create_dir_all(&d).map_err(|e| Error::Io {
+            path: d.clone(),
+            source: e,
+        })?;
+        for op in ["prefill", "decode"] {
+            let path = d.join(format!("{op}_throughput.png"));
+            plot_throughput(&path, op, &report)?;
+            eprintln!("[bench] wrote {}", path.display());
+        }
+        let path = d.join("decay.png");
+        let p = big.prefix(lens.iter().copied().min().unwrap_or(1024).max(2))?;
+        super::inspect::draw_decay(
+            &path,
+            &p,
+            ln_eps,
+            &[(0, 0), (0, 1), (3, 2), (3, 3)],
+            4,
+            None,
+        )?;
+        eprintln!("[bench] wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `1024`, `4k`, `64K` → tokens.
+fn parse_len(s: &str) -> Result<usize> {
+    let (num, mul) = match s.strip_suffix(['k', 'K']) {
+        Some(n) => (n, 1024),
+        None => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .filter(|&n| n >= 2)
+        .ok_or_else(|| Error::InvalidArgument(format!("--lengths: bad length `{s}` (>= 2)")))
+}
+
+/// `tests/fixtures/fox-tiny-pro/long_input_ids.npy` beside the model's repository.
+fn fixture_ids(model_dir: &Path) -> Result<PathBuf> {
+    let rel = Path::new("tests/fixtures/fox-tiny-pro/long_input_ids.npy");
+    let mut roots: Vec<PathBuf> = model_dir.ancestors().map(Path::to_path_buf).collect();
+    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    roots
+        .iter()
+        .map(|r| r.join(rel))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "no --ids given and {} was not found near {}",
+                rel.display(),
+                model_dir.display()
+            ))
+        })
+}
+
+/// Best time of up to `max_reps` runs after a warm-up (fewer when one run takes > 1 s;
+/// decode calls are batched so one timing covers >= ~5 ms).
+fn time_cell(
+    run: &mut dyn FnMut(&mut [f32]) -> Result<CallStats>,
+    out: &mut [f32],
+    max_reps: usize,
+    batch: bool,
+) -> Result<(f64, usize, CallStats)> {
+    let t0 = Instant::now();
+    let st = run(out)?;
+    let first = t0.elapsed().as_secs_f64();
+    let inner = if batch {
+        ((5e-3 / first.max(1e-6)) as usize).clamp(1, 1000)
+    } else {
+        1
+    };
+    let reps = if first > 1.0 { 1 } else { max_reps };
+    let mut best = if first > 1.0 { first } else { f64::INFINITY };
+    let mut done = 0;
+    if first <= 1.0 {
+        for _ in 0..reps {
+            let t = Instant::now();
+            for _ in 0..inner {
+                run(out)?;
+            }
+            best = best.min(t.elapsed().as_secs_f64() / inner as f64);
+            done += 1;
+        }
+    } else {
+        done = 1;
+    }
+    Ok((best, done, st))
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "# foxedge bench: {} heads x {} dims (all layers of the model), {} threads, fp32 FMA \
+         peak {:.0} GFLOP/s; device: {}",
+        r.heads,
+        r.head_dim,
+        r.threads,
+        r.machine_peak_gflops,
+        r.device.as_deref().unwrap_or("none")
+    );
+    if let Some(c) = &r.calibration {
+        println!("# calibration: {c}");
+    }
+    println!(
+        "{:<8} {:>6} {:<5} {:<7} {:>11} {:>9} {:>7} {:>6} {:>7} {:>7} {:>5} {:>9}",
+        "op",
+        "L",
+        "acp",
+        "backend",
+        "time ms",
+        "GFLOP/s",
+        "%peak",
+        "kept",
+        "vs cpu",
+        "acp x",
+        "gpuH",
+        "|d| cpu"
+    );
+    for c in &r.cells {
+        println!(
+            "{:<8} {:>6} {:<5} {:<7} {:>11.3} {:>9.1} {:>6.1}% {:>6.3} {:>7.2} {:>7.2} {:>5} {:>9.1e}",
+            c.op,
+            c.len,
+            if c.acp { "acp" } else { "dense" },
+            c.backend,
+            c.seconds * 1e3,
+            c.gflops,
+            c.peak_fraction * 100.0,
+            c.kept_fraction,
+            c.vs_cpu,
+            c.acp_speedup,
+            c.gpu_heads.map_or("-".to_string(), |g| g.to_string()),
+            c.max_abs_diff_vs_cpu
+        );
+    }
+    if !r.auto_vs_best.is_empty() {
+        println!("# auto / best single backend (>= 0.95 wanted):");
+        for (k, v) in &r.auto_vs_best {
+            println!("#   {k}: {v:.3}");
+        }
+    }
+}
+
+fn plot_throughput(path: &Path, op: &str, r: &Report) -> Result<()> {
+    let mut series = Vec::new();
+    let mut names: Vec<&str> = r.cells.iter().map(|c| c.backend.as_str()).collect();
+    names.dedup();
+    let mut uniq: Vec<&str> = Vec::new();
+    for n in names {
+        if !uniq.contains(&n) {
+            uniq.push(n);
+        }
+    }
+    for (bi, b) in uniq.iter().enumerate() {
+        for acp in [false, true] {
+            let pts: Vec<(f64, f64)> = r
+                .cells
+                .iter()
+                .filter(|c| c.op == op && c.backend == *b && c.acp == acp)
+                .map(|c| (c.len as f64, c.gflops))
+                .collect();
+            if pts.is_empty() {
+                continue;
+            }
+            series.push(Series {
+                name: format!("{b} {}", if acp { "acp" } else { "dense" }),
+                color: PALETTE[bi % PALETTE.len()],
+                dashed: !acp,
+                points: pts,
+            });
+        }
+    }
+    line_chart(
+        path,
+        &format!(
+            "{op}: kept GFLOP/s vs context ({} heads x {}, {})",
+            r.heads,
+            r.head_dim,
+            r.device.as_deref().unwrap_or("cpu only")
+        ),
+        "context length (tokens)",
+        "GFLOP/s",
+        &series,
+    )
+}
+
+/// The machine's fp32 FMA peak: every thread runs 12 independent chains of fused
+/// multiply-adds on the widest vectors it has (AVX-512, AVX2+FMA, NEON) for a fixed time.
+/// FLOPs = 2 per lane per FMA.
+mod peak {
+    use std::time::{Duration, Instant};
+
+    const CHAINS: usize = 12;
+    const ITERS: usize = 1 << 16;
+
+    /// GFLOP/s over all threads measured for about `seconds`, and the thread count.
+    pub fn fma_peak_gflops(seconds: f64) -> (f64, usize) {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let dur = Duration::from_secs_f64(seconds);
+        let total: f64 = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|_| s.spawn(move || one_thread(dur)))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+        });
+        (total / 1e9, threads)
+    }
+
+    /// FLOP/s of one thread: repeated blocks of `ITERS` FMA rounds for `dur`.
+    fn one_thread(dur: Duration) -> f64 {
+        let t0 = Instant::now();
+        let mut flops = 0.0f64;
+        let mut sink = 0.0f32;
+        while t0.elapsed() < dur {
+            let (f, x) = block();
+            flops += f;
+            sink += x;
+        }
+        std::hint::black_box(sink);
+        flops / t0.elapsed().as_secs_f64()
+    }
+
+    /// One block on the best ISA: (FLOPs done, a value that depends on every chain).
+    fn block() -> (f64, f32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F (checked just above).
+                return ((ITERS * CHAINS * 16 * 2) as f64, unsafe { x86::avx512() });
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                return ((ITERS * CHAINS * 8 * 2) as f64, unsafe { x86::avx2() });
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            return ((ITERS * CHAINS * 4 * 2) as f64, arm::neon());
+        }
+        #[allow(unreachable_code)]
+        ((ITERS * CHAINS * 2) as f64, scalar())
+    }
+
+    /// Portable fallback: scalar `mul_add` chains (what the compiler emits for them).
+    fn scalar() -> f32 {
+        let mut acc = [0.0f32; CHAINS];
+        let (a, b) = (
+            std::hint::black_box(0.999_f32),
+            std::hint::black_box(1e-3_f32),
+        );
+        for _ in 0..ITERS {
+            for x in &mut acc {
+                *x = x.mul_add(a, b);
+            }
+        }
+        acc.iter().sum()
+    }
+
+    // The AVX-512 intrinsics are stable from rustc 1.89 (the toolchain here is 1.95); the
+    // path runs only where `avx512f` is detected at run time.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::incompatible_msrv)]
+    mod x86 {
+        use super::{CHAINS, ITERS};
+        use std::arch::x86_64::*;
+
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn avx512() -> f32 {
+            let a = _mm512_set1_ps(std::hint::black_box(0.999));
+            let b = _mm512_set1_ps(std::hint::black_box(1e-3));
+            let mut acc = [_mm512_setzero_ps(); CHAINS];
+            for _ in 0..ITERS {
+                for x in &mut acc {
+                    *x = _mm512_fmadd_ps(*x, a, b);
+                }
+            }
+            let mut s = _mm512_setzero_ps();
+            for x in acc {
+                s = _mm512_add_ps(s, x);
+            }
+            _mm512_reduce_add_ps(s)
+        }
+
+        /// # Safety
+        /// The CPU must support AVX2 and FMA.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn avx2() -> f32 {
+            let a = _mm256_set1_ps(std::hint::black_box(0.999));
+            let b = _mm256_set1_ps(std::hint::black_box(1e-3));
+            let mut acc = [_mm256_setzero_ps(); CHAINS];
+            for _ in 0..ITERS {
+                for x in &mut acc {
+                    *x = _mm256_fmadd_ps(*x, a, b);
+                }
+            }
+            let mut s = _mm256_setzero_ps();
+            for x in acc {
+                s = _mm256_add_ps(s, x);
+            }
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds 8 f32, what an unaligned 256-bit store writes.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
+            lanes.iter().sum()
+        }
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    mod arm {
+        use super::{CHAINS, ITERS};
+        use std::arch::aarch64::*;
+
+        /// NEON is part of the aarch64 baseline.
+        pub fn neon() -> f32 {
+            let a = vdupq_n_f32(std::hint::black_box(0.999));
+            let b = vdupq_n_f32(std::hint::black_box(1e-3));
+            let mut acc = [vdupq_n_f32(0.0); CHAINS];
+            for _ in 0..ITERS {
+                for x in &mut acc {
+                    *x = vfmaq_f32(b, *x, a);
+                }
+            }
+            acc.iter().map(|x| vaddvq_f32(*x)).sum()
+        }
+    }
+}
