@@ -14,7 +14,9 @@
 //!
 //! Everything inside a task runs in one [`Vf32`] instantiation chosen by [`dispatch`]
 //! (AVX-512, AVX2+FMA, `wide` / NEON, or one-lane scalar: the reference that the vector
-//! paths are tested against).
+//! paths are tested against). The `gemm` crate is not used: on 64 x 64 tiles its
+//! per-call packing left the whole kernel 1.6-2.5x slower than this register tile
+//! (measured; see BENCHMARKS.md, "CPU kernels").
 
 use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
