@@ -5,8 +5,8 @@
 //! Per backend and per kind of call (prefill, decode), one call over a set of heads costs
 //! `time ≈ a + b · P` seconds, `P` = kept query-key pairs of those heads (ACP paper,
 //! section 3: work is proportional to the kept pairs, FLOPs = `4 · head_dim · P`). `a` and
-//! `b` come from a short calibration (two dense sizes per call kind on synthetic data, the
-//! minimum of a few runs), made once per process for each (device, heads, head_dim) and
+//! `b` come from a short calibration (two or three dense sizes per call kind on synthetic
+//! data, the minimum of a few runs), made once per process for each (device, heads, head_dim) and
 //! kept for the backend's life.
 //!
 //! # Split
@@ -317,9 +317,12 @@ fn fill_random(x: &mut [f32], seed: u64) {
     }
 }
 
-/// Minimum seconds of `reps` runs of `f` after one warm-up run.
-fn time_min(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Minimum seconds of up to 3 runs of `f` after one warm-up run (1 run when the warm-up
+/// took over 50 ms: slow devices such as lavapipe keep the calibration short).
+fn time_min(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let t0 = Instant::now();
     f()?;
+    let reps = if t0.elapsed().as_secs_f64() > 0.05 { 1 } else { 3 };
     let mut best = f64::INFINITY;
     for _ in 0..reps {
         let t0 = Instant::now();
@@ -329,10 +332,23 @@ fn time_min(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(best)
 }
 
+/// Fits through the last two `(pairs, seconds)` points (one point: `a = 0`).
+fn fit_last(pts: &[(u64, f64)]) -> LinearCost {
+    match pts {
+        [.., (p1, t1), (p2, t2)] if p2 > p1 => LinearCost::fit(*p1, *t1, *p2, *t2),
+        [.., (p, t)] => LinearCost {
+            a: 0.0,
+            b: t / (*p).max(1) as f64,
+        },
+        [] => LinearCost { a: 0.0, b: 0.0 },
+    }
+}
+
+/// Dense prefills of 64, 256, 1024 tokens, stopping after two sizes once one takes
+/// over 20 ms.
 fn calibrate_prefill(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
-    let sizes = [256usize, 1024];
-    let mut pts = [(0u64, 0.0f64); 2];
-    for (i, &t) in sizes.iter().enumerate() {
+    let mut pts = Vec::new();
+    for (i, t) in [64usize, 256, 1024].into_iter().enumerate() {
         let mut q = vec![0.0f32; t * heads * d];
         let mut k = q.clone();
         let mut v = q.clone();
@@ -351,16 +367,18 @@ fn calibrate_prefill(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result
             acp: Acp::Off,
         };
         let mut out = vec![0.0f32; q.len()];
-        let secs = time_min(2, || b.prefill(&call, &mut out).map(|_| ()))?;
-        pts[i] = ((t * (t + 1) / 2 * heads) as u64, secs);
+        let secs = time_min(|| b.prefill(&call, &mut out).map(|_| ()))?;
+        pts.push(((t * (t + 1) / 2 * heads) as u64, secs));
+        if pts.len() >= 2 && secs > 0.02 {
+            break;
+        }
     }
-    Ok(LinearCost::fit(pts[0].0, pts[0].1, pts[1].0, pts[1].1))
+    Ok(fit_last(&pts))
 }
 
 fn calibrate_decode(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
-    let sizes = [512usize, 8192];
-    let mut pts = [(0u64, 0.0f64); 2];
-    for (i, &n) in sizes.iter().enumerate() {
+    let mut pts = Vec::new();
+    for (i, n) in [512usize, 4096].into_iter().enumerate() {
         let mut k = vec![0.0f32; n * d];
         let mut v = k.clone();
         fill_random(&mut k, 31 + i as u64);
@@ -387,10 +405,10 @@ fn calibrate_decode(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<
             acp: Acp::Off,
         };
         let mut out = vec![0.0f32; heads * d];
-        let secs = time_min(3, || b.decode(&call, &mut out).map(|_| ()))?;
-        pts[i] = ((n * heads) as u64, secs);
+        let secs = time_min(|| b.decode(&call, &mut out).map(|_| ()))?;
+        pts.push(((n * heads) as u64, secs));
     }
-    Ok(LinearCost::fit(pts[0].0, pts[0].1, pts[1].0, pts[1].1))
+    Ok(fit_last(&pts))
 }
 
 /// Measures both backends on synthetic dense calls of `heads` heads of `d` dims.

@@ -53,6 +53,7 @@ struct Report {
 pub fn run(rest: Vec<String>) -> Result<()> {
     let mut a = Args::new(rest);
     let json = a.flag("--json");
+    let json_out = a.value("--out")?.map(PathBuf::from);
     let full = a.flag("--full");
     let plot_dir = a.value("--plot")?.map(PathBuf::from);
     let model_dir = a.value("--model")?;
@@ -242,12 +243,15 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         cells,
         auto_vs_best,
     };
+    let js = serde_json::to_string_pretty(&report)
+        .map_err(|e| Error::Internal(format!("JSON: {e}")))?;
     if json {
-        let s = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::Internal(format!("JSON: {e}")))?;
-        println!("{s}");
+        println!("{js}");
     } else {
         print_table(&report);
+    }
+    if let Some(p) = json_out {
+        std::fs::write(&p, js + "\n").map_err(|e| Error::Io { path: p, source: e })?;
     }
     if let Some(d) = plot_dir {
         std::fs::create_dir_all(&d).map_err(|e| Error::Io {

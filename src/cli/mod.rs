@@ -78,6 +78,7 @@ USAGE:
                    [--no-acp | --log-eps X] [--backend ...]
   foxedge bench [--backend cpu,vulkan,hybrid,auto] [--json] [--plot DIR] [--full]
                    [--lengths 1k,4k] [--reps N] [--device SEL] [--log-eps X]
+                   [--out report.json]
   foxedge inspect [--model DIR] --text FILE --plot out.png [--heads L.H,...]
                    [--max-tokens N] [--log-eps X] [--clip D]
 
