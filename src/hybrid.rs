@@ -322,7 +322,11 @@ fn fill_random(x: &mut [f32], seed: u64) {
 fn time_min(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     let t0 = Instant::now();
     f()?;
-    let reps = if t0.elapsed().as_secs_f64() > 0.05 { 1 } else { 3 };
+    let reps = if t0.elapsed().as_secs_f64() > 0.05 {
+        1
+    } else {
+        3
+    };
     let mut best = f64::INFINITY;
     for _ in 0..reps {
         let t0 = Instant::now();

@@ -243,8 +243,8 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         cells,
         auto_vs_best,
     };
-    let js = serde_json::to_string_pretty(&report)
-        .map_err(|e| Error::Internal(format!("JSON: {e}")))?;
+    let js =
+        serde_json::to_string_pretty(&report).map_err(|e| Error::Internal(format!("JSON: {e}")))?;
     if json {
         println!("{js}");
     } else {
