@@ -8,6 +8,13 @@
 //!
 //! A log gate must be finite and `<= 0` (`f = sigmoid(z)` lies in (0, 1]); anything else
 //! is bad input and is reported with its position, never clamped.
+//!
+//! A valid gate below [`LOG_GATE_FLOOR`] enters the sums as the floor. That changes no
+//! attention weight: every pair separated by such a gate has `D <= -1e4`, so its weight
+//! `exp(s q.k + D) <= exp(2U - 1e4)` underflows to 0 in f64 for any logit bound
+//! `U < 4.6e3`. It keeps `|c|` below `1e4` nats per token, so an f64 sum over a long
+//! sequence keeps its spacing far under the gates it must resolve (one gate of
+//! `f32::MIN` would otherwise swallow every later gate into rounding).
 
 use crate::error::{Error, Result};
 
@@ -24,6 +31,9 @@ pub fn logsigmoid(x: f32) -> f32 {
 pub fn logsigmoid_f64(x: f64) -> f64 {
     x.min(0.0) - libm::log1p(libm::exp(-x.abs()))
 }
+
+/// The smallest log gate that enters a cumulative sum as itself (see the module doc).
+pub const LOG_GATE_FLOOR: f32 = -1.0e4;
 
 /// `Ok` when the log gate is finite and `<= 0`, else [`Error::BadLogGate`] at `index`.
 #[inline]
@@ -46,7 +56,7 @@ pub fn validate_log_gates(log_f: &[f32]) -> Result<()> {
 }
 
 /// Inclusive prefix sum of strided log gates in f64:
-/// `out[t] = origin + sum_{l<=t} log_f[l * stride]` for `t < out.len()`.
+/// `out[t] = origin + sum_{l<=t} max(log_f[l * stride], LOG_GATE_FLOOR)` for `t < out.len()`.
 ///
 /// `stride` is the distance between consecutive positions of one head in the log-gate
 /// tensor ([`crate::AttentionShape::gate_stride`]); pass `&log_f[gate_at(b, 0, h)..]`.
@@ -80,7 +90,7 @@ pub fn cumsum_strided(log_f: &[f32], stride: usize, origin: f64, out: &mut [f64]
     let mut acc = origin;
     for (t, (o, &g)) in out.iter_mut().zip(log_f.iter().step_by(stride)).enumerate() {
         check_gate(t, g)?;
-        acc += f64::from(g);
+        acc += f64::from(g.max(LOG_GATE_FLOOR));
         *o = acc;
     }
     Ok(())
@@ -129,7 +139,7 @@ impl GateStream {
     pub fn push(&mut self, log_f: f32) -> Result<f64> {
         let index = usize::try_from(self.count).unwrap_or(usize::MAX);
         check_gate(index, log_f)?;
-        self.c += f64::from(log_f);
+        self.c += f64::from(log_f.max(LOG_GATE_FLOOR));
         self.count += 1;
         Ok(self.c)
     }
@@ -283,5 +293,21 @@ mod tests {
             s.push(-0.75).unwrap();
         }
         assert_eq!(prev - s.current(), 0.75);
+    }
+
+    #[test]
+    fn huge_negative_gates_keep_later_differences_exact() {
+        // One gate of f32::MIN must not swallow the gates after it into rounding.
+        let log_f = [-0.5f32, f32::MIN, -0.25, -0.125];
+        let mut c = [0.0f64; 4];
+        cumsum_strided(&log_f, 1, 0.0, &mut c).unwrap();
+        assert_eq!(c[1] - c[0], f64::from(LOG_GATE_FLOOR));
+        assert_eq!(c[2] - c[1], -0.25);
+        assert_eq!(c[3] - c[2], -0.125);
+        let mut s = GateStream::new();
+        for &g in &log_f {
+            s.push(g).unwrap();
+        }
+        assert_eq!(s.current(), c[3]);
     }
 }
