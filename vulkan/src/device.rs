@@ -158,7 +158,12 @@ fn instance() -> Result<Arc<Instance>> {
             ..Default::default()
         },
     )
-    .map_err(|e| Error::NoInstance(e.to_string()))
+    .map_err(|e| {
+        Error::NoInstance(match e {
+            vulkano::Validated::Error(v) => v.to_string(),
+            vulkano::Validated::ValidationError(v) => v.to_string(),
+        })
+    })
 }
 
 impl Context {
