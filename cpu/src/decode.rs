@@ -221,6 +221,9 @@ pub fn decode_with_isa<Q: Storage, T: Storage, O: Storage>(
         st.total_blocks += p.total_blocks;
         for t in 0..nq {
             let r = p.head * nq + t;
+            if p.m[t].is_nan() || p.m[t] == f32::INFINITY || !p.l[t].is_finite() {
+                return Err(crate::prefill::NON_FINITE);
+            }
             let m_new = m[r].max(p.m[t]);
             if m_new == f32::NEG_INFINITY {
                 continue;
@@ -234,6 +237,11 @@ pub fn decode_with_isa<Q: Storage, T: Storage, O: Storage>(
             {
                 *x = *x * a1 + y * a2;
             }
+        }
+    }
+    for r in 0..nh * nq {
+        if m[r] != f32::NEG_INFINITY && !(l[r] > 0.0 && l[r].is_finite() && m[r].is_finite()) {
+            return Err(crate::prefill::NON_FINITE);
         }
     }
     for r in 0..nh * nq {
@@ -439,6 +447,12 @@ fn decode_block<V: Vf32>(blk: DecodeBlock<'_>) {
                 if *x != f32::NEG_INFINITY {
                     *x += dot::<V>(qt, &k[j * d..(j + 1) * d]);
                 }
+            }
+            // NaN/inf scores poison l (NaN sticks through every later update), so the
+            // merge reports them instead of writing a meaningless row.
+            if row[..nb].iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+                l[t] = f32::NAN;
+                continue;
             }
             let mut mx = V::splat(f32::NEG_INFINITY);
             for x in row.chunks_exact(V::LANES) {

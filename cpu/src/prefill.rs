@@ -24,6 +24,13 @@ use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::{Error, Result, gate, threshold};
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A row that attended keys ended with a non-finite softmax: q, k or v holds NaN/inf, or
+/// `s q.k` overflows f32. Reported instead of writing a meaningless row.
+pub(crate) const NON_FINITE: Error = Error::BadArgument(
+    "attention logits are not finite: q, k or v holds NaN/inf, or s*q.k overflows f32",
+);
 
 /// Forgetting-attention prefill with the widest instruction set of this CPU.
 ///
@@ -116,11 +123,15 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
         key_start: &key_start,
         out: SharedMut::new(out),
         lse: lse.map(SharedMut::new),
+        non_finite: AtomicBool::new(false),
     };
     debug_assert!(ctx.lse.as_ref().is_none_or(|l| l.len == lse_len));
     tasks.par_iter().with_max_len(1).for_each(|&(_, bh, qb)| {
         SCRATCH.with(|s| ctx.run_tile(bh, qb, &mut s.borrow_mut()));
     });
+    if ctx.non_finite.load(Ordering::Relaxed) {
+        return Err(NON_FINITE);
+    }
     Ok(stats)
 }
 
@@ -307,6 +318,8 @@ struct Ctx<'a, 'b, T: Storage, O: Storage> {
     key_start: &'a [usize],
     out: SharedMut<O>,
     lse: Option<SharedMut<f32>>,
+    /// Set by a task whose row attended keys but whose softmax is not finite.
+    non_finite: AtomicBool,
 }
 
 impl<T: Storage, O: Storage> Ctx<'_, '_, T, O> {
@@ -469,6 +482,9 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
         // o_i = acc_i / l_i; rows that attended nothing (padding) get 0 and lse -inf.
         let row = sized(&mut scr.row, d);
         for i in 0..nq {
+            if p0 + i >= ks && !(l[i] > 0.0 && l[i].is_finite() && m[i].is_finite()) {
+                ctx.non_finite.store(true, Ordering::Relaxed);
+            }
             let (inv, lse) = if l[i] > 0.0 {
                 (1.0 / l[i], m[i] + l[i].ln())
             } else {

@@ -379,3 +379,41 @@ fn bad_inputs_are_errors() {
         assert!(decode(&ok, &bo, &mut out, None).is_err(), "{bo:?}");
     }
 }
+
+#[test]
+fn non_finite_logits_are_errors_not_zero_rows() {
+    let d = 8;
+    let k = vec![0.5f32; 3 * d];
+    let c = [0.0, -1.0, -2.0];
+    let hs = [CacheHead {
+        k: &k,
+        v: &k,
+        c: &c,
+        pos: None,
+    }];
+    let o = DecodeOptions::default();
+    let mut out = vec![0.0f32; d];
+    // NaN, inf, and finite values whose s*q.k overflows f32 (8 * 0.35 * 3e38 * 0.5).
+    for (i, bad) in [(3, f32::NAN), (3, f32::INFINITY), (8, 3.0e38)] {
+        let mut q = [1.0f32; 8];
+        q[..i.min(8)].fill(bad);
+        q[3] = bad;
+        let a = DecodeArgs {
+            head_dim: d,
+            n_queries: 1,
+            q: &q,
+            q_c: &[-2.0],
+            q_pos: None,
+            heads: &hs,
+        };
+        for isa in Isa::available() {
+            assert!(
+                matches!(
+                    foxedge_cpu::decode_with_isa(isa, &a, &o, &mut out, None),
+                    Err(Error::BadArgument(_))
+                ),
+                "{bad} {isa:?}"
+            );
+        }
+    }
+}

@@ -347,3 +347,27 @@ fn bad_inputs_are_errors() {
         assert!(prefill(&a, &bo, &mut out, None).is_err(), "{bo:?}");
     }
 }
+
+#[test]
+fn non_finite_logits_are_errors_not_zero_rows() {
+    let p = problem(9, 1, 2, 1, 20, 20, 8, Layout::SeqFirst, 1.0);
+    let o = PrefillOptions::default();
+    let mut out = vec![0.0f32; p.shape.q_len()];
+    // NaN, inf, and finite values whose product q.k overflows f32 (1e40).
+    for bad in [f32::NAN, f32::INFINITY, 1.0e20] {
+        let mut q = p.q.clone();
+        let mut k = p.k.clone();
+        q[5] = bad;
+        k[5] = bad;
+        let a = args(&p, &q, &k, &p.v, None);
+        for isa in Isa::available() {
+            assert!(
+                matches!(
+                    prefill_with_isa(isa, &a, &o, &mut out, None),
+                    Err(Error::BadArgument(_))
+                ),
+                "{bad} {isa:?}"
+            );
+        }
+    }
+}
