@@ -588,34 +588,59 @@ impl Scheduler {
         }
     }
 
-    fn choose(&self, work: &[u64], heads: usize, d: usize, decode: bool) -> Result<Split> {
-        let all_cpu = || Split {
-            gpu_heads: Vec::new(),
-            cpu_heads: (0..heads).collect(),
+    /// The split of a call of `heads` heads; `work` (kept pairs per head) is computed only
+    /// when the choice depends on it.
+    fn choose(
+        &self,
+        heads: usize,
+        d: usize,
+        decode: bool,
+        upper: u64,
+        work: impl FnOnce() -> Result<Vec<u64>>,
+    ) -> Result<Split> {
+        let side = |gpu: bool| Split {
+            gpu_heads: if gpu {
+                (0..heads).collect()
+            } else {
+                Vec::new()
+            },
+            cpu_heads: if gpu {
+                Vec::new()
+            } else {
+                (0..heads).collect()
+            },
             predicted_seconds: 0.0,
         };
-        if self.fallen_back.load(Ordering::Acquire) {
-            return Ok(all_cpu());
+        if self.fell_back() {
+            return Ok(side(false));
         }
-        let split = match self.costs(heads, d)? {
-            None if self.fallen_back.load(Ordering::Acquire) => all_cpu(),
-            None => plan(
-                work,
-                LinearCost { a: 0.0, b: 1.0 },
-                LinearCost { a: 0.0, b: 1.0 },
-                true,
-                Mode::GpuOnly,
-            ),
-            Some(c) => {
-                let (cc, gc) = if decode {
-                    (c.cpu_decode, c.gpu_decode)
-                } else {
-                    (c.cpu_prefill, c.gpu_prefill)
-                };
-                plan(work, cc, gc, c.concurrent, self.mode)
-            }
+        if self.mode == Mode::GpuOnly {
+            return Ok(side(true));
+        }
+        let Some(c) = self.costs(heads, d)? else {
+            return Ok(side(!self.fell_back()));
         };
-        Ok(split)
+        let (cc, gc) = if decode {
+            (c.cpu_decode, c.gpu_decode)
+        } else {
+            (c.cpu_prefill, c.gpu_prefill)
+        };
+        // On shared cores a split never beats the side that is no slower at any size, so
+        // `auto` skips the per-head work count (it costs ~10% of a short decode step).
+        if self.mode == Mode::Auto && !c.concurrent {
+            if gc.a >= cc.a && gc.b >= cc.b {
+                return Ok(side(false));
+            }
+            if cc.a >= gc.a && cc.b >= gc.b {
+                return Ok(side(true));
+            }
+        }
+        // Any plan using the GPU takes at least its fixed cost: when the CPU does the whole
+        // call faster even unpruned (`upper` pairs), the CPU alone is the plan.
+        if self.mode == Mode::Auto && cc.predict(upper, false) <= gc.a {
+            return Ok(side(false));
+        }
+        Ok(plan(&work()?, cc, gc, c.concurrent, self.mode))
     }
 
     fn record(&self, split: &Split) -> Result<()> {
@@ -785,12 +810,10 @@ impl AttentionBackend for Scheduler {
         if out.len() != t * nh * d {
             return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
         }
-        let work = if self.mode == Mode::GpuOnly || self.fell_back() {
-            vec![0; nh]
-        } else {
-            prefill_boundary(call)?.kept_pairs
-        };
-        let split = self.choose(&work, nh, d, false)?;
+        let upper = (t * (t + 1) / 2 * nh) as u64;
+        let split = self.choose(nh, d, false, upper, || {
+            Ok(prefill_boundary(call)?.kept_pairs)
+        })?;
         self.record(&split)?;
         if split.gpu_heads.is_empty() {
             return self.cpu.prefill(call, out);
@@ -827,12 +850,8 @@ impl AttentionBackend for Scheduler {
                 "decode out: [heads, n_queries, head_dim] values",
             ));
         }
-        let work = if self.mode == Mode::GpuOnly || self.fell_back() {
-            vec![0; nh]
-        } else {
-            decode_work(call)?
-        };
-        let split = self.choose(&work, nh, d, true)?;
+        let upper = call.heads.iter().map(|h| h.c.len() as u64).sum::<u64>() * nq as u64;
+        let split = self.choose(nh, d, true, upper, || decode_work(call))?;
         self.record(&split)?;
         if split.gpu_heads.is_empty() {
             return self.cpu.decode(call, out);
