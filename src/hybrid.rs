@@ -44,28 +44,59 @@ use std::time::Instant;
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub const BLOCK: usize = 64;
 
-/// `time ≈ a + b · pairs` (seconds; `b` in seconds per kept query-key pair).
+/// `time ≈ a + b · pairs + c · rows` (seconds): `b` per kept query-key pair (compute),
+/// `c` per row (a token of one head in prefill, a cache entry of one head in decode: the
+/// bytes moved, which dominate a discrete GPU's call through host memory).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearCost {
     pub a: f64,
     pub b: f64,
+    pub c: f64,
+}
+
+/// One calibration measurement: kept pairs, rows, seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    pairs: u64,
+    rows: u64,
+    secs: f64,
 }
 
 impl LinearCost {
-    /// Predicted seconds for `pairs` kept pairs; 0 for an empty call (nothing runs).
-    pub fn predict(&self, pairs: u64, empty: bool) -> f64 {
+    /// Predicted seconds for `pairs` kept pairs over `rows` rows; 0 for an empty call.
+    pub fn predict(&self, pairs: u64, rows: u64, empty: bool) -> f64 {
         if empty {
             0.0
         } else {
-            self.a + self.b * pairs as f64
+            self.a + self.b * pairs as f64 + self.c * rows as f64
         }
     }
 
-    /// Fits `a`, `b` through two measurements `(pairs, seconds)` (`p2 > p1`); `a, b >= 0`.
-    fn fit(p1: u64, t1: f64, p2: u64, t2: f64) -> LinearCost {
-        let b = ((t2 - t1) / (p2 as f64 - p1 as f64)).max(t2 / p2 as f64 * 0.05);
-        let a = (t1 - b * p1 as f64).max(0.0);
-        LinearCost { a, b }
+    /// Fits from a small and a large dense sample (`d1`, `d2`) and a pruned sample `p` of
+    /// `d2`'s rows: `b` from `d2 - p` (same rows), then `c` and `a` from `d1`, `d2` less
+    /// their pair term. Every coefficient is clamped to `>= 0`.
+    fn fit(d1: Sample, d2: Sample, p: Sample) -> LinearCost {
+        let dp = d2.pairs.saturating_sub(p.pairs) as f64;
+        let b = if dp > 0.0 {
+            ((d2.secs - p.secs) / dp).max(0.0)
+        } else {
+            0.0
+        };
+        let r1 = d1.secs - b * d1.pairs as f64;
+        let r2 = d2.secs - b * d2.pairs as f64;
+        let dr = d2.rows.saturating_sub(d1.rows) as f64;
+        let c = if dr > 0.0 {
+            ((r2 - r1) / dr).max(0.0)
+        } else {
+            0.0
+        };
+        let a = (r1 - c * d1.rows as f64).max(0.0);
+        let mut lc = LinearCost { a, b, c };
+        if b == 0.0 && c == 0.0 {
+            // Degenerate samples (timer noise): charge the large call's time per pair.
+            lc.b = d2.secs / d2.pairs.max(1) as f64;
+        }
+        lc
     }
 }
 
@@ -78,20 +109,35 @@ pub struct Calibration {
     pub gpu_decode: LinearCost,
     /// Whether CPU and GPU work overlap in time (false for a CPU Vulkan device).
     pub concurrent: bool,
+    /// Extra cost of a split call: fixed seconds (the GPU thread) and seconds per row of
+    /// all heads (prefill: gathering q, k, v, log f by side and scattering the output;
+    /// decode moves only the queries, so 0).
+    pub split_fixed: f64,
+    pub split_row_prefill: f64,
     /// Wall time the calibration took (seconds).
     pub seconds: f64,
 }
 
 impl fmt::Display for Calibration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let g = |c: &LinearCost| format!("{:.0} us + {:.3} ns/pair", c.a * 1e6, c.b * 1e9);
+        let g = |c: &LinearCost| {
+            format!(
+                "{:.0} us + {:.3} ns/pair + {:.1} ns/row",
+                c.a * 1e6,
+                c.b * 1e9,
+                c.c * 1e9
+            )
+        };
         write!(
             f,
-            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}; {} ({:.2} s)",
+            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}; split {:.0} us + {:.1} ns/row; {} \
+             ({:.2} s)",
             g(&self.cpu_prefill),
             g(&self.gpu_prefill),
             g(&self.cpu_decode),
             g(&self.gpu_decode),
+            self.split_fixed * 1e6,
+            self.split_row_prefill * 1e9,
             if self.concurrent {
                 "concurrent"
             } else {
@@ -130,15 +176,30 @@ const SPLIT_MARGIN: f64 = 0.9;
 
 /// Heads on the GPU for `work` (kept pairs per head) under `mode`; returns the GPU heads
 /// (ascending) and the predicted seconds.
-fn plan(work: &[u64], cpu: LinearCost, gpu: LinearCost, concurrent: bool, mode: Mode) -> Split {
+fn plan(
+    work: &[(u64, u64)],
+    cpu: LinearCost,
+    gpu: LinearCost,
+    concurrent: bool,
+    mode: Mode,
+    split_cost: (f64, f64),
+) -> Split {
     let n = work.len();
-    let total: u64 = work.iter().sum();
+    let total = work
+        .iter()
+        .fold((0u64, 0u64), |a, w| (a.0 + w.0, a.1 + w.1));
     let combine = |c: f64, g: f64| if concurrent { c.max(g) } else { c + g };
-    let cost = |g_pairs: u64, g_heads: usize| {
-        combine(
-            cpu.predict(total - g_pairs, g_heads == n),
-            gpu.predict(g_pairs, g_heads == 0),
-        )
+    let cost = |g: (u64, u64), g_heads: usize| {
+        let extra = if g_heads == 0 || g_heads == n {
+            0.0
+        } else {
+            split_cost.0 + split_cost.1 * total.1 as f64
+        };
+        extra
+            + combine(
+                cpu.predict(total.0 - g.0, total.1 - g.1, g_heads == n),
+                gpu.predict(g.0, g.1, g_heads == 0),
+            )
     };
     let all: Vec<usize> = (0..n).collect();
     let split_of = |gpu_heads: Vec<usize>, predicted_seconds: f64| {
@@ -156,16 +217,23 @@ fn plan(work: &[u64], cpu: LinearCost, gpu: LinearCost, concurrent: bool, mode: 
     if mode == Mode::GpuOnly || n == 0 {
         return split_of(all, cost(total, n));
     }
-    // Heaviest first, then lightest first: every prefix is a candidate GPU set.
+    // Heaviest first, lightest first, densest (pairs per row) first: every prefix is a
+    // candidate GPU set.
     let mut desc = all.clone();
-    desc.sort_by_key(|&h| std::cmp::Reverse(work[h]));
+    desc.sort_by_key(|&h| std::cmp::Reverse(work[h].0));
     let asc: Vec<usize> = desc.iter().rev().copied().collect();
+    let mut dense = all.clone();
+    dense.sort_by(|&x, &y| {
+        let r = |h: usize| work[h].0 as f64 / work[h].1.max(1) as f64;
+        r(y).total_cmp(&r(x))
+    });
     let mut best: Option<(f64, Vec<usize>)> = None;
-    for order in [&desc, &asc] {
-        let mut g_pairs = 0u64;
+    for order in [&desc, &asc, &dense] {
+        let mut g = (0u64, 0u64);
         for k in 1..n {
-            g_pairs += work[order[k - 1]];
-            let t = cost(g_pairs, k);
+            let w = work[order[k - 1]];
+            g = (g.0 + w.0, g.1 + w.1);
+            let t = cost(g, k);
             if best.as_ref().is_none_or(|b| t < b.0) {
                 best = Some((t, order[..k].to_vec()));
             }
@@ -173,9 +241,9 @@ fn plan(work: &[u64], cpu: LinearCost, gpu: LinearCost, concurrent: bool, mode: 
     }
     match (mode, best) {
         (Mode::Hybrid, Some((t, g))) => split_of(g, t),
-        (Mode::Hybrid, None) => split_of(Vec::new(), cost(0, 0)),
+        (Mode::Hybrid, None) => split_of(Vec::new(), cost((0, 0), 0)),
         (_, best) => {
-            let t_cpu = cost(0, 0);
+            let t_cpu = cost((0, 0), 0);
             let t_gpu = cost(total, n);
             let single = t_cpu.min(t_gpu);
             match best {
@@ -256,7 +324,7 @@ pub(crate) struct PrefillBoundary {
 
 /// Kept (query, entry) pairs per head of a decode call: entries in `BLOCK`-entry blocks
 /// (slot order, as the kernels split them) where some query has `c_t - c_j >= delta`.
-fn decode_work(call: &DecodeCall<'_>) -> Result<Vec<u64>> {
+fn decode_work(call: &DecodeCall<'_>) -> Result<Vec<(u64, u64)>> {
     let nq = call.n_queries;
     let mut w = Vec::with_capacity(call.heads.len());
     for (h, head) in call.heads.iter().enumerate() {
@@ -281,14 +349,19 @@ fn decode_work(call: &DecodeCall<'_>) -> Result<Vec<u64>> {
                 head.c
                     .chunks(BLOCK)
                     .filter(|blk| {
-                        let cmin = blk.iter().copied().fold(f64::INFINITY, f64::min);
+                        let mut cmin = f64::INFINITY;
+                        for &x in *blk {
+                            if x < cmin {
+                                cmin = x;
+                            }
+                        }
                         cmax - cmin >= delta
                     })
                     .map(<[f64]>::len)
                     .sum()
             }
         };
-        w.push(kept as u64 * nq as u64);
+        w.push((kept as u64 * nq as u64, n as u64));
     }
     Ok(w)
 }
@@ -336,83 +409,126 @@ fn time_min(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(best)
 }
 
-/// Fits through the last two `(pairs, seconds)` points (one point: `a = 0`).
-fn fit_last(pts: &[(u64, f64)]) -> LinearCost {
-    match pts {
-        [.., (p1, t1), (p2, t2)] if p2 > p1 => LinearCost::fit(*p1, *t1, *p2, *t2),
-        [.., (p, t)] => LinearCost {
-            a: 0.0,
-            b: t / (*p).max(1) as f64,
+/// One prefill of `t` tokens on synthetic data: dense (`pruned = false`) or with strong
+/// gates under ACP so that little more than the diagonal blocks are kept.
+fn prefill_sample(
+    b: &dyn AttentionBackend,
+    heads: usize,
+    d: usize,
+    t: usize,
+    pruned: bool,
+) -> Result<Sample> {
+    let mut q = vec![0.0f32; t * heads * d];
+    let mut k = q.clone();
+    let mut v = q.clone();
+    fill_random(&mut q, 1 + t as u64);
+    fill_random(&mut k, 11 + t as u64);
+    fill_random(&mut v, 21 + t as u64);
+    let log_f = vec![if pruned { -1.0f32 } else { -0.01 }; t * heads];
+    let u = vec![1.0f64; heads];
+    let call = PrefillCall {
+        t,
+        heads,
+        head_dim: d,
+        q: &q,
+        k: &k,
+        v: &v,
+        log_f: &log_f,
+        acp: if pruned {
+            Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            }
+        } else {
+            Acp::Off
         },
-        [] => LinearCost { a: 0.0, b: 0.0 },
-    }
+    };
+    let pairs = prefill_boundary(&call)?.kept_pairs.iter().sum();
+    let mut out = vec![0.0f32; q.len()];
+    let secs = time_min(|| b.prefill(&call, &mut out).map(|_| ()))?;
+    Ok(Sample {
+        pairs,
+        rows: (t * heads) as u64,
+        secs,
+    })
 }
 
-/// Dense prefills of 64, 256, 1024 tokens, stopping after two sizes once one takes
-/// over 20 ms.
+/// Dense prefills of 64, 256, 1024 tokens (stopping after two sizes once one takes over
+/// 20 ms), then a pruned one at the last size.
 fn calibrate_prefill(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
-    let mut pts = Vec::new();
-    for (i, t) in [64usize, 256, 1024].into_iter().enumerate() {
-        let mut q = vec![0.0f32; t * heads * d];
-        let mut k = q.clone();
-        let mut v = q.clone();
-        fill_random(&mut q, 1 + i as u64);
-        fill_random(&mut k, 11 + i as u64);
-        fill_random(&mut v, 21 + i as u64);
-        let log_f = vec![-0.01f32; t * heads];
-        let call = PrefillCall {
-            t,
-            heads,
-            head_dim: d,
-            q: &q,
-            k: &k,
-            v: &v,
-            log_f: &log_f,
-            acp: Acp::Off,
-        };
-        let mut out = vec![0.0f32; q.len()];
-        let secs = time_min(|| b.prefill(&call, &mut out).map(|_| ()))?;
-        pts.push(((t * (t + 1) / 2 * heads) as u64, secs));
-        if pts.len() >= 2 && secs > 0.02 {
+    let mut dense: Vec<(usize, Sample)> = Vec::new();
+    for t in [64usize, 256, 1024] {
+        let smp = prefill_sample(b, heads, d, t, false)?;
+        dense.push((t, smp));
+        if dense.len() >= 2 && smp.secs > 0.02 {
             break;
         }
     }
-    Ok(fit_last(&pts))
+    let n = dense.len();
+    let (d1, (t2, d2)) = (dense[n - 2].1, dense[n - 1]);
+    let p = prefill_sample(b, heads, d, t2, true)?;
+    Ok(LinearCost::fit(d1, d2, p))
 }
 
+/// One decode step over `n` synthetic entries per head, dense or with strong decay under
+/// ACP (most blocks pruned).
+fn decode_sample(
+    b: &dyn AttentionBackend,
+    heads: usize,
+    d: usize,
+    n: usize,
+    pruned: bool,
+) -> Result<Sample> {
+    let mut k = vec![0.0f32; n * d];
+    let mut v = k.clone();
+    fill_random(&mut k, 31 + n as u64);
+    fill_random(&mut v, 41 + n as u64);
+    let rate = if pruned { 1.0 } else { 0.01 };
+    let c: Vec<f64> = (0..n).map(|j| -rate * j as f64).collect();
+    let mut q = vec![0.0f32; heads * d];
+    fill_random(&mut q, 51);
+    let q_c = vec![c[n - 1]; heads];
+    let u = vec![1.0f64; heads];
+    let hs: Vec<CacheHead<'_>> = (0..heads)
+        .map(|_| CacheHead {
+            k: &k,
+            v: &v,
+            c: &c,
+            pos: None,
+        })
+        .collect();
+    let call = DecodeCall {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &hs,
+        acp: if pruned {
+            Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            }
+        } else {
+            Acp::Off
+        },
+    };
+    let pairs = decode_work(&call)?.iter().map(|w| w.0).sum();
+    let mut out = vec![0.0f32; heads * d];
+    let secs = time_min(|| b.decode(&call, &mut out).map(|_| ()))?;
+    Ok(Sample {
+        pairs,
+        rows: (n * heads) as u64,
+        secs,
+    })
+}
+
+/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned.
 fn calibrate_decode(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
-    let mut pts = Vec::new();
-    for (i, n) in [512usize, 4096].into_iter().enumerate() {
-        let mut k = vec![0.0f32; n * d];
-        let mut v = k.clone();
-        fill_random(&mut k, 31 + i as u64);
-        fill_random(&mut v, 41 + i as u64);
-        let c: Vec<f64> = (0..n).map(|j| -0.01 * j as f64).collect();
-        let mut q = vec![0.0f32; heads * d];
-        fill_random(&mut q, 51);
-        let q_c = vec![c[n - 1]; heads];
-        let hs: Vec<CacheHead<'_>> = (0..heads)
-            .map(|_| CacheHead {
-                k: &k,
-                v: &v,
-                c: &c,
-                pos: None,
-            })
-            .collect();
-        let call = DecodeCall {
-            head_dim: d,
-            n_queries: 1,
-            q: &q,
-            q_c: &q_c,
-            q_pos: None,
-            heads: &hs,
-            acp: Acp::Off,
-        };
-        let mut out = vec![0.0f32; heads * d];
-        let secs = time_min(|| b.decode(&call, &mut out).map(|_| ()))?;
-        pts.push(((n * heads) as u64, secs));
-    }
-    Ok(fit_last(&pts))
+    let d1 = decode_sample(b, heads, d, 512, false)?;
+    let d2 = decode_sample(b, heads, d, 4096, false)?;
+    let p = decode_sample(b, heads, d, 4096, true)?;
+    Ok(LinearCost::fit(d1, d2, p))
 }
 
 /// Measures both backends on synthetic dense calls of `heads` heads of `d` dims.
@@ -424,14 +540,45 @@ fn calibrate(
     concurrent: bool,
 ) -> Result<Calibration> {
     let t0 = Instant::now();
+    let (split_fixed, split_row_prefill) = calibrate_split(heads, d)?;
     Ok(Calibration {
         cpu_prefill: calibrate_prefill(cpu, heads, d)?,
         gpu_prefill: calibrate_prefill(gpu, heads, d)?,
         cpu_decode: calibrate_decode(cpu, heads, d)?,
         gpu_decode: calibrate_decode(gpu, heads, d)?,
         concurrent,
+        split_fixed,
+        split_row_prefill,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The split's own costs: a scoped thread's spawn and join (fixed), and per row the
+/// gathers and the scatter of a 1024-token prefill split into two halves of its heads.
+fn calibrate_split(heads: usize, d: usize) -> Result<(f64, f64)> {
+    let fixed = time_min(|| {
+        std::thread::scope(|s| s.spawn(|| std::hint::black_box(1)).join())
+            .map(|_| ())
+            .map_err(|_| Error::Internal("calibration thread panicked".into()))
+    })?;
+    let t = 1024;
+    let mut x = vec![0.0f32; t * heads * d];
+    fill_random(&mut x, 61);
+    let mut out = vec![0.0f32; x.len()];
+    let half = heads / 2;
+    let sides: [Vec<usize>; 2] = [(0..half).collect(), (half..heads).collect()];
+    let secs = time_min(|| {
+        for idx in &sides {
+            for _ in 0..3 {
+                std::hint::black_box(gather_seq(&x, t, heads, d, idx));
+            }
+            std::hint::black_box(gather_seq(&x, t, heads, 1, idx));
+            let part = gather_seq(&x, t, heads, d, idx);
+            scatter_seq(&part, t, heads, d, idx, &mut out);
+        }
+        Ok(())
+    })?;
+    Ok((fixed, secs / (t * heads) as f64))
 }
 
 /// The GPU side of a [`Scheduler`]: an attention backend and how it relates to the CPU.
@@ -595,8 +742,8 @@ impl Scheduler {
         heads: usize,
         d: usize,
         decode: bool,
-        upper: u64,
-        work: impl FnOnce() -> Result<Vec<u64>>,
+        upper: (u64, u64),
+        work: impl FnOnce() -> Result<Vec<(u64, u64)>>,
     ) -> Result<Split> {
         let side = |gpu: bool| Split {
             gpu_heads: if gpu {
@@ -625,22 +772,44 @@ impl Scheduler {
         } else {
             (c.cpu_prefill, c.gpu_prefill)
         };
-        // On shared cores a split never beats the side that is no slower at any size, so
-        // `auto` skips the per-head work count (it costs ~10% of a short decode step).
-        if self.mode == Mode::Auto && !c.concurrent {
-            if gc.a >= cc.a && gc.b >= cc.b {
+        // `auto` skips the per-head work count (up to ~40% of a short decode step) when
+        // the calibration decides alone. On shared cores a split never beats the side that
+        // is no slower at any size. Concurrently, a GPU >= 19x slower per pair and per row
+        // can take < 5% of the work, not worth a split. And any plan using the GPU takes
+        // its fixed cost: when the CPU does the whole call faster unpruned (`upper` =
+        // (pairs, rows)), the CPU alone is the plan.
+        if self.mode == Mode::Auto {
+            let gpu_slower = gc.a >= cc.a && gc.b >= cc.b && gc.c >= cc.c;
+            let cpu_slower = cc.a >= gc.a && cc.b >= gc.b && cc.c >= gc.c;
+            if !c.concurrent && gpu_slower {
                 return Ok(side(false));
             }
-            if cc.a >= gc.a && cc.b >= gc.b {
+            if !c.concurrent && cpu_slower {
                 return Ok(side(true));
             }
+            if c.concurrent && gc.b >= 19.0 * cc.b && gc.c >= 19.0 * cc.c {
+                return Ok(side(false));
+            }
+            // A row costs the GPU at least `gc.c` and the CPU at most `cc.c + cc.b * ppr`
+            // (`ppr` = most pairs per row: the queries of a decode step): a GPU >= 19x
+            // slower per row at best cannot take a useful share.
+            let ppr = if decode {
+                upper.0 / upper.1.max(1)
+            } else {
+                upper.1.max(1) / heads.max(1) as u64
+            };
+            if c.concurrent && gc.c >= 19.0 * (cc.c + cc.b * ppr as f64) {
+                return Ok(side(false));
+            }
+            if cc.predict(upper.0, upper.1, false) <= gc.a {
+                return Ok(side(false));
+            }
         }
-        // Any plan using the GPU takes at least its fixed cost: when the CPU does the whole
-        // call faster even unpruned (`upper` pairs), the CPU alone is the plan.
-        if self.mode == Mode::Auto && cc.predict(upper, false) <= gc.a {
-            return Ok(side(false));
-        }
-        Ok(plan(&work()?, cc, gc, c.concurrent, self.mode))
+        let split_cost = (
+            c.split_fixed,
+            if decode { 0.0 } else { c.split_row_prefill },
+        );
+        Ok(plan(&work()?, cc, gc, c.concurrent, self.mode, split_cost))
     }
 
     fn record(&self, split: &Split) -> Result<()> {
@@ -810,9 +979,14 @@ impl AttentionBackend for Scheduler {
         if out.len() != t * nh * d {
             return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
         }
-        let upper = (t * (t + 1) / 2 * nh) as u64;
+        let upper = ((t * (t + 1) / 2 * nh) as u64, (t * nh) as u64);
         let split = self.choose(nh, d, false, upper, || {
-            Ok(prefill_boundary(call)?.kept_pairs)
+            let rows = t as u64;
+            Ok(prefill_boundary(call)?
+                .kept_pairs
+                .into_iter()
+                .map(|p| (p, rows))
+                .collect())
         })?;
         self.record(&split)?;
         if split.gpu_heads.is_empty() {
@@ -850,7 +1024,8 @@ impl AttentionBackend for Scheduler {
                 "decode out: [heads, n_queries, head_dim] values",
             ));
         }
-        let upper = call.heads.iter().map(|h| h.c.len() as u64).sum::<u64>() * nq as u64;
+        let entries = call.heads.iter().map(|h| h.c.len() as u64).sum::<u64>();
+        let upper = (entries * nq as u64, entries);
         let split = self.choose(nh, d, true, upper, || decode_work(call))?;
         self.record(&split)?;
         if split.gpu_heads.is_empty() {
@@ -1555,16 +1730,29 @@ mod tests {
     use proptest::prelude::*;
 
     fn cost(a: f64, b: f64) -> LinearCost {
-        LinearCost { a, b }
+        LinearCost { a, b, c: 0.0 }
+    }
+
+    /// Work with one row per pair (row costs are tested separately).
+    fn w(pairs: &[u64]) -> Vec<(u64, u64)> {
+        pairs.iter().map(|&p| (p, 1)).collect()
     }
 
     /// Predicted time of putting `gpu` heads on the GPU (the rule `plan` minimises).
-    fn predicted(work: &[u64], gpu: &[usize], c: LinearCost, g: LinearCost, conc: bool) -> f64 {
-        let gp: u64 = gpu.iter().map(|&h| work[h]).sum();
-        let cp: u64 = work.iter().sum::<u64>() - gp;
+    fn predicted(
+        work: &[(u64, u64)],
+        gpu: &[usize],
+        c: LinearCost,
+        g: LinearCost,
+        conc: bool,
+    ) -> f64 {
+        let gp: u64 = gpu.iter().map(|&h| work[h].0).sum();
+        let gr: u64 = gpu.iter().map(|&h| work[h].1).sum();
+        let cp: u64 = work.iter().map(|x| x.0).sum::<u64>() - gp;
+        let cr: u64 = work.iter().map(|x| x.1).sum::<u64>() - gr;
         let (tc, tg) = (
-            c.predict(cp, gpu.len() == work.len()),
-            g.predict(gp, gpu.is_empty()),
+            c.predict(cp, cr, gpu.len() == work.len()),
+            g.predict(gp, gr, gpu.is_empty()),
         );
         if conc { tc.max(tg) } else { tc + tg }
     }
@@ -1572,22 +1760,69 @@ mod tests {
     #[test]
     fn heavy_heads_go_to_a_faster_gpu() {
         // GPU 4x faster per pair, larger fixed cost; two global heads, six local ones.
-        let work = [10, 1_000_000, 12, 9, 900_000, 11, 10, 8];
+        let work = w(&[10, 1_000_000, 12, 9, 900_000, 11, 10, 8]);
         let s = plan(
             &work,
             cost(1e-5, 4e-9),
             cost(1e-4, 1e-9),
             true,
             Mode::Hybrid,
+            (0.0, 0.0),
         );
         assert_eq!(s.gpu_heads, vec![1, 4]);
         assert_eq!(s.cpu_heads, vec![0, 2, 3, 5, 6, 7]);
     }
 
     #[test]
+    fn row_costly_gpu_takes_the_densest_heads() {
+        // Equal rows; the GPU is cheap per pair but pays per row (host transfers): the
+        // heads with the most kept pairs per row go to it, the pruned ones stay.
+        let work = vec![
+            (2_000, 4096),
+            (8_000_000, 4096),
+            (3_000, 4096),
+            (7_000_000, 4096),
+        ];
+        let cpu = LinearCost {
+            a: 1e-5,
+            b: 1e-9,
+            c: 0.0,
+        };
+        let gpu = LinearCost {
+            a: 1e-4,
+            b: 1e-10,
+            c: 2e-7,
+        };
+        let s = plan(&work, cpu, gpu, true, Mode::Auto, (0.0, 0.0));
+        assert_eq!(s.gpu_heads, vec![1, 3]);
+        // Calibration fit recovers a, b, c from exact samples.
+        let truth = LinearCost {
+            a: 2e-4,
+            b: 3e-10,
+            c: 5e-8,
+        };
+        let smp = |pairs: u64, rows: u64| Sample {
+            pairs,
+            rows,
+            secs: truth.predict(pairs, rows, false),
+        };
+        let f = LinearCost::fit(smp(8_000, 1_000), smp(500_000, 4_000), smp(60_000, 4_000));
+        for (x, y) in [(f.a, truth.a), (f.b, truth.b), (f.c, truth.c)] {
+            assert!((x - y).abs() <= 1e-9 * y.abs().max(1e-12) + 1e-18, "{f:?}");
+        }
+    }
+
+    #[test]
     fn shared_cores_never_split_in_auto() {
-        let work = [1000, 2000, 3000];
-        let s = plan(&work, cost(1e-5, 1e-9), cost(1e-5, 5e-9), false, Mode::Auto);
+        let work = w(&[1000, 2000, 3000]);
+        let s = plan(
+            &work,
+            cost(1e-5, 1e-9),
+            cost(1e-5, 5e-9),
+            false,
+            Mode::Auto,
+            (0.0, 0.0),
+        );
         assert!(s.gpu_heads.is_empty(), "{s:?}");
         // Hybrid must still split, and puts the lightest head on the slower GPU.
         let s = plan(
@@ -1596,6 +1831,7 @@ mod tests {
             cost(1e-5, 5e-9),
             false,
             Mode::Hybrid,
+            (0.0, 0.0),
         );
         assert_eq!(s.gpu_heads, vec![0]);
     }
@@ -1603,15 +1839,16 @@ mod tests {
     proptest! {
         #[test]
         fn plan_is_consistent(
-            work in proptest::collection::vec(0u64..1_000_000, 1..12),
-            ca in 0.0f64..1e-3, cb in 1e-10f64..1e-8,
-            ga in 0.0f64..1e-3, gb in 1e-10f64..1e-8,
+            work in proptest::collection::vec((0u64..1_000_000, 1u64..100_000), 1..12),
+            ca in 0.0f64..1e-3, cb in 1e-10f64..1e-8, cc in 0.0f64..1e-7,
+            ga in 0.0f64..1e-3, gb in 1e-10f64..1e-8, gc in 0.0f64..1e-7,
             conc: bool,
         ) {
-            let (c, g) = (cost(ca, cb), cost(ga, gb));
+            let c = LinearCost { a: ca, b: cb, c: cc };
+            let g = LinearCost { a: ga, b: gb, c: gc };
             let n = work.len();
             for mode in [Mode::Auto, Mode::Hybrid, Mode::GpuOnly] {
-                let s = plan(&work, c, g, conc, mode);
+                let s = plan(&work, c, g, conc, mode, (0.0, 0.0));
                 let mut all: Vec<usize> = s.gpu_heads.iter().chain(&s.cpu_heads).copied().collect();
                 all.sort_unstable();
                 prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
@@ -1625,7 +1862,7 @@ mod tests {
                         prop_assert!(!s.gpu_heads.is_empty() && !s.cpu_heads.is_empty());
                         // The optimum over every heaviest- and lightest-first prefix.
                         let mut desc: Vec<usize> = (0..n).collect();
-                        desc.sort_by_key(|&h| std::cmp::Reverse(work[h]));
+                        desc.sort_by_key(|&h| std::cmp::Reverse(work[h].0));
                         for k in 1..n {
                             prop_assert!(p <= predicted(&work, &desc[..k], c, g, conc) + 1e-15);
                             prop_assert!(p <= predicted(&work, &desc[n - k..], c, g, conc) + 1e-15);
@@ -1709,8 +1946,9 @@ mod tests {
         let w = decode_work(&call).unwrap();
         let mut out = vec![0.0; 4 * 16];
         let st = CpuBackend.decode(&call, &mut out).unwrap();
-        assert_eq!(w, st.kept_pairs);
-        assert!(w.iter().any(|&x| (x as usize) < n), "something pruned");
+        assert_eq!(w.iter().map(|x| x.0).collect::<Vec<_>>(), st.kept_pairs);
+        assert!(w.iter().all(|x| x.1 == n as u64));
+        assert!(w.iter().any(|x| (x.0 as usize) < n), "something pruned");
     }
 
     /// A second CPU backend standing in for the GPU side, failing on demand (the only way

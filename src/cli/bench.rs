@@ -149,42 +149,77 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                 } else {
                     AcpMode::Off
                 };
-                let mut cpu_out: Option<Vec<f32>> = None;
-                for (kind, eng) in &engines {
-                    let n_out = if op == "prefill" {
-                        p.q.len()
-                    } else {
-                        p.heads * p.head_dim
-                    };
-                    let mut out = vec![0.0f32; n_out];
-                    let mut run = |out: &mut [f32]| -> Result<CallStats> {
-                        match &dp {
-                            Some(d) => eng.decode(d, mode, out),
-                            None => eng.prefill(&p, mode, out),
-                        }
-                    };
-                    let (secs, reps, st) = time_cell(&mut run, &mut out, max_reps, op == "decode")?;
-                    let diff = match &cpu_out {
-                        Some(c) => max_abs_diff(c, &out),
-                        None => 0.0,
-                    };
-                    if *kind == BackendKind::Cpu {
-                        cpu_out = Some(out.clone());
+                let n_out = if op == "prefill" {
+                    p.q.len()
+                } else {
+                    p.heads * p.head_dim
+                };
+                let run = |eng: &Engine, out: &mut [f32]| -> Result<CallStats> {
+                    match &dp {
+                        Some(d) => eng.decode(d, mode, out),
+                        None => eng.prefill(&p, mode, out),
                     }
-                    let gflops = st.flops(p.head_dim) / secs / 1e9;
+                };
+                // Warm-up (and the output) of every backend, then the timed rounds with the
+                // backends interleaved, so that load drifting on a shared machine hits them
+                // alike; a backend whose warm-up took > 1 s keeps that one timing.
+                let mut outs = Vec::with_capacity(engines.len());
+                let mut best = Vec::with_capacity(engines.len());
+                let mut inner = Vec::with_capacity(engines.len());
+                let mut stats = Vec::with_capacity(engines.len());
+                let mut splits = Vec::with_capacity(engines.len());
+                for (_, eng) in &engines {
+                    let mut out = vec![0.0f32; n_out];
+                    let t0 = Instant::now();
+                    stats.push(run(eng, &mut out)?);
+                    let first = t0.elapsed().as_secs_f64();
+                    splits.push(eng.last_split().map(|s| s.gpu_heads.len()));
+                    best.push(first);
+                    // Decode steps are batched so that one timing covers >= ~5 ms.
+                    inner.push(if op == "decode" {
+                        ((5e-3 / first.max(1e-6)) as usize).clamp(1, 1000)
+                    } else {
+                        1
+                    });
+                    outs.push(out);
+                }
+                let mut reps = vec![1usize; engines.len()];
+                let mut scratch = vec![0.0f32; n_out];
+                for _ in 0..max_reps {
+                    for (i, (_, eng)) in engines.iter().enumerate() {
+                        if best[i] > 1.0 {
+                            continue;
+                        }
+                        if reps[i] == 1 {
+                            best[i] = f64::INFINITY;
+                            reps[i] = 0;
+                        }
+                        let t0 = Instant::now();
+                        for _ in 0..inner[i] {
+                            run(eng, &mut scratch)?;
+                        }
+                        best[i] = best[i].min(t0.elapsed().as_secs_f64() / inner[i] as f64);
+                        reps[i] += 1;
+                    }
+                }
+                let cpu_i = engines.iter().position(|(k, _)| *k == BackendKind::Cpu);
+                for (i, (kind, _)) in engines.iter().enumerate() {
+                    let diff = cpu_i.map_or(0.0, |c| max_abs_diff(&outs[c], &outs[i]));
+                    let secs = best[i];
+                    let gflops = stats[i].flops(p.head_dim) / secs / 1e9;
                     cells.push(Cell {
                         op,
                         len,
                         acp,
                         backend: kind.name().to_string(),
                         seconds: secs,
-                        reps,
+                        reps: reps[i],
                         gflops,
                         peak_fraction: gflops / peak,
-                        kept_fraction: st.kept_fraction(),
+                        kept_fraction: stats[i].kept_fraction(),
                         vs_cpu: 1.0,
                         acp_speedup: 1.0,
-                        gpu_heads: eng.last_split().map(|s| s.gpu_heads.len()),
+                        gpu_heads: splits[i],
                         max_abs_diff_vs_cpu: diff,
                     });
                     eprintln!(
@@ -309,40 +344,6 @@ fn fixture_ids(model_dir: &Path) -> Result<PathBuf> {
         })
 }
 
-/// Best time of up to `max_reps` runs after a warm-up (fewer when one run takes > 1 s;
-/// decode calls are batched so one timing covers >= ~5 ms).
-fn time_cell(
-    run: &mut dyn FnMut(&mut [f32]) -> Result<CallStats>,
-    out: &mut [f32],
-    max_reps: usize,
-    batch: bool,
-) -> Result<(f64, usize, CallStats)> {
-    let t0 = Instant::now();
-    let st = run(out)?;
-    let first = t0.elapsed().as_secs_f64();
-    let inner = if batch {
-        ((5e-3 / first.max(1e-6)) as usize).clamp(1, 1000)
-    } else {
-        1
-    };
-    let reps = if first > 1.0 { 1 } else { max_reps };
-    let mut best = if first > 1.0 { first } else { f64::INFINITY };
-    let mut done = 0;
-    if first <= 1.0 {
-        for _ in 0..reps {
-            let t = Instant::now();
-            for _ in 0..inner {
-                run(out)?;
-            }
-            best = best.min(t.elapsed().as_secs_f64() / inner as f64);
-            done += 1;
-        }
-    } else {
-        done = 1;
-    }
-    Ok((best, done, st))
-}
-
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -378,16 +379,23 @@ fn print_table(r: &Report) {
         "gpuH",
         "|d| cpu"
     );
+    // % of the CPU's FMA peak; not shown for work on a discrete GPU (another machine's peak).
+    let gpu_is_cpu = r.device.as_deref().is_some_and(|d| d.contains("(Cpu)"));
     for c in &r.cells {
+        let pct = if c.gpu_heads.unwrap_or(0) > 0 && !gpu_is_cpu {
+            "-".to_string()
+        } else {
+            format!("{:.1}%", c.peak_fraction * 100.0)
+        };
         println!(
-            "{:<8} {:>6} {:<5} {:<7} {:>11.3} {:>9.1} {:>6.1}% {:>6.3} {:>7.2} {:>7.2} {:>5} {:>9.1e}",
+            "{:<8} {:>6} {:<5} {:<7} {:>11.3} {:>9.1} {:>7} {:>6.3} {:>7.2} {:>7.2} {:>5} {:>9.1e}",
             c.op,
             c.len,
             if c.acp { "acp" } else { "dense" },
             c.backend,
             c.seconds * 1e3,
             c.gflops,
-            c.peak_fraction * 100.0,
+            pct,
             c.kept_fraction,
             c.vs_cpu,
             c.acp_speedup,
