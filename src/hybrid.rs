@@ -171,8 +171,10 @@ enum Mode {
 }
 
 /// A split is used by `auto` only when predicted at least this much faster than the best
-/// single backend (it also pays a gather and a scatter of the heads it moves).
-const SPLIT_MARGIN: f64 = 0.9;
+/// single backend: the model misses what the two sides cost each other when they run at
+/// once (the GPU thread's host-side packing and uploads compete with rayon for cores and
+/// memory bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
+const SPLIT_MARGIN: f64 = 0.7;
 
 /// Heads on the GPU for `work` (kept pairs per head) under `mode`; returns the GPU heads
 /// (ascending) and the predicted seconds.
