@@ -449,10 +449,8 @@ fn plot_throughput(path: &Path, op: &str, r: &Report) -> Result<()> {
     line_chart(
         path,
         &format!(
-            "{op}: kept GFLOP/s vs context ({} heads x {}, {})",
-            r.heads,
-            r.head_dim,
-            r.device.as_deref().unwrap_or("cpu only")
+            "{op}: kept GFLOP/s vs context, {} heads x {}",
+            r.heads, r.head_dim
         ),
         "context length (tokens)",
         "GFLOP/s",
