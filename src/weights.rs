@@ -111,7 +111,7 @@ impl WeightFile {
         }
         let bytes = &self.map[e.start..e.end];
         let n = bytes.len() / e.dtype.size();
-        let ptr_aligned = (bytes.as_ptr() as usize) % std::mem::align_of::<f32>() == 0;
+        let ptr_aligned = (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>());
         let data = if e.dtype == DType::F32 && ptr_aligned && cfg!(target_endian = "little") {
             Data::Mapped {
                 start: e.start,
