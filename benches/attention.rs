@@ -18,12 +18,12 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge_cpu::{
     Acp, AttentionShape, CacheHead, DecodeArgs, DecodeOptions, Layout, PrefillArgs, PrefillOptions,
-    Storage, decode, prefill,
+    Storage, decode, limits, prefill,
 };
 use half::{bf16, f16};
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const HEADS: usize = 8;
 const D: usize = 64;
@@ -270,97 +270,23 @@ fn bench_decode(c: &mut Criterion) {
     bench_decode_one::<bf16>(c, 32768);
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn fma_chains_avx512(iters: u64) -> f32 {
-    use std::arch::x86_64::*;
-    let mut a = [_mm512_set1_ps(1.0); 12];
-    let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-    for _ in 0..iters {
-        for x in a.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, m, c);
-        }
-    }
-    a.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn fma_chains_avx2(iters: u64) -> f32 {
-    use std::arch::x86_64::*;
-    let mut a = [_mm256_set1_ps(1.0); 12];
-    let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-    for _ in 0..iters {
-        for x in a.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, m, c);
-        }
-    }
-    let mut s = [0.0f32; 8];
-    for x in a {
-        let mut t = [0.0f32; 8];
-        // SAFETY: `t` holds 8 f32, the width of one store.
-        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), x) };
-        s.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-    }
-    s.iter().sum()
-}
-
-/// The machine's limits, measured with rayon's pool size of threads: fp32 FMA peak
-/// (12 independent vector FMA chains per thread: enough to hide the latency on 2 pipes)
-/// and DRAM read bandwidth (sum over a 1 GiB buffer split across the threads).
+/// The machine's limits (foxedge_cpu::limits), measured with rayon's pool size of threads:
+/// fp32 FMA peak and DRAM read bandwidth (sum over a 1 GiB buffer split across the threads).
 fn bench_limits(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
     let mut g = c.benchmark_group("limits");
     g.sample_size(10);
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
-        let avx2 = std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma");
-        if avx512 || avx2 {
-            let iters = 2_000_000u64;
-            let lanes = if avx512 { 16 } else { 8 };
-            g.throughput(Throughput::Elements(
-                threads as u64 * iters * 12 * lanes * 2,
-            ));
-            g.bench_function(
-                format!("fp32_fma_peak_{lanes}lanes_{threads}threads"),
-                |b| {
-                    b.iter(|| {
-                        rayon::broadcast(|_| {
-                            if avx512 {
-                                // SAFETY: avx512f was detected above.
-                                black_box(unsafe { fma_chains_avx512(black_box(iters)) })
-                            } else {
-                                // SAFETY: avx2 and fma were detected above.
-                                black_box(unsafe { fma_chains_avx2(black_box(iters)) })
-                            }
-                        })
-                    })
-                },
-            );
-        }
-    }
+    let (block_flops, _) = limits::fma_block();
+    g.throughput(Throughput::Elements(threads as u64 * block_flops as u64));
+    g.bench_function(format!("fp32_fma_peak_{threads}threads"), |b| {
+        b.iter(|| rayon::broadcast(|_| black_box(limits::fma_block())))
+    });
     let n = 1usize << 28;
     let buf: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let parts: Vec<&[f32]> = buf.chunks(n.div_ceil(threads)).collect();
     g.throughput(Throughput::Bytes((n * 4) as u64));
     g.bench_function(format!("dram_read_{threads}threads"), |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                let parts: Vec<&[f32]> = buf.chunks(n.div_ceil(threads)).collect();
-                rayon::broadcast(|ctx| {
-                    let mut acc = [0.0f32; 16];
-                    for ch in parts[ctx.index()].chunks_exact(16) {
-                        for (a, x) in acc.iter_mut().zip(ch) {
-                            *a += x;
-                        }
-                    }
-                    black_box(acc)
-                });
-            }
-            start.elapsed()
-        })
+        b.iter(|| rayon::broadcast(|ctx| black_box(limits::read_pass(parts[ctx.index()]))))
     });
     g.finish();
 }

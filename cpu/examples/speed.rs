@@ -11,7 +11,6 @@ use foxedge_cpu::{
     PrefillOptions, Storage, decode, prefill_with_isa,
 };
 use half::{bf16, f16};
-use std::hint::black_box;
 use std::time::Instant;
 
 fn lcg(seed: &mut u64) -> f32 {
@@ -169,104 +168,19 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
     );
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn fma_chains_avx512(iters: usize) -> f32 {
-    use std::arch::x86_64::*;
-    let mut a = [_mm512_set1_ps(1.0); 12];
-    let m = _mm512_set1_ps(0.999_999);
-    let c = _mm512_set1_ps(1e-7);
-    for _ in 0..iters {
-        for x in a.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, m, c);
-        }
-    }
-    let mut s = _mm512_setzero_ps();
-    for x in a {
-        s = _mm512_add_ps(s, x);
-    }
-    _mm512_reduce_add_ps(s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn fma_chains_avx2(iters: usize) -> f32 {
-    use std::arch::x86_64::*;
-    let mut a = [_mm256_set1_ps(1.0); 12];
-    let m = _mm256_set1_ps(0.999_999);
-    let c = _mm256_set1_ps(1e-7);
-    for _ in 0..iters {
-        for x in a.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, m, c);
-        }
-    }
-    let mut s = [0.0f32; 8];
-    for x in a {
-        let mut t = [0.0f32; 8];
-        // SAFETY: `t` holds 8 f32.
-        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), x) };
-        s.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-    }
-    s.iter().sum()
-}
-
-/// fp32 FMA peak: 12 independent FMA chains per thread (enough to cover the latency).
+/// The machine's limits (foxedge_cpu::limits): fp32 FMA peak and DRAM read, 1 and 2 threads.
 fn limits() {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
-        let avx2 = std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma");
-        let iters = 20_000_000;
-        for threads in [1usize, 2] {
-            let lanes = if avx512 { 16.0 } else { 8.0 };
-            if !avx512 && !avx2 {
-                break;
-            }
-            let t = time(5, || {
-                std::thread::scope(|sc| {
-                    for _ in 0..threads {
-                        sc.spawn(|| {
-                            if avx512 {
-                                // SAFETY: avx512f was detected above.
-                                black_box(unsafe { fma_chains_avx512(black_box(iters)) })
-                            } else {
-                                // SAFETY: avx2 and fma were detected above.
-                                black_box(unsafe { fma_chains_avx2(black_box(iters)) })
-                            }
-                        });
-                    }
-                });
-            });
-            let flops = threads as f64 * iters as f64 * 12.0 * lanes * 2.0;
-            println!(
-                "fp32 FMA peak ({} lanes), {threads} thread(s): {:.1} GFLOP/s",
-                lanes,
-                flops / t / 1e9
-            );
-        }
-    }
-    let n = 1usize << 28; // 1 GiB of f32
-    let buf: Vec<f32> = (0..n).map(|i| i as f32).collect();
     for threads in [1usize, 2] {
-        let t = time(5, || {
-            std::thread::scope(|sc| {
-                for part in buf.chunks(n / threads) {
-                    sc.spawn(move || {
-                        let mut acc = [0.0f32; 16];
-                        for c in part.chunks_exact(16) {
-                            for (a, x) in acc.iter_mut().zip(c) {
-                                *a += x;
-                            }
-                        }
-                        black_box(acc)
-                    });
-                }
-            });
-        });
+        println!(
+            "fp32 FMA peak, {threads} thread(s): {:.1} GFLOP/s",
+            foxedge_cpu::limits::fma_peak_gflops(threads, 1.0)
+        );
+    }
+    let buf: Vec<f32> = (0..1usize << 28).map(|i| i as f32).collect(); // 1 GiB
+    for threads in [1usize, 2] {
         println!(
             "DRAM read, {threads} thread(s): {:.1} GB/s",
-            (n * 4) as f64 / t / 1e9
+            foxedge_cpu::limits::dram_read_gbps(&buf, threads, 5)
         );
     }
 }

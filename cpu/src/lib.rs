@@ -18,6 +18,7 @@
 
 mod api;
 mod decode;
+pub mod limits;
 mod prefill;
 pub mod reference;
 pub mod simd;
