@@ -28,6 +28,25 @@ pub(crate) struct CacheHead<'a> {
     pub v: &'a [f32],
     pub c: &'a [f64],
     pub pos: Option<&'a [u64]>,
+    /// Change tracking for backends that keep the head resident on a device; `None`: the
+    /// backend must treat every row as new.
+    #[allow(dead_code, reason = "read by the Vulkan resident cache, landing next")]
+    pub sync: Option<CacheSync<'a>>,
+}
+
+/// Identity and row versions of one cache head, so a device-side mirror uploads only the
+/// rows written since it last synced (appends, swap-delete moves, re-based `c`).
+/// Invariant: `row_version[j] <= version` for every row `j < n`, and a row whose contents
+/// change (k, v or c) gets a version greater than every earlier one of this `id`.
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code, reason = "read by the Vulkan resident cache, landing next")]
+pub(crate) struct CacheSync<'a> {
+    /// Unique per cache head for the life of the process (never reused).
+    pub id: u64,
+    /// The newest row version of this head.
+    pub version: u64,
+    /// `[n]` the version at which each row was last written.
+    pub row_version: &'a [u64],
 }
 
 /// Kept and attendable query-key pairs of one call, per head.

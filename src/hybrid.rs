@@ -497,6 +497,7 @@ fn decode_sample(
             v: &v,
             c: &c,
             pos: None,
+            sync: None,
         })
         .collect();
     let call = DecodeCall {
@@ -1564,6 +1565,7 @@ impl Engine {
                 v: &p.v[h * n * d..(h + 1) * n * d],
                 c: &p.c[h * n..(h + 1) * n],
                 pos: None,
+                sync: None,
             })
             .collect();
         let call = DecodeCall {
@@ -1931,6 +1933,7 @@ mod tests {
                 v: &d.v[h * n * 16..(h + 1) * n * 16],
                 c: &d.c[h * n..(h + 1) * n],
                 pos: None,
+                sync: None,
             })
             .collect();
         let call = DecodeCall {

@@ -835,6 +835,7 @@ impl Session {
                         v: &hc.v,
                         c: &hc.c,
                         pos: None,
+                        sync: None,
                     })
                     .collect();
                 let call = DecodeCall {
