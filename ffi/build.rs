@@ -16,6 +16,10 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     // Also when the committed header is edited or restored, so a stale copy is rewritten.
     println!("cargo:rerun-if-changed=include/foxedge.h");
+    // The shared library is installed as libfoxedge.so.0 (ABI major 0), whatever cargo names it.
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfoxedge.so.0");
+    }
 
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
         .expect("ffi/cbindgen.toml must parse");

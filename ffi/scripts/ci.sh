@@ -33,7 +33,7 @@ build() {
     2>&1 | tee "$committed.log"
 }
 build
-libs_file="$target/$profile/foxedge.native-static-libs"
+libs_file="$target/$profile/foxedge_ffi.native-static-libs"
 native="$(sed -n 's/.*native-static-libs: //p' "$committed.log" | tail -n1)"
 if [ -n "$native" ]; then
   echo "$native" >"$libs_file"
@@ -59,7 +59,17 @@ stage="$target/ffi-stage"
 libdir="$stage/lib"
 rm -rf "$stage"
 mkdir -p "$libdir/pkgconfig" "$stage/include/foxedge"
-cp "$target/$profile/libfoxedge.a" "$target/$profile/libfoxedge.so" "$libdir/"
+# cargo names the files after the Rust lib (foxedge_ffi); C users link -lfoxedge.
+cp "$target/$profile/libfoxedge_ffi.a" "$libdir/libfoxedge.a"
+cp "$target/$profile/libfoxedge_ffi.so" "$libdir/libfoxedge.so.0.1.0"
+ln -s libfoxedge.so.0.1.0 "$libdir/libfoxedge.so.0"
+ln -s libfoxedge.so.0 "$libdir/libfoxedge.so"
+soname="$(readelf -d "$libdir/libfoxedge.so.0.1.0" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')"
+if [ "$soname" != libfoxedge.so.0 ]; then
+  echo "libfoxedge.so has soname '$soname', expected libfoxedge.so.0" >&2
+  exit 1
+fi
+echo "soname $soname"
 cp "$header" "$stage/include/foxedge/"
 bash ffi/scripts/pkgconfig.sh "$stage" "$native" >"$libdir/pkgconfig/foxedge.pc"
 cat "$libdir/pkgconfig/foxedge.pc"

@@ -5,7 +5,7 @@
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 
-use foxedge::*;
+use foxedge_ffi::*;
 
 fn last_error() -> String {
     // SAFETY: never NULL, NUL-terminated.

@@ -10,7 +10,7 @@
 
 use std::ffi::c_void;
 
-use foxedge::*;
+use foxedge_ffi::*;
 use foxedge_core::{AttentionShape, Layout};
 use foxedge_cpu::PrefillArgs;
 use libfuzzer_sys::fuzz_target;

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::ptr;
 use std::sync::OnceLock;
 
-use foxedge::*;
+use foxedge_ffi::*;
 use libfuzzer_sys::fuzz_target;
 
 const TINY_CONFIG: &str = r#"{"vocab_size": 16, "hidden_size": 16, "num_hidden_layers": 1,
