@@ -27,8 +27,8 @@
 //! stream state (the session owns the cache), so nothing of the stream is lost.
 
 use crate::backend::{
-    Acp, AttentionBackend, AttentionStats, BackendKind, CacheHead, CpuBackend, DecodeCall,
-    PrefillCall,
+    Acp, AttentionBackend, AttentionStats, BackendKind, CacheHead, CacheSync, CpuBackend,
+    DecodeCall, PrefillCall,
 };
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -106,7 +106,12 @@ pub struct Calibration {
     pub cpu_prefill: LinearCost,
     pub gpu_prefill: LinearCost,
     pub cpu_decode: LinearCost,
+    /// Decode on the GPU; when `gpu_decode_resident`, `c` is per row sent (the changed
+    /// rows of a cache head the device mirrors, all rows of one it does not hold yet).
     pub gpu_decode: LinearCost,
+    /// The GPU keeps decode caches resident (measured: a step that changes one row per
+    /// head ran in < 0.7x the time of one that sends the whole cache).
+    pub gpu_decode_resident: bool,
     /// Whether CPU and GPU work overlap in time (false for a CPU Vulkan device).
     pub concurrent: bool,
     /// Extra cost of a split call: fixed seconds (the GPU thread) and seconds per row of
@@ -130,12 +135,17 @@ impl fmt::Display for Calibration {
         };
         write!(
             f,
-            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}; split {:.0} us + {:.1} ns/row; {} \
-             ({:.2} s)",
+            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us + {:.1} ns/row; \
+             {} ({:.2} s)",
             g(&self.cpu_prefill),
             g(&self.gpu_prefill),
             g(&self.cpu_decode),
             g(&self.gpu_decode),
+            if self.gpu_decode_resident {
+                " (resident: rows = rows sent)"
+            } else {
+                ""
+            },
             self.split_fixed * 1e6,
             self.split_row_prefill * 1e9,
             if self.concurrent {
@@ -155,8 +165,20 @@ pub struct Split {
     pub gpu_heads: Vec<usize>,
     /// Head indices that ran on the CPU, ascending.
     pub cpu_heads: Vec<usize>,
-    /// The predicted seconds of the chosen plan.
+    /// The cost model's predicted seconds of the chosen plan (before the measured
+    /// corrections `auto` applies when choosing).
     pub predicted_seconds: f64,
+}
+
+/// How many calls ran on which plan (see [`Engine::plan_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanCounts {
+    /// Every head on the CPU.
+    pub cpu: u64,
+    /// Every head on the GPU.
+    pub gpu: u64,
+    /// Heads on both sides.
+    pub split: u64,
 }
 
 /// What the scheduler may choose.
@@ -170,42 +192,133 @@ enum Mode {
     Auto,
 }
 
-/// A split is used by `auto` only when predicted at least this much faster than the best
-/// single backend: the model misses what the two sides cost each other when they run at
-/// once (the GPU thread's host-side packing and uploads compete with rayon for cores and
-/// memory bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
-const SPLIT_MARGIN: f64 = 0.7;
+/// Prior for a split's measured/predicted time before `auto` has run one of its size class:
+/// the model misses what the two sides cost each other when they run at once (the GPU
+/// thread's host-side packing and uploads compete with the CPU kernel for cores and memory
+/// bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
+const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 
-/// Heads on the GPU for `work` (kept pairs per head) under `mode`; returns the GPU heads
-/// (ascending) and the predicted seconds.
-fn plan(
-    work: &[(u64, u64)],
+/// `auto` tries a plan it has not run in a size class once, when its corrected prediction
+/// is within this factor of the chosen plan's.
+const EXPLORE: f64 = 1.25;
+
+/// One head's work in a call: kept query-key pairs, rows the CPU reads (tokens or cache
+/// entries), rows the GPU must be sent (all of them, but only the changed ones of a decode
+/// head resident on the device).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Work {
+    pairs: u64,
+    rows: u64,
+    gpu_rows: u64,
+}
+
+impl std::ops::Add for Work {
+    type Output = Work;
+    fn add(self, o: Work) -> Work {
+        Work {
+            pairs: self.pairs + o.pairs,
+            rows: self.rows + o.rows,
+            gpu_rows: self.gpu_rows + o.gpu_rows,
+        }
+    }
+}
+
+impl std::ops::Sub for Work {
+    type Output = Work;
+    fn sub(self, o: Work) -> Work {
+        Work {
+            pairs: self.pairs - o.pairs,
+            rows: self.rows - o.rows,
+            gpu_rows: self.gpu_rows - o.gpu_rows,
+        }
+    }
+}
+
+/// Plan kinds, for the measured corrections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PlanKind {
+    Cpu = 0,
+    Gpu = 1,
+    Split = 2,
+}
+
+/// Measured / predicted seconds of each plan kind (index: [`PlanKind`]); `None`: not run
+/// in this size class yet.
+type Factors = [Option<f64>; 3];
+
+/// Predicted seconds of every plan: all CPU, all GPU, and the best split found (its GPU
+/// heads). Raw model times, before corrections.
+#[derive(Debug, Clone, PartialEq)]
+struct Candidates {
+    cpu: f64,
+    gpu: f64,
+    split: Option<(f64, Vec<usize>)>,
+}
+
+/// The model's predictions for `work` (per head): CPU `cpu.predict(pairs, rows)`, GPU
+/// `gpu.predict(pairs, gpu_rows)`, combined by `max` when they run concurrently (a real
+/// GPU) or `+` on shared cores (lavapipe), plus `split_cost` = (fixed seconds, seconds per
+/// row of the whole call) for a split. Split candidates: every prefix of the heads sorted
+/// heaviest first, lightest first and densest (pairs per GPU row) first.
+fn candidates(
+    work: &[Work],
     cpu: LinearCost,
     gpu: LinearCost,
     concurrent: bool,
-    mode: Mode,
     split_cost: (f64, f64),
-) -> Split {
+) -> Candidates {
     let n = work.len();
-    let total = work
-        .iter()
-        .fold((0u64, 0u64), |a, w| (a.0 + w.0, a.1 + w.1));
+    let total = work.iter().fold(Work::default(), |a, &w| a + w);
     let combine = |c: f64, g: f64| if concurrent { c.max(g) } else { c + g };
-    let cost = |g: (u64, u64), g_heads: usize| {
+    let cost = |g: Work, g_heads: usize| {
         let extra = if g_heads == 0 || g_heads == n {
             0.0
         } else {
-            split_cost.0 + split_cost.1 * total.1 as f64
+            split_cost.0 + split_cost.1 * total.rows as f64
         };
+        let c = total - g;
         extra
             + combine(
-                cpu.predict(total.0 - g.0, total.1 - g.1, g_heads == n),
-                gpu.predict(g.0, g.1, g_heads == 0),
+                cpu.predict(c.pairs, c.rows, g_heads == n),
+                gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
             )
     };
     let all: Vec<usize> = (0..n).collect();
-    let split_of = |gpu_heads: Vec<usize>, predicted_seconds: f64| {
-        let mut gpu_heads = gpu_heads;
+    let mut desc = all.clone();
+    desc.sort_by_key(|&h| std::cmp::Reverse(work[h].pairs));
+    let asc: Vec<usize> = desc.iter().rev().copied().collect();
+    let mut dense = all;
+    dense.sort_by(|&x, &y| {
+        let r = |h: usize| work[h].pairs as f64 / work[h].gpu_rows.max(1) as f64;
+        r(y).total_cmp(&r(x))
+    });
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    for order in [&desc, &asc, &dense] {
+        let mut g = Work::default();
+        for k in 1..n {
+            g = g + work[order[k - 1]];
+            let t = cost(g, k);
+            if best.as_ref().is_none_or(|b| t < b.0) {
+                best = Some((t, order[..k].to_vec()));
+            }
+        }
+    }
+    Candidates {
+        cpu: cost(Work::default(), 0),
+        gpu: cost(total, n),
+        split: best,
+    }
+}
+
+/// Heads on the GPU under `mode`: `GpuOnly` all; `Hybrid` the best split (at least one
+/// head per side when there are two or more); `Auto` the plan with the smallest corrected
+/// prediction (model x measured factor, [`SPLIT_PRIOR`] for a split not yet run), except
+/// that a plan not yet run whose corrected prediction is within [`EXPLORE`] of the best is
+/// tried once (after the best has run). Returns the split, with the model's (uncorrected)
+/// prediction of it, and its kind.
+fn plan(n: usize, c: &Candidates, mode: Mode, factors: &Factors) -> (Split, PlanKind) {
+    let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
+        let mut gpu_heads = gpu_heads.to_vec();
         gpu_heads.sort_unstable();
         let cpu_heads = (0..n)
             .filter(|h| gpu_heads.binary_search(h).is_err())
@@ -216,45 +329,46 @@ fn plan(
             predicted_seconds,
         }
     };
-    if mode == Mode::GpuOnly || n == 0 {
-        return split_of(all, cost(total, n));
-    }
-    // Heaviest first, lightest first, densest (pairs per row) first: every prefix is a
-    // candidate GPU set.
-    let mut desc = all.clone();
-    desc.sort_by_key(|&h| std::cmp::Reverse(work[h].0));
-    let asc: Vec<usize> = desc.iter().rev().copied().collect();
-    let mut dense = all.clone();
-    dense.sort_by(|&x, &y| {
-        let r = |h: usize| work[h].0 as f64 / work[h].1.max(1) as f64;
-        r(y).total_cmp(&r(x))
-    });
-    let mut best: Option<(f64, Vec<usize>)> = None;
-    for order in [&desc, &asc, &dense] {
-        let mut g = (0u64, 0u64);
-        for k in 1..n {
-            let w = work[order[k - 1]];
-            g = (g.0 + w.0, g.1 + w.1);
-            let t = cost(g, k);
-            if best.as_ref().is_none_or(|b| t < b.0) {
-                best = Some((t, order[..k].to_vec()));
-            }
+    let all: Vec<usize> = (0..n).collect();
+    match mode {
+        Mode::GpuOnly => return (split_of(&all, c.gpu), PlanKind::Gpu),
+        Mode::Hybrid => {
+            return match &c.split {
+                Some((t, g)) => (split_of(g, *t), PlanKind::Split),
+                None => (split_of(&[], c.cpu), PlanKind::Cpu),
+            };
         }
+        Mode::Auto => {}
     }
-    match (mode, best) {
-        (Mode::Hybrid, Some((t, g))) => split_of(g, t),
-        (Mode::Hybrid, None) => split_of(Vec::new(), cost((0, 0), 0)),
-        (_, best) => {
-            let t_cpu = cost((0, 0), 0);
-            let t_gpu = cost(total, n);
-            let single = t_cpu.min(t_gpu);
-            match best {
-                Some((t, g)) if t < SPLIT_MARGIN * single => split_of(g, t),
-                _ if t_gpu < t_cpu => split_of(all, t_gpu),
-                _ => split_of(Vec::new(), t_cpu),
-            }
-        }
+    let f = |k: PlanKind| {
+        factors[k as usize].unwrap_or(if k == PlanKind::Split {
+            SPLIT_PRIOR
+        } else {
+            1.0
+        })
+    };
+    let mut opts: Vec<(f64, PlanKind)> = vec![
+        (c.cpu * f(PlanKind::Cpu), PlanKind::Cpu),
+        (c.gpu * f(PlanKind::Gpu), PlanKind::Gpu),
+    ];
+    if let Some((t, _)) = &c.split {
+        opts.push((t * f(PlanKind::Split), PlanKind::Split));
     }
+    opts.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let (best_t, mut kind) = opts[0];
+    if factors[kind as usize].is_some()
+        && let Some(&(_, k)) = opts[1..]
+            .iter()
+            .find(|(te, k)| factors[*k as usize].is_none() && *te <= EXPLORE * best_t)
+    {
+        kind = k;
+    }
+    let split = match (kind, &c.split) {
+        (PlanKind::Gpu, _) => split_of(&all, c.gpu),
+        (PlanKind::Split, Some((ts, g))) => split_of(g, *ts),
+        _ => split_of(&[], c.cpu),
+    };
+    (split, kind)
 }
 
 /// Kept pairs per head of a prefill call, from the same boundary the kernels use
@@ -324,48 +438,52 @@ pub(crate) struct PrefillBoundary {
     pub c: Vec<f64>,
 }
 
-/// Kept (query, entry) pairs per head of a decode call: entries in `BLOCK`-entry blocks
+/// Kept (query, entry) pairs of head `h` of a decode call: entries in `BLOCK`-entry blocks
 /// (slot order, as the kernels split them) where some query has `c_t - c_j >= delta`.
-fn decode_work(call: &DecodeCall<'_>) -> Result<Vec<(u64, u64)>> {
+fn decode_kept(call: &DecodeCall<'_>, h: usize) -> Result<u64> {
     let nq = call.n_queries;
-    let mut w = Vec::with_capacity(call.heads.len());
-    for (h, head) in call.heads.iter().enumerate() {
-        let n = head.c.len();
-        let qc = call
-            .q_c
-            .get(h * nq..(h + 1) * nq)
-            .ok_or_else(|| Error::invalid("decode: q_c holds [heads, n_queries] values"))?;
-        let delta = match call.acp {
-            Acp::Bound { u, ln_eps } if n > 0 => {
-                let uh = *u
-                    .get(h)
-                    .ok_or_else(|| Error::invalid("ACP bound: one U per head"))?;
-                Some(threshold::threshold(uh, n, ln_eps).map_err(core_err)?)
-            }
-            _ => None,
-        };
-        let kept = match delta {
-            None => n,
-            Some(delta) => {
-                let cmax = qc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                head.c
-                    .chunks(BLOCK)
-                    .filter(|blk| {
-                        let mut cmin = f64::INFINITY;
-                        for &x in *blk {
-                            if x < cmin {
-                                cmin = x;
-                            }
-                        }
-                        cmax - cmin >= delta
-                    })
-                    .map(<[f64]>::len)
-                    .sum()
-            }
-        };
-        w.push((kept as u64 * nq as u64, n as u64));
-    }
-    Ok(w)
+    let head = call
+        .heads
+        .get(h)
+        .ok_or_else(|| Error::Internal("decode_kept: no such head".into()))?;
+    let n = head.c.len();
+    let qc = call
+        .q_c
+        .get(h * nq..(h + 1) * nq)
+        .ok_or_else(|| Error::invalid("decode: q_c holds [heads, n_queries] values"))?;
+    let delta = match call.acp {
+        Acp::Bound { u, ln_eps } if n > 0 => {
+            let uh = *u
+                .get(h)
+                .ok_or_else(|| Error::invalid("ACP bound: one U per head"))?;
+            Some(threshold::threshold(uh, n, ln_eps).map_err(core_err)?)
+        }
+        _ => None,
+    };
+    let kept = match delta {
+        None => n,
+        Some(delta) => {
+            let cmax = qc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            head.c
+                .chunks(BLOCK)
+                .filter(|blk| {
+                    let cmin = blk.iter().copied().fold(f64::INFINITY, f64::min);
+                    cmax - cmin >= delta
+                })
+                .map(<[f64]>::len)
+                .sum()
+        }
+    };
+    Ok(kept as u64 * nq as u64)
+}
+
+/// [`decode_kept`] of every head, heads in parallel.
+fn decode_work(call: &DecodeCall<'_>) -> Result<Vec<u64>> {
+    use rayon::prelude::*;
+    (0..call.heads.len())
+        .into_par_iter()
+        .map(|h| decode_kept(call, h))
+        .collect()
 }
 
 fn core_err(e: foxedge_core::Error) -> Error {
@@ -472,14 +590,64 @@ fn calibrate_prefill(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result
     Ok(LinearCost::fit(d1, d2, p))
 }
 
+/// `count` fresh [`CacheSync::id`]s for caches this module makes (calibration data,
+/// [`DecodeProblem`]s). Sessions number their heads from 1 up; these start at 2^62 so the
+/// two never meet.
+fn fresh_cache_ids(count: usize) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1 << 62);
+    NEXT.fetch_add(count as u64, Ordering::Relaxed)
+}
+
+/// Version bookkeeping of a cache that stands still between decode steps except that each
+/// step rewrites its newest row (what a session's step does: it appends the query's key).
+/// Row `j` was written at version `j + 1`; the step `s` (1, 2, ...) rewrites row `n - 1` at
+/// version `n + s`. Every head shares the rows' versions; ids are `base + head`.
+#[derive(Debug)]
+struct StepSync {
+    heads: usize,
+    base: u64,
+    version: u64,
+    row_version: Vec<u64>,
+}
+
+impl StepSync {
+    fn new(heads: usize, n: usize) -> StepSync {
+        StepSync {
+            heads,
+            base: fresh_cache_ids(heads),
+            version: n as u64,
+            row_version: (1..=n as u64).collect(),
+        }
+    }
+
+    /// The next step: the newest row gets a fresh version.
+    fn step(&mut self) {
+        self.version += 1;
+        if let Some(last) = self.row_version.last_mut() {
+            *last = self.version;
+        }
+    }
+
+    fn sync(&self, head: usize) -> CacheSync<'_> {
+        CacheSync {
+            id: self.base + head as u64,
+            version: self.version,
+            row_version: &self.row_version,
+        }
+    }
+}
+
 /// One decode step over `n` synthetic entries per head, dense or with strong decay under
-/// ACP (most blocks pruned).
+/// ACP (most blocks pruned). `resident`: the heads carry [`CacheSync`] and every timed step
+/// changes one row per head (a session's steady state; the warm-up step sends the whole
+/// cache to a device that mirrors it), so `rows` = `heads`; else `rows` = `n · heads`.
 fn decode_sample(
     b: &dyn AttentionBackend,
     heads: usize,
     d: usize,
     n: usize,
     pruned: bool,
+    resident: bool,
 ) -> Result<Sample> {
     let mut k = vec![0.0f32; n * d];
     let mut v = k.clone();
@@ -491,50 +659,96 @@ fn decode_sample(
     fill_random(&mut q, 51);
     let q_c = vec![c[n - 1]; heads];
     let u = vec![1.0f64; heads];
-    let hs: Vec<CacheHead<'_>> = (0..heads)
-        .map(|_| CacheHead {
-            k: &k,
-            v: &v,
-            c: &c,
-            pos: None,
-            sync: None,
-        })
-        .collect();
-    let call = DecodeCall {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &hs,
-        acp: if pruned {
-            Acp::Bound {
-                u: &u,
-                ln_eps: -10.0,
-            }
-        } else {
-            Acp::Off
-        },
+    let acp = if pruned {
+        Acp::Bound {
+            u: &u,
+            ln_eps: -10.0,
+        }
+    } else {
+        Acp::Off
     };
-    let pairs = decode_work(&call)?.iter().map(|w| w.0).sum();
+    let pairs = {
+        let hs: Vec<CacheHead<'_>> = (0..heads)
+            .map(|_| CacheHead {
+                k: &k,
+                v: &v,
+                c: &c,
+                pos: None,
+                sync: None,
+            })
+            .collect();
+        let call = DecodeCall {
+            head_dim: d,
+            n_queries: 1,
+            q: &q,
+            q_c: &q_c,
+            q_pos: None,
+            heads: &hs,
+            acp,
+        };
+        decode_work(&call)?.iter().sum()
+    };
+    let mut sync = StepSync::new(heads, n);
     let mut out = vec![0.0f32; heads * d];
-    let secs = time_min(|| b.decode(&call, &mut out).map(|_| ()))?;
+    let secs = time_min(|| {
+        sync.step();
+        let hs: Vec<CacheHead<'_>> = (0..heads)
+            .map(|h| CacheHead {
+                k: &k,
+                v: &v,
+                c: &c,
+                pos: None,
+                sync: resident.then(|| sync.sync(h)),
+            })
+            .collect();
+        let call = DecodeCall {
+            head_dim: d,
+            n_queries: 1,
+            q: &q,
+            q_c: &q_c,
+            q_pos: None,
+            heads: &hs,
+            acp,
+        };
+        b.decode(&call, &mut out).map(|_| ())
+    })?;
     Ok(Sample {
         pairs,
-        rows: (n * heads) as u64,
+        rows: if resident { heads } else { n * heads } as u64,
         secs,
     })
 }
 
-/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned.
-fn calibrate_decode(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
-    let d1 = decode_sample(b, heads, d, 512, false)?;
-    let d2 = decode_sample(b, heads, d, 4096, false)?;
-    let p = decode_sample(b, heads, d, 4096, true)?;
-    Ok(LinearCost::fit(d1, d2, p))
+/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned. `resident`
+/// (a GPU): those three as resident steps, and a 4096 dense one with the whole cache sent,
+/// which gives `c` (seconds per row sent); `Ok((cost, true))` when the device keeps caches
+/// resident (the resident step is < 0.7x the whole one), else the plain fit on whole sends.
+fn calibrate_decode(
+    b: &dyn AttentionBackend,
+    heads: usize,
+    d: usize,
+    resident: bool,
+) -> Result<(LinearCost, bool)> {
+    let d1 = decode_sample(b, heads, d, 512, false, false)?;
+    let d2 = decode_sample(b, heads, d, 4096, false, false)?;
+    let p = decode_sample(b, heads, d, 4096, true, false)?;
+    let whole = LinearCost::fit(d1, d2, p);
+    if !resident {
+        return Ok((whole, false));
+    }
+    let r1 = decode_sample(b, heads, d, 512, false, true)?;
+    let r2 = decode_sample(b, heads, d, 4096, false, true)?;
+    let rp = decode_sample(b, heads, d, 4096, true, true)?;
+    if r2.secs >= 0.7 * d2.secs {
+        return Ok((whole, false));
+    }
+    let mut lc = LinearCost::fit(r1, r2, rp);
+    lc.c = ((d2.secs - r2.secs) / d2.rows.saturating_sub(r2.rows).max(1) as f64).max(0.0);
+    lc.a = (lc.a - lc.c * r1.rows as f64).max(0.0);
+    Ok((lc, true))
 }
 
-/// Measures both backends on synthetic dense calls of `heads` heads of `d` dims.
+/// Measures both backends on synthetic calls of `heads` heads of `d` dims.
 fn calibrate(
     cpu: &dyn AttentionBackend,
     gpu: &dyn AttentionBackend,
@@ -544,11 +758,13 @@ fn calibrate(
 ) -> Result<Calibration> {
     let t0 = Instant::now();
     let (split_fixed, split_row_prefill) = calibrate_split(heads, d)?;
+    let (gpu_decode, gpu_decode_resident) = calibrate_decode(gpu, heads, d, true)?;
     Ok(Calibration {
         cpu_prefill: calibrate_prefill(cpu, heads, d)?,
         gpu_prefill: calibrate_prefill(gpu, heads, d)?,
-        cpu_decode: calibrate_decode(cpu, heads, d)?,
-        gpu_decode: calibrate_decode(gpu, heads, d)?,
+        cpu_decode: calibrate_decode(cpu, heads, d, false)?.0,
+        gpu_decode,
+        gpu_decode_resident,
         concurrent,
         split_fixed,
         split_row_prefill,
@@ -556,8 +772,10 @@ fn calibrate(
     })
 }
 
-/// The split's own costs: a scoped thread's spawn and join (fixed), and per row the
-/// gathers and the scatter of a 1024-token prefill split into two halves of its heads.
+/// The split's own costs: a scoped thread's spawn and join (fixed), and per row of the
+/// whole call the gathers of q, k, v, log f by side and the scatter of the output (done in
+/// parallel, as a split call does), on a 1024-token prefill split into two halves of its
+/// heads.
 fn calibrate_split(heads: usize, d: usize) -> Result<(f64, f64)> {
     let fixed = time_min(|| {
         std::thread::scope(|s| s.spawn(|| std::hint::black_box(1)).join())
@@ -602,8 +820,41 @@ pub(crate) struct Scheduler {
     fallen_back: AtomicBool,
     calibration: Mutex<Option<Calibration>>,
     last_split: Mutex<Option<Split>>,
-    gpu_calls: AtomicU64,
-    cpu_calls: AtomicU64,
+    /// Calls run all on the CPU, all on the GPU, split.
+    plan_counts: [AtomicU64; 3],
+    /// Measured / predicted seconds per size class and plan kind (see [`plan`]).
+    feedback: Mutex<HashMap<SizeClass, Factors>>,
+    /// Per decode cache id: the version the GPU last received (its mirror's state).
+    gpu_synced: Mutex<HashMap<u64, u64>>,
+    /// Per decode cache id: (entries, kept pairs) when last counted.
+    kept_counts: Mutex<HashMap<u64, (u64, u64)>>,
+    /// The CPU side of a split on a concurrent device: one thread fewer than the machine
+    /// has, so the GPU submission thread (host packing, uploads) keeps a core.
+    split_pool: OnceLock<Option<rayon::ThreadPool>>,
+}
+
+/// A call's size class for the measured corrections: (decode, floor log2 rows, floor log2
+/// kept pairs), rows and pairs of the whole call.
+type SizeClass = (bool, u32, u32);
+
+fn size_class(decode: bool, w: Work) -> SizeClass {
+    (decode, w.rows.max(1).ilog2(), w.pairs.max(1).ilog2())
+}
+
+/// Weight of a new measurement in a size class's factor (after its first).
+const FEEDBACK_WEIGHT: f64 = 0.3;
+
+/// A decode head's kept-pair count is reused while its entry count stays within this
+/// fraction of the count's (the split is still revisited at every step from the reused
+/// counts and the current rows; the count is redone as the cache grows or shrinks).
+const RECOUNT_FRACTION: u64 = 32;
+
+/// What [`Scheduler::choose`] decided.
+struct Choice {
+    split: Split,
+    kind: PlanKind,
+    /// The size class and the model's raw prediction, when the plan came from the model.
+    class: Option<(SizeClass, f64)>,
 }
 
 impl fmt::Debug for Scheduler {
@@ -616,25 +867,51 @@ impl fmt::Debug for Scheduler {
     }
 }
 
-/// Heads of `heads` selected by `idx`, gathered from a `[rows, heads, d]` tensor.
+/// Rows per parallel task of the gathers and scatters.
+const COPY_ROWS: usize = 64;
+
+/// Heads of `heads` selected by `idx`, gathered from a `[rows, heads, d]` tensor into
+/// `[rows, idx.len(), d]`; rows in parallel (a memory-bound copy).
 fn gather_seq(x: &[f32], rows: usize, heads: usize, d: usize, idx: &[usize]) -> Vec<f32> {
-    let mut o = Vec::with_capacity(rows * idx.len() * d);
-    for r in 0..rows {
-        for &h in idx {
-            o.extend_from_slice(&x[(r * heads + h) * d..][..d]);
-        }
+    use rayon::prelude::*;
+    let w = idx.len() * d;
+    let mut o = vec![0.0f32; rows * w];
+    if w == 0 {
+        return o;
     }
+    o.par_chunks_mut(w * COPY_ROWS)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            for (ri, orow) in chunk.chunks_mut(w).enumerate() {
+                let r = ci * COPY_ROWS + ri;
+                let src = &x[r * heads * d..(r + 1) * heads * d];
+                for (dst, &h) in orow.chunks_mut(d).zip(idx) {
+                    dst.copy_from_slice(&src[h * d..(h + 1) * d]);
+                }
+            }
+        });
     o
 }
 
-/// Inverse of [`gather_seq`] into `out`.
+/// Inverse of [`gather_seq`] into `out`; rows in parallel.
 fn scatter_seq(part: &[f32], rows: usize, heads: usize, d: usize, idx: &[usize], out: &mut [f32]) {
-    let n = idx.len();
-    for r in 0..rows {
-        for (i, &h) in idx.iter().enumerate() {
-            out[(r * heads + h) * d..][..d].copy_from_slice(&part[(r * n + i) * d..][..d]);
-        }
+    use rayon::prelude::*;
+    let w = idx.len() * d;
+    if w == 0 || heads * d == 0 {
+        return;
     }
+    out[..rows * heads * d]
+        .par_chunks_mut(heads * d * COPY_ROWS)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            for (ri, orow) in chunk.chunks_mut(heads * d).enumerate() {
+                let r = ci * COPY_ROWS + ri;
+                let src = &part[r * w..(r + 1) * w];
+                for (s, &h) in src.chunks(d).zip(idx) {
+                    orow[h * d..(h + 1) * d].copy_from_slice(s);
+                }
+            }
+        });
 }
 
 /// Heads selected by `idx` of a head-major `[heads, per]` tensor.
@@ -680,8 +957,54 @@ impl Scheduler {
             fallen_back: AtomicBool::new(false),
             calibration: Mutex::new(None),
             last_split: Mutex::new(None),
-            gpu_calls: AtomicU64::new(0),
-            cpu_calls: AtomicU64::new(0),
+            plan_counts: Default::default(),
+            feedback: Mutex::new(HashMap::new()),
+            gpu_synced: Mutex::new(HashMap::new()),
+            kept_counts: Mutex::new(HashMap::new()),
+            split_pool: OnceLock::new(),
+        }
+    }
+
+    /// The pool a split's CPU side runs in (None: the global pool).
+    fn split_pool(&self) -> Option<&rayon::ThreadPool> {
+        self.split_pool
+            .get_or_init(|| {
+                let n = rayon::current_num_threads();
+                if !self.gpu.concurrent || n < 4 {
+                    return None;
+                }
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n - 1)
+                    .thread_name(|i| format!("foxedge-split-{i}"))
+                    .build()
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Runs `f` (the CPU side of a split) in the split pool.
+    fn on_cpu_side<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self.split_pool() {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+
+    /// Folds a call's measured seconds into its size class's factor for `kind`.
+    fn learn(&self, choice: &Choice, secs: f64) {
+        let Some((class, raw)) = choice.class else {
+            return;
+        };
+        if !(raw > 0.0 && secs.is_finite()) {
+            return;
+        }
+        let r = secs / raw;
+        if let Ok(mut fb) = self.feedback.lock() {
+            let f = &mut fb.entry(class).or_insert([None; 3])[choice.kind as usize];
+            *f = Some(match *f {
+                None => r,
+                Some(old) => old + FEEDBACK_WEIGHT * (r - old),
+            });
         }
     }
 
@@ -738,28 +1061,32 @@ impl Scheduler {
         }
     }
 
-    /// The split of a call of `heads` heads; `work` (kept pairs per head) is computed only
-    /// when the choice depends on it.
+    /// The plan of a call of `heads` heads; `work` (per head) is computed only when the
+    /// choice depends on it; `upper` bounds the whole call's work (every pair kept).
     fn choose(
         &self,
         heads: usize,
         d: usize,
         decode: bool,
-        upper: (u64, u64),
-        work: impl FnOnce() -> Result<Vec<(u64, u64)>>,
-    ) -> Result<Split> {
-        let side = |gpu: bool| Split {
-            gpu_heads: if gpu {
-                (0..heads).collect()
-            } else {
-                Vec::new()
+        upper: Work,
+        work: impl FnOnce() -> Result<Vec<Work>>,
+    ) -> Result<Choice> {
+        let side = |gpu: bool| Choice {
+            split: Split {
+                gpu_heads: if gpu {
+                    (0..heads).collect()
+                } else {
+                    Vec::new()
+                },
+                cpu_heads: if gpu {
+                    Vec::new()
+                } else {
+                    (0..heads).collect()
+                },
+                predicted_seconds: 0.0,
             },
-            cpu_heads: if gpu {
-                Vec::new()
-            } else {
-                (0..heads).collect()
-            },
-            predicted_seconds: 0.0,
+            kind: if gpu { PlanKind::Gpu } else { PlanKind::Cpu },
+            class: None,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -775,12 +1102,11 @@ impl Scheduler {
         } else {
             (c.cpu_prefill, c.gpu_prefill)
         };
-        // `auto` skips the per-head work count (up to ~40% of a short decode step) when
-        // the calibration decides alone. On shared cores a split never beats the side that
-        // is no slower at any size. Concurrently, a GPU >= 19x slower per pair and per row
-        // can take < 5% of the work, not worth a split. And any plan using the GPU takes
-        // its fixed cost: when the CPU does the whole call faster unpruned (`upper` =
-        // (pairs, rows)), the CPU alone is the plan.
+        // `auto` skips the per-head work count when the calibration decides alone. On
+        // shared cores a split never beats the side that is no slower at any size.
+        // Concurrently, a GPU >= 19x slower per pair and per row can take < 5% of the
+        // work, not worth a split. And any plan using the GPU takes its fixed cost: when
+        // the CPU does the whole call faster unpruned, the CPU alone is the plan.
         if self.mode == Mode::Auto {
             let gpu_slower = gc.a >= cc.a && gc.b >= cc.b && gc.c >= cc.c;
             let cpu_slower = cc.a >= gc.a && cc.b >= gc.b && cc.c >= gc.c;
@@ -793,18 +1119,22 @@ impl Scheduler {
             if c.concurrent && gc.b >= 19.0 * cc.b && gc.c >= 19.0 * cc.c {
                 return Ok(side(false));
             }
-            // A row costs the GPU at least `gc.c` and the CPU at most `cc.c + cc.b * ppr`
-            // (`ppr` = most pairs per row: the queries of a decode step): a GPU >= 19x
-            // slower per row at best cannot take a useful share.
+            // When every row goes to the GPU, a row costs it at least `gc.c` and the CPU at
+            // most `cc.c + cc.b * ppr` (`ppr` = most pairs per row: the queries of a decode
+            // step, the tokens of a prefill): a GPU >= 19x slower per row at best cannot
+            // take a useful share.
             let ppr = if decode {
-                upper.0 / upper.1.max(1)
+                upper.pairs / upper.rows.max(1)
             } else {
-                upper.1.max(1) / heads.max(1) as u64
+                upper.rows.max(1) / heads.max(1) as u64
             };
-            if c.concurrent && gc.c >= 19.0 * (cc.c + cc.b * ppr as f64) {
+            if c.concurrent
+                && upper.gpu_rows == upper.rows
+                && gc.c >= 19.0 * (cc.c + cc.b * ppr as f64)
+            {
                 return Ok(side(false));
             }
-            if cc.predict(upper.0, upper.1, false) <= gc.a {
+            if cc.predict(upper.pairs, upper.rows, false) <= gc.a {
                 return Ok(side(false));
             }
         }
@@ -812,18 +1142,135 @@ impl Scheduler {
             c.split_fixed,
             if decode { 0.0 } else { c.split_row_prefill },
         );
-        Ok(plan(&work()?, cc, gc, c.concurrent, self.mode, split_cost))
+        let work = work()?;
+        let total = work.iter().fold(Work::default(), |a, &w| a + w);
+        let cands = candidates(&work, cc, gc, c.concurrent, split_cost);
+        let class = size_class(decode, total);
+        let factors = lock(&self.feedback)?
+            .get(&class)
+            .copied()
+            .unwrap_or([None; 3]);
+        let (split, kind) = plan(heads, &cands, self.mode, &factors);
+        let raw = split.predicted_seconds;
+        Ok(Choice {
+            split,
+            kind,
+            class: Some((class, raw)),
+        })
+    }
+
+    /// Per-head work of a decode call: kept pairs (reused per cache id while the entry
+    /// count moved less than 1/[`RECOUNT_FRACTION`]), entries, and rows the GPU must be
+    /// sent (a resident head: the rows written since the version it last received).
+    fn decode_work(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Vec<Work>> {
+        let nh = call.heads.len();
+        let mut kept: Vec<Option<u64>> = vec![None; nh];
+        {
+            let cache = lock(&self.kept_counts)?;
+            for (h, head) in call.heads.iter().enumerate() {
+                let n = head.c.len() as u64;
+                if let Some(&(n0, k0)) = head.sync.and_then(|s| cache.get(&s.id))
+                    && n.abs_diff(n0) <= n0 / RECOUNT_FRACTION
+                {
+                    kept[h] = Some(
+                        (k0 + n.saturating_sub(n0) * call.n_queries as u64)
+                            .min(n * call.n_queries as u64),
+                    );
+                }
+            }
+        }
+        let missing: Vec<usize> = (0..nh).filter(|&h| kept[h].is_none()).collect();
+        if !missing.is_empty() {
+            use rayon::prelude::*;
+            let counted = missing
+                .par_iter()
+                .map(|&h| decode_kept(call, h))
+                .collect::<Result<Vec<u64>>>()?;
+            let mut cache = lock(&self.kept_counts)?;
+            for (&h, k) in missing.iter().zip(counted) {
+                kept[h] = Some(k);
+                if let Some(s) = call.heads[h].sync {
+                    cache.insert(s.id, (call.heads[h].c.len() as u64, k));
+                }
+            }
+        }
+        let synced = lock(&self.gpu_synced)?;
+        Ok(call
+            .heads
+            .iter()
+            .zip(kept)
+            .map(|(head, k)| {
+                let n = head.c.len() as u64;
+                let gpu_rows = match head.sync {
+                    Some(s) if resident => synced
+                        .get(&s.id)
+                        .map_or(n, |&v0| s.version.saturating_sub(v0).min(n)),
+                    _ => n,
+                };
+                Work {
+                    pairs: k.unwrap_or(n),
+                    rows: n,
+                    gpu_rows,
+                }
+            })
+            .collect())
+    }
+
+    /// Upper bound of a decode call's work, O(heads): every entry kept, the rows to send
+    /// as [`Scheduler::decode_work`] counts them.
+    fn decode_upper(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Work> {
+        let synced = lock(&self.gpu_synced)?;
+        let nq = call.n_queries as u64;
+        Ok(call.heads.iter().fold(Work::default(), |a, head| {
+            let n = head.c.len() as u64;
+            let gpu_rows = match head.sync {
+                Some(s) if resident => synced
+                    .get(&s.id)
+                    .map_or(n, |&v0| s.version.saturating_sub(v0).min(n)),
+                _ => n,
+            };
+            a + Work {
+                pairs: n * nq,
+                rows: n,
+                gpu_rows,
+            }
+        }))
+    }
+
+    /// Notes that the GPU received these heads of a decode call at their versions.
+    fn note_gpu_synced(&self, call: &DecodeCall<'_>, heads: &[usize]) {
+        if let Ok(mut m) = self.gpu_synced.lock() {
+            for &h in heads {
+                if let Some(s) = call.heads.get(h).and_then(|x| x.sync) {
+                    m.insert(s.id, s.version);
+                }
+            }
+        }
+    }
+
+    fn resident(&self) -> bool {
+        self.calibration().is_some_and(|c| c.gpu_decode_resident)
     }
 
     fn record(&self, split: &Split) -> Result<()> {
-        if !split.gpu_heads.is_empty() {
-            self.gpu_calls.fetch_add(1, Ordering::Relaxed);
-        }
-        if !split.cpu_heads.is_empty() {
-            self.cpu_calls.fetch_add(1, Ordering::Relaxed);
-        }
+        let i = match (split.cpu_heads.is_empty(), split.gpu_heads.is_empty()) {
+            (_, true) => 0,
+            (true, false) => 1,
+            (false, false) => 2,
+        };
+        self.plan_counts[i].fetch_add(1, Ordering::Relaxed);
         *lock(&self.last_split)? = Some(split.clone());
         Ok(())
+    }
+
+    /// Calls so far: (all CPU, all GPU, split).
+    pub(crate) fn plan_counts(&self) -> PlanCounts {
+        let g = |i: usize| self.plan_counts[i].load(Ordering::Relaxed);
+        PlanCounts {
+            cpu: g(0),
+            gpu: g(1),
+            split: g(2),
+        }
     }
 
     /// `r` when it is not a device failure; else says so (once), stops using the GPU and
@@ -966,6 +1413,10 @@ fn join_gpu(
 }
 
 impl AttentionBackend for Scheduler {
+    fn release_cache(&self, ids: &[u64]) {
+        self.gpu.backend.release_cache(ids);
+    }
+
     fn kind(&self) -> BackendKind {
         if self.fell_back() {
             return BackendKind::Cpu;
@@ -982,42 +1433,39 @@ impl AttentionBackend for Scheduler {
         if out.len() != t * nh * d {
             return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
         }
-        let upper = ((t * (t + 1) / 2 * nh) as u64, (t * nh) as u64);
-        let split = self.choose(nh, d, false, upper, || {
+        let rows = (t * nh) as u64;
+        let upper = Work {
+            pairs: (t * (t + 1) / 2 * nh) as u64,
+            rows,
+            gpu_rows: rows,
+        };
+        let choice = self.choose(nh, d, false, upper, || {
             let rows = t as u64;
             Ok(prefill_boundary(call)?
                 .kept_pairs
                 .into_iter()
-                .map(|p| (p, rows))
+                .map(|pairs| Work {
+                    pairs,
+                    rows,
+                    gpu_rows: rows,
+                })
                 .collect())
         })?;
-        self.record(&split)?;
-        if split.gpu_heads.is_empty() {
-            return self.cpu.prefill(call, out);
-        }
-        if split.cpu_heads.is_empty() {
+        let split = &choice.split;
+        self.record(split)?;
+        let t0 = Instant::now();
+        let r = if split.gpu_heads.is_empty() {
+            self.cpu.prefill(call, out)
+        } else if split.cpu_heads.is_empty() {
             let r = self.gpu.backend.prefill(call, out);
-            return self.or_cpu(r, || self.cpu.prefill(call, out));
+            self.or_cpu(r, || self.cpu.prefill(call, out))
+        } else {
+            self.prefill_split(call, split, out)
+        };
+        if r.is_ok() {
+            self.learn(&choice, t0.elapsed().as_secs_f64());
         }
-        let gp = PrefillPart::gather(call, &split.gpu_heads);
-        let cp = PrefillPart::gather(call, &split.cpu_heads);
-        let (gcall, ccall) = (gp.call(call), cp.call(call));
-        let mut g_out = vec![0.0f32; t * split.gpu_heads.len() * d];
-        let mut c_out = vec![0.0f32; t * split.cpu_heads.len() * d];
-        let gpu = self.gpu.backend.as_ref();
-        let (gres, cres) = std::thread::scope(|s| {
-            let h = s.spawn(|| gpu.prefill(&gcall, &mut g_out));
-            let c = self.cpu.prefill(&ccall, &mut c_out);
-            (join_gpu(h), c)
-        });
-        let cs = cres?;
-        let gs = self.or_cpu(gres, || self.cpu.prefill(&gcall, &mut g_out))?;
-        scatter_seq(&g_out, t, nh, d, &split.gpu_heads, out);
-        scatter_seq(&c_out, t, nh, d, &split.cpu_heads, out);
-        Ok(merge_stats(
-            nh,
-            &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
-        ))
+        r
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
@@ -1027,17 +1475,77 @@ impl AttentionBackend for Scheduler {
                 "decode out: [heads, n_queries, head_dim] values",
             ));
         }
-        let entries = call.heads.iter().map(|h| h.c.len() as u64).sum::<u64>();
-        let upper = (entries * nq as u64, entries);
-        let split = self.choose(nh, d, true, upper, || decode_work(call))?;
-        self.record(&split)?;
-        if split.gpu_heads.is_empty() {
-            return self.cpu.decode(call, out);
-        }
-        if split.cpu_heads.is_empty() {
+        let resident = self.resident();
+        let upper = self.decode_upper(call, resident)?;
+        let choice = self.choose(nh, d, true, upper, || {
+            // The calibration may have just been measured: residency is known now.
+            self.decode_work(call, self.resident())
+        })?;
+        let split = &choice.split;
+        self.record(split)?;
+        let t0 = Instant::now();
+        let r = if split.gpu_heads.is_empty() {
+            self.cpu.decode(call, out)
+        } else if split.cpu_heads.is_empty() {
             let r = self.gpu.backend.decode(call, out);
-            return self.or_cpu(r, || self.cpu.decode(call, out));
+            if r.is_ok() {
+                self.note_gpu_synced(call, &split.gpu_heads);
+            }
+            self.or_cpu(r, || self.cpu.decode(call, out))
+        } else {
+            self.decode_split(call, split, out)
+        };
+        if r.is_ok() {
+            self.learn(&choice, t0.elapsed().as_secs_f64());
         }
+        r
+    }
+}
+
+impl Scheduler {
+    /// A prefill split: the GPU heads are gathered and handed to the GPU thread first; the
+    /// CPU side (gather, kernel, scatter of its heads) then runs in the split pool while
+    /// the GPU works; the GPU heads' output is scattered after the join.
+    fn prefill_split(
+        &self,
+        call: &PrefillCall<'_>,
+        split: &Split,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        let (t, nh, d) = (call.t, call.heads, call.head_dim);
+        let gp = PrefillPart::gather(call, &split.gpu_heads);
+        let gcall = gp.call(call);
+        let mut g_out = vec![0.0f32; t * split.gpu_heads.len() * d];
+        let gpu = self.gpu.backend.as_ref();
+        let (gres, cres) = std::thread::scope(|s| {
+            let h = s.spawn(|| gpu.prefill(&gcall, &mut g_out));
+            let c = self.on_cpu_side(|| {
+                let cp = PrefillPart::gather(call, &split.cpu_heads);
+                let mut c_out = vec![0.0f32; t * split.cpu_heads.len() * d];
+                let st = self.cpu.prefill(&cp.call(call), &mut c_out)?;
+                scatter_seq(&c_out, t, nh, d, &split.cpu_heads, out);
+                Ok::<_, Error>(st)
+            });
+            (join_gpu(h), c)
+        });
+        let cs = cres?;
+        let gs = self.or_cpu(gres, || self.cpu.prefill(&gcall, &mut g_out))?;
+        scatter_seq(&g_out, t, nh, d, &split.gpu_heads, out);
+        Ok(merge_stats(
+            nh,
+            &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
+        ))
+    }
+
+    /// A decode split: cache heads are views (only queries are gathered); the CPU side runs
+    /// in the split pool while the GPU thread works.
+    fn decode_split(
+        &self,
+        call: &DecodeCall<'_>,
+        split: &Split,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        let (nh, nq, d) = (call.heads.len(), call.n_queries, call.head_dim);
         let gp = DecodePart::gather(call, &split.gpu_heads);
         let cp = DecodePart::gather(call, &split.cpu_heads);
         let (gcall, ccall) = (gp.call(call), cp.call(call));
@@ -1046,10 +1554,13 @@ impl AttentionBackend for Scheduler {
         let gpu = self.gpu.backend.as_ref();
         let (gres, cres) = std::thread::scope(|s| {
             let h = s.spawn(|| gpu.decode(&gcall, &mut g_out));
-            let c = self.cpu.decode(&ccall, &mut c_out);
+            let c = self.on_cpu_side(|| self.cpu.decode(&ccall, &mut c_out));
             (join_gpu(h), c)
         });
         let cs = cres?;
+        if gres.is_ok() {
+            self.note_gpu_synced(call, &split.gpu_heads);
+        }
         let gs = self.or_cpu(gres, || self.cpu.decode(&gcall, &mut g_out))?;
         scatter_major(&g_out, nq * d, &split.gpu_heads, out);
         scatter_major(&c_out, nq * d, &split.cpu_heads, out);
@@ -1376,6 +1887,7 @@ impl Problem {
             q: Vec::with_capacity(h * d),
             q_c: Vec::with_capacity(h),
             u: self.u.clone(),
+            steps: StepState::new(h, n),
         };
         for head in 0..h {
             for r in 0..n {
@@ -1393,6 +1905,10 @@ impl Problem {
 
 /// One decode step of one query per head against `n` cached entries per head.
 ///
+/// A backend may keep the cache resident between [`Engine::decode`] calls (each call is a
+/// step that rewrote only the newest row): after changing `k`, `v` or `c` in place, decode
+/// a clone (a clone is a new cache).
+///
 /// `k`, `v`: `[heads, n, head_dim]`; `c`: `[heads, n]` (f64, non-increasing);
 /// `q`: `[heads, head_dim]`; `q_c`: `[heads]`; `u`: `[heads]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -1406,11 +1922,58 @@ pub struct DecodeProblem {
     pub q: Vec<f32>,
     pub q_c: Vec<f64>,
     pub u: Vec<f64>,
+    /// Cache identity and row versions: each [`Engine::decode`] is one step of a session
+    /// whose newest row was just written (see [`StepSync`]), so a backend that keeps the
+    /// cache resident sends one row per head per step after the first.
+    steps: StepState,
+}
+
+/// [`StepSync`] behind a lock, so that steps can run through `&DecodeProblem`. A clone is
+/// a new cache (fresh ids); equality ignores it.
+#[derive(Debug)]
+struct StepState(Mutex<StepSync>);
+
+impl StepState {
+    fn new(heads: usize, n: usize) -> StepState {
+        StepState(Mutex::new(StepSync::new(heads, n)))
+    }
+}
+
+impl Clone for StepState {
+    fn clone(&self) -> StepState {
+        let (h, n) = self
+            .0
+            .lock()
+            .map(|s| (s.heads, s.row_version.len()))
+            .unwrap_or((0, 0));
+        StepState::new(h, n)
+    }
+}
+
+impl PartialEq for StepState {
+    fn eq(&self, _: &StepState) -> bool {
+        true
+    }
 }
 
 impl DecodeProblem {
+    /// The cache ids ([`CacheSync::id`]) of this problem's heads.
+    pub fn cache_ids(&self) -> Vec<u64> {
+        let base = self.steps.0.lock().map_or(0, |s| s.base);
+        (0..self.heads as u64).map(|h| base + h).collect()
+    }
+
     /// Checks sizes and finiteness.
     pub fn validate(&self) -> Result<()> {
+        self.check_sizes()?;
+        if self.c.iter().chain(&self.q_c).any(|c| !c.is_finite()) {
+            return Err(Error::invalid("decode problem: c must be finite"));
+        }
+        Ok(())
+    }
+
+    /// Checks sizes and the bounds (finite, `>= 0`); O(heads), not O(cache).
+    pub fn check_sizes(&self) -> Result<()> {
         let (h, n, d) = (self.heads, self.n, self.head_dim);
         if h == 0 || n == 0 || d == 0 {
             return Err(Error::invalid(
@@ -1430,9 +1993,6 @@ impl DecodeProblem {
                     "decode problem: {name} has {len} values, expected {want}"
                 )));
             }
-        }
-        if self.c.iter().chain(&self.q_c).any(|c| !c.is_finite()) {
-            return Err(Error::invalid("decode problem: c must be finite"));
         }
         if self.u.iter().any(|u| !(u.is_finite() && *u >= 0.0)) {
             return Err(Error::invalid(
@@ -1527,6 +2087,14 @@ impl Engine {
         }
     }
 
+    /// Calls so far by plan (a `cpu` engine counts none).
+    pub fn plan_counts(&self) -> PlanCounts {
+        match &self.inner {
+            EngineInner::Sched(s) => s.plan_counts(),
+            EngineInner::Cpu(_) => PlanCounts::default(),
+        }
+    }
+
     /// Runs the calibration now (a no-op for `cpu` and `vulkan`, and once calibrated).
     pub fn calibrate(&self, heads: usize, head_dim: usize) -> Result<Option<Calibration>> {
         match &self.inner {
@@ -1549,8 +2117,12 @@ impl Engine {
     }
 
     /// One decode step of `p` into `out` (`[heads, head_dim]`).
+    ///
+    /// Checks sizes and bounds only, as a session's step does: every backend's kernel
+    /// rejects a non-finite `c` itself (a scan of `heads · n` values here would be a
+    /// serial pass over the cache at every step, ~0.5 ms at 16 x 64k entries).
     pub fn decode(&self, p: &DecodeProblem, acp: AcpMode, out: &mut [f32]) -> Result<CallStats> {
-        p.validate()?;
+        p.check_sizes()?;
         if out.len() != p.q.len() {
             return Err(Error::invalid(format!(
                 "decode out has {} values, expected {}",
@@ -1559,13 +2131,19 @@ impl Engine {
             )));
         }
         let (n, d) = (p.n, p.head_dim);
+        let mut steps = lock(&p.steps.0)?;
+        if steps.row_version.len() != n || steps.heads != p.heads {
+            // The sizes were changed through the public fields: a new cache.
+            *steps = StepSync::new(p.heads, n);
+        }
+        steps.step();
         let heads: Vec<CacheHead<'_>> = (0..p.heads)
             .map(|h| CacheHead {
                 k: &p.k[h * n * d..(h + 1) * n * d],
                 v: &p.v[h * n * d..(h + 1) * n * d],
                 c: &p.c[h * n..(h + 1) * n],
                 pos: None,
-                sync: None,
+                sync: Some(steps.sync(h)),
             })
             .collect();
         let call = DecodeCall {
@@ -1737,26 +2315,43 @@ mod tests {
         LinearCost { a, b, c: 0.0 }
     }
 
-    /// Work with one row per pair (row costs are tested separately).
-    fn w(pairs: &[u64]) -> Vec<(u64, u64)> {
-        pairs.iter().map(|&p| (p, 1)).collect()
+    /// Work with one row per head (row costs are tested separately).
+    fn w(pairs: &[u64]) -> Vec<Work> {
+        pairs
+            .iter()
+            .map(|&p| Work {
+                pairs: p,
+                rows: 1,
+                gpu_rows: 1,
+            })
+            .collect()
     }
 
-    /// Predicted time of putting `gpu` heads on the GPU (the rule `plan` minimises).
-    fn predicted(
-        work: &[(u64, u64)],
-        gpu: &[usize],
+    /// `plan` with no measurements yet.
+    fn plan0(
+        work: &[Work],
         c: LinearCost,
         g: LinearCost,
         conc: bool,
-    ) -> f64 {
-        let gp: u64 = gpu.iter().map(|&h| work[h].0).sum();
-        let gr: u64 = gpu.iter().map(|&h| work[h].1).sum();
-        let cp: u64 = work.iter().map(|x| x.0).sum::<u64>() - gp;
-        let cr: u64 = work.iter().map(|x| x.1).sum::<u64>() - gr;
+        mode: Mode,
+        split_cost: (f64, f64),
+    ) -> Split {
+        plan(
+            work.len(),
+            &candidates(work, c, g, conc, split_cost),
+            mode,
+            &[None; 3],
+        )
+        .0
+    }
+
+    /// Predicted time of putting `gpu` heads on the GPU (the rule `candidates` minimises).
+    fn predicted(work: &[Work], gpu: &[usize], c: LinearCost, g: LinearCost, conc: bool) -> f64 {
+        let gw = gpu.iter().fold(Work::default(), |a, &h| a + work[h]);
+        let cw = work.iter().fold(Work::default(), |a, &x| a + x) - gw;
         let (tc, tg) = (
-            c.predict(cp, cr, gpu.len() == work.len()),
-            g.predict(gp, gr, gpu.is_empty()),
+            c.predict(cw.pairs, cw.rows, gpu.len() == work.len()),
+            g.predict(gw.pairs, gw.gpu_rows, gpu.is_empty()),
         );
         if conc { tc.max(tg) } else { tc + tg }
     }
@@ -1765,7 +2360,7 @@ mod tests {
     fn heavy_heads_go_to_a_faster_gpu() {
         // GPU 4x faster per pair, larger fixed cost; two global heads, six local ones.
         let work = w(&[10, 1_000_000, 12, 9, 900_000, 11, 10, 8]);
-        let s = plan(
+        let s = plan0(
             &work,
             cost(1e-5, 4e-9),
             cost(1e-4, 1e-9),
@@ -1781,12 +2376,14 @@ mod tests {
     fn row_costly_gpu_takes_the_densest_heads() {
         // Equal rows; the GPU is cheap per pair but pays per row (host transfers): the
         // heads with the most kept pairs per row go to it, the pruned ones stay.
-        let work = vec![
-            (2_000, 4096),
-            (8_000_000, 4096),
-            (3_000, 4096),
-            (7_000_000, 4096),
-        ];
+        let work: Vec<Work> = [2_000, 8_000_000, 3_000, 7_000_000]
+            .iter()
+            .map(|&pairs| Work {
+                pairs,
+                rows: 4096,
+                gpu_rows: 4096,
+            })
+            .collect();
         let cpu = LinearCost {
             a: 1e-5,
             b: 1e-9,
@@ -1797,7 +2394,7 @@ mod tests {
             b: 1e-10,
             c: 2e-7,
         };
-        let s = plan(&work, cpu, gpu, true, Mode::Auto, (0.0, 0.0));
+        let s = plan0(&work, cpu, gpu, true, Mode::Auto, (0.0, 0.0));
         assert_eq!(s.gpu_heads, vec![1, 3]);
         // Calibration fit recovers a, b, c from exact samples.
         let truth = LinearCost {
@@ -1817,9 +2414,69 @@ mod tests {
     }
 
     #[test]
+    fn resident_heads_cost_only_their_changed_rows() {
+        // Decode: the GPU pays 300 ns per row sent; a head it mirrors sends 1 row, a new
+        // one all 65536. The resident heavy heads go to the GPU, nothing else.
+        let n = 65_536;
+        let work: Vec<Work> = (0..4)
+            .map(|h| Work {
+                pairs: if h < 2 { n } else { n / 16 },
+                rows: n,
+                gpu_rows: if h < 2 { 1 } else { n },
+            })
+            .collect();
+        let cpu = LinearCost {
+            a: 5e-5,
+            b: 2e-9,
+            c: 1e-9,
+        };
+        let gpu = LinearCost {
+            a: 5e-5,
+            b: 2e-11,
+            c: 3e-7,
+        };
+        let s = plan0(&work, cpu, gpu, true, Mode::Hybrid, (1e-5, 0.0));
+        assert_eq!(s.gpu_heads, vec![0, 1]);
+    }
+
+    #[test]
+    fn measured_factors_steer_auto() {
+        // The model prefers a split (0.5 s vs 1 s on either side)...
+        let c = Candidates {
+            cpu: 1.0,
+            gpu: 1.1,
+            split: Some((0.5, vec![0])),
+        };
+        let (s, k) = plan(2, &c, Mode::Auto, &[None; 3]);
+        assert_eq!((k, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
+        assert_eq!(s.predicted_seconds, 0.5);
+        // ... but it measured 2.4x its prediction: the CPU (never run) is next; then,
+        // having run the CPU, the GPU (never run, within EXPLORE) is tried once; then
+        // the measured best stays.
+        let (_, k) = plan(2, &c, Mode::Auto, &[None, None, Some(2.4)]);
+        assert_eq!(k, PlanKind::Cpu);
+        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), None, Some(2.4)]);
+        assert_eq!(k, PlanKind::Gpu);
+        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), Some(1.3), Some(2.4)]);
+        assert_eq!(k, PlanKind::Cpu);
+        // A GPU far slower is never tried.
+        let far = Candidates {
+            gpu: 10.0,
+            ..c.clone()
+        };
+        let (_, k) = plan(2, &far, Mode::Auto, &[Some(1.0), None, Some(2.4)]);
+        assert_eq!(k, PlanKind::Cpu);
+        // Hybrid and GpuOnly ignore the measurements.
+        let (_, k) = plan(2, &c, Mode::Hybrid, &[Some(1.0), Some(1.0), Some(9.0)]);
+        assert_eq!(k, PlanKind::Split);
+        let (s, _) = plan(2, &c, Mode::GpuOnly, &[None; 3]);
+        assert_eq!(s.gpu_heads, vec![0, 1]);
+    }
+
+    #[test]
     fn shared_cores_never_split_in_auto() {
         let work = w(&[1000, 2000, 3000]);
-        let s = plan(
+        let s = plan0(
             &work,
             cost(1e-5, 1e-9),
             cost(1e-5, 5e-9),
@@ -1829,7 +2486,7 @@ mod tests {
         );
         assert!(s.gpu_heads.is_empty(), "{s:?}");
         // Hybrid must still split, and puts the lightest head on the slower GPU.
-        let s = plan(
+        let s = plan0(
             &work,
             cost(1e-5, 1e-9),
             cost(1e-5, 5e-9),
@@ -1843,16 +2500,20 @@ mod tests {
     proptest! {
         #[test]
         fn plan_is_consistent(
-            work in proptest::collection::vec((0u64..1_000_000, 1u64..100_000), 1..12),
+            raw in proptest::collection::vec((0u64..1_000_000, 1u64..100_000), 1..12),
             ca in 0.0f64..1e-3, cb in 1e-10f64..1e-8, cc in 0.0f64..1e-7,
             ga in 0.0f64..1e-3, gb in 1e-10f64..1e-8, gc in 0.0f64..1e-7,
             conc: bool,
         ) {
+            let work: Vec<Work> = raw
+                .iter()
+                .map(|&(pairs, rows)| Work { pairs, rows, gpu_rows: rows })
+                .collect();
             let c = LinearCost { a: ca, b: cb, c: cc };
             let g = LinearCost { a: ga, b: gb, c: gc };
             let n = work.len();
             for mode in [Mode::Auto, Mode::Hybrid, Mode::GpuOnly] {
-                let s = plan(&work, c, g, conc, mode, (0.0, 0.0));
+                let s = plan0(&work, c, g, conc, mode, (0.0, 0.0));
                 let mut all: Vec<usize> = s.gpu_heads.iter().chain(&s.cpu_heads).copied().collect();
                 all.sort_unstable();
                 prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
@@ -1861,12 +2522,18 @@ mod tests {
                 let t_cpu = predicted(&work, &[], c, g, conc);
                 let t_gpu = predicted(&work, &(0..n).collect::<Vec<_>>(), c, g, conc);
                 match mode {
-                    Mode::Auto => prop_assert!(p <= t_cpu.min(t_gpu) + 1e-15),
+                    // A split only when the model predicts it 30% faster.
+                    Mode::Auto => prop_assert!(
+                        p <= t_cpu.min(t_gpu) + 1e-15
+                            && (s.gpu_heads.is_empty()
+                                || s.cpu_heads.is_empty()
+                                || p * SPLIT_PRIOR <= t_cpu.min(t_gpu) + 1e-15)
+                    ),
                     Mode::Hybrid if n >= 2 => {
                         prop_assert!(!s.gpu_heads.is_empty() && !s.cpu_heads.is_empty());
                         // The optimum over every heaviest- and lightest-first prefix.
                         let mut desc: Vec<usize> = (0..n).collect();
-                        desc.sort_by_key(|&h| std::cmp::Reverse(work[h].0));
+                        desc.sort_by_key(|&h| std::cmp::Reverse(work[h].pairs));
                         for k in 1..n {
                             prop_assert!(p <= predicted(&work, &desc[..k], c, g, conc) + 1e-15);
                             prop_assert!(p <= predicted(&work, &desc[n - k..], c, g, conc) + 1e-15);
@@ -1874,6 +2541,32 @@ mod tests {
                     }
                     Mode::GpuOnly => prop_assert_eq!(s.gpu_heads.len(), n),
                     _ => {}
+                }
+            }
+        }
+
+        #[test]
+        fn parallel_gather_scatter_round_trip(
+            rows in 1usize..300, heads in 1usize..7, d in 1usize..9, mask in 0u32..128,
+        ) {
+            let idx: Vec<usize> = (0..heads).filter(|h| mask & (1 << h) != 0).collect();
+            let x: Vec<f32> = (0..rows * heads * d).map(|i| i as f32).collect();
+            let g = gather_seq(&x, rows, heads, d, &idx);
+            prop_assert_eq!(g.len(), rows * idx.len() * d);
+            for r in 0..rows {
+                for (i, &h) in idx.iter().enumerate() {
+                    prop_assert_eq!(
+                        &g[(r * idx.len() + i) * d..][..d],
+                        &x[(r * heads + h) * d..][..d]
+                    );
+                }
+            }
+            let mut out = vec![-1.0f32; x.len()];
+            scatter_seq(&g, rows, heads, d, &idx, &mut out);
+            for r in 0..rows {
+                for h in 0..heads {
+                    let want = if idx.contains(&h) { x[(r * heads + h) * d] } else { -1.0 };
+                    prop_assert_eq!(out[(r * heads + h) * d], want);
                 }
             }
         }
@@ -1951,9 +2644,8 @@ mod tests {
         let w = decode_work(&call).unwrap();
         let mut out = vec![0.0; 4 * 16];
         let st = CpuBackend.decode(&call, &mut out).unwrap();
-        assert_eq!(w.iter().map(|x| x.0).collect::<Vec<_>>(), st.kept_pairs);
-        assert!(w.iter().all(|x| x.1 == n as u64));
-        assert!(w.iter().any(|x| (x.0 as usize) < n), "something pruned");
+        assert_eq!(w, st.kept_pairs);
+        assert!(w.iter().any(|&x| (x as usize) < n), "something pruned");
     }
 
     /// A second CPU backend standing in for the GPU side, failing on demand (the only way

@@ -21,20 +21,47 @@ pub struct Cell {
     pub len: usize,
     pub acp: bool,
     pub backend: String,
-    /// Best wall time of `reps` runs (seconds).
+    /// Median seconds per call over the timed samples (each sample = a batch of `inner`
+    /// calls divided by `inner`).
     pub seconds: f64,
+    pub min_seconds: f64,
+    pub max_seconds: f64,
+    /// Interquartile range of the samples over their median.
+    pub iqr_fraction: f64,
+    /// Timed samples and calls per sample.
     pub reps: usize,
+    pub inner: usize,
+    /// Per-call seconds of each timed sample, in round order (for paired ratios).
+    pub samples: Vec<f64>,
     pub gflops: f64,
     pub peak_fraction: f64,
     pub kept_fraction: f64,
-    /// CPU time / this time (same op, len, acp).
+    /// CPU median / this median (same op, len, acp).
     pub vs_cpu: f64,
-    /// Dense time / ACP time (same backend, op, len); 1 for dense rows.
+    /// Dense median / ACP median (same backend, op, len); 1 for dense rows.
     pub acp_speedup: f64,
     /// Heads on the GPU in the last run (hybrid/auto), of `heads`.
     pub gpu_heads: Option<usize>,
+    /// Plans of the timed calls (hybrid/auto): all-CPU, all-GPU, split.
+    pub plans: Option<[u64; 3]>,
     /// Largest |difference| from the CPU output (same op, len, acp).
     pub max_abs_diff_vs_cpu: f32,
+}
+
+/// auto against the best single backend of one (op, len, acp).
+#[derive(Debug, Clone, serde::Serialize)]
+struct AutoRatio {
+    cell: String,
+    /// The backend with the smallest median among cpu, vulkan, hybrid.
+    best: String,
+    /// best median / auto median (>= 0.95 wanted).
+    ratio: f64,
+    /// The same ratio per round (best's and auto's samples of one round): quartiles.
+    paired_q25: f64,
+    paired_median: f64,
+    paired_q75: f64,
+    /// auto's plan in words.
+    choice: String,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -45,9 +72,25 @@ struct Report {
     head_dim: usize,
     device: Option<String>,
     calibration: Option<String>,
+    /// Timing method, in words.
+    method: String,
     cells: Vec<Cell>,
-    /// auto time / best single-backend time, per (op, len, acp).
-    auto_vs_best: Vec<(String, f64)>,
+    auto_vs_best: Vec<AutoRatio>,
+}
+
+/// The timing knobs (see `run`'s flags).
+#[derive(Debug, Clone, Copy)]
+struct Method {
+    /// Rounds of interleaved samples per cell (at most).
+    rounds: usize,
+    /// Untimed calls per backend before the rounds.
+    warm: usize,
+    /// Seconds a sample's batch of calls should last.
+    batch_s: f64,
+    /// Seconds of timed calls per backend and cell (fewer rounds for slow backends, at
+    /// least `min_rounds`, except a call slower than the budget: its warm-up is its sample).
+    budget_s: f64,
+    min_rounds: usize,
 }
 
 pub fn run(rest: Vec<String>) -> Result<()> {
@@ -55,23 +98,42 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let json = a.flag("--json");
     let json_out = a.value("--out")?.map(PathBuf::from);
     let full = a.flag("--full");
+    let control = a.flag("--control");
     let plot_dir = a.value("--plot")?.map(PathBuf::from);
     let model_dir = a.value("--model")?;
     let ids_path = a.value("--ids")?.map(PathBuf::from);
     let device = a.value("--device")?;
     let backends_arg = a.value("--backend")?;
     let lens_arg = a.value("--lengths")?;
-    let max_reps: usize = a.parsed("--reps")?.unwrap_or(5);
+    let ops_arg = a.value("--ops")?;
+    let rounds: usize = a.parsed("--reps")?.unwrap_or(15);
+    let warm: usize = a.parsed("--warm")?.unwrap_or(3);
+    let batch_ms: f64 = a.parsed("--batch-ms")?.unwrap_or(20.0);
+    let budget_s: f64 = a.parsed("--budget-s")?.unwrap_or(2.0);
     let ln_eps: f64 = a.parsed("--log-eps")?.unwrap_or(-10.0);
     a.finish()?;
-    if max_reps == 0 {
-        return Err(Error::InvalidArgument("--reps must be > 0".into()));
+    if rounds == 0 || warm == 0 {
+        return Err(Error::InvalidArgument(
+            "--reps and --warm must be > 0".into(),
+        ));
+    }
+    if !(batch_ms.is_finite() && batch_ms > 0.0 && budget_s.is_finite() && budget_s > 0.0) {
+        return Err(Error::InvalidArgument(
+            "--batch-ms and --budget-s must be finite and > 0".into(),
+        ));
     }
     if !(ln_eps.is_finite() && ln_eps < 0.0) {
         return Err(Error::InvalidArgument(
             "--log-eps must be finite and < 0".into(),
         ));
     }
+    let method = Method {
+        rounds,
+        warm,
+        batch_s: batch_ms * 1e-3,
+        budget_s,
+        min_rounds: rounds.min(3),
+    };
     let backends: Vec<BackendKind> = match backends_arg.as_deref() {
         None | Some("all") => vec![
             BackendKind::Cpu,
@@ -83,6 +145,19 @@ pub fn run(rest: Vec<String>) -> Result<()> {
             .split(',')
             .map(str::parse)
             .collect::<Result<Vec<BackendKind>>>()?,
+    };
+    let ops: Vec<&'static str> = match ops_arg.as_deref() {
+        None | Some("all") => vec!["prefill", "decode"],
+        Some(s) => s
+            .split(',')
+            .map(|o| match o.trim() {
+                "prefill" => Ok("prefill"),
+                "decode" => Ok("decode"),
+                x => Err(Error::InvalidArgument(format!(
+                    "--ops: `{x}` (expected prefill, decode or all)"
+                ))),
+            })
+            .collect::<Result<_>>()?,
     };
     let lens: Vec<usize> = match lens_arg {
         Some(s) => s
@@ -116,15 +191,20 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let peak = foxedge_cpu::limits::fma_peak_gflops(threads, 0.3);
 
-    let mut engines: Vec<(BackendKind, Engine)> = Vec::new();
+    // (label, engine); `cpu2` (--control) is a second CPU engine: its ratio to `cpu` is
+    // what the method measures between two identical backends (the noise floor).
+    let mut engines: Vec<(String, Engine)> = Vec::new();
     for &k in &backends {
         match Engine::with_device(k, device.as_deref()) {
-            Ok(e) => engines.push((k, e)),
+            Ok(e) => engines.push((k.name().to_string(), e)),
             Err(e) => eprintln!("[bench] skipping {k}: {e}"),
         }
     }
-    if !engines.iter().any(|(k, _)| *k == BackendKind::Cpu) {
-        engines.insert(0, (BackendKind::Cpu, Engine::new(BackendKind::Cpu)?));
+    if !engines.iter().any(|(k, _)| k == "cpu") {
+        engines.insert(0, ("cpu".into(), Engine::new(BackendKind::Cpu)?));
+    }
+    if control {
+        engines.push(("cpu2".into(), Engine::new(BackendKind::Cpu)?));
     }
     let mut calibration = None;
     for (k, e) in &engines {
@@ -136,7 +216,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let device_name = engines.iter().find_map(|(_, e)| e.device());
 
     let mut cells: Vec<Cell> = Vec::new();
-    for op in ["prefill", "decode"] {
+    for &op in &ops {
         for &len in &lens {
             let p = big.prefix(len)?;
             let dp = if op == "decode" {
@@ -161,78 +241,43 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                         None => eng.prefill(&p, mode, out),
                     }
                 };
-                // Warm-up (and the output) of every backend, then the timed rounds with the
-                // backends interleaved, so that load drifting on a shared machine hits them
-                // alike; a backend whose warm-up took > 1 s keeps that one timing.
-                let mut outs = Vec::with_capacity(engines.len());
-                let mut best = Vec::with_capacity(engines.len());
-                let mut inner = Vec::with_capacity(engines.len());
-                let mut stats = Vec::with_capacity(engines.len());
-                let mut splits = Vec::with_capacity(engines.len());
-                for (_, eng) in &engines {
-                    let mut out = vec![0.0f32; n_out];
-                    let t0 = Instant::now();
-                    stats.push(run(eng, &mut out)?);
-                    let first = t0.elapsed().as_secs_f64();
-                    splits.push(eng.last_split().map(|s| s.gpu_heads.len()));
-                    best.push(first);
-                    // Decode steps are batched so that one timing covers >= ~5 ms.
-                    inner.push(if op == "decode" {
-                        ((5e-3 / first.max(1e-6)) as usize).clamp(1, 1000)
-                    } else {
-                        1
-                    });
-                    outs.push(out);
-                }
-                let firsts = best.clone();
-                let mut reps = vec![1usize; engines.len()];
-                let mut scratch = vec![0.0f32; n_out];
-                for _ in 0..max_reps {
-                    for (i, (_, eng)) in engines.iter().enumerate() {
-                        if best[i] > 1.0 {
-                            continue;
-                        }
-                        if reps[i] == 1 {
-                            best[i] = f64::INFINITY;
-                            reps[i] = 0;
-                        }
-                        // An untimed run first: the previous backend's traffic must not
-                        // leave this one a cold cache (the order would bias the timings).
-                        if firsts[i] < 0.1 {
-                            run(eng, &mut scratch)?;
-                        }
-                        let t0 = Instant::now();
-                        for _ in 0..inner[i] {
-                            run(eng, &mut scratch)?;
-                        }
-                        best[i] = best[i].min(t0.elapsed().as_secs_f64() / inner[i] as f64);
-                        reps[i] += 1;
-                    }
-                }
-                let cpu_i = engines.iter().position(|(k, _)| *k == BackendKind::Cpu);
-                for (i, (kind, _)) in engines.iter().enumerate() {
-                    let diff = cpu_i.map_or(0.0, |c| max_abs_diff(&outs[c], &outs[i]));
-                    let secs = best[i];
-                    let gflops = stats[i].flops(p.head_dim) / secs / 1e9;
+                let m = measure(&engines, n_out, method, run)?;
+                let cpu_i = engines.iter().position(|(k, _)| k == "cpu");
+                for (i, (label, _)) in engines.iter().enumerate() {
+                    let r = &m[i];
+                    let diff = cpu_i.map_or(0.0, |c| max_abs_diff(&m[c].out, &r.out));
+                    let mut sorted = r.samples.clone();
+                    sorted.sort_by(f64::total_cmp);
+                    let med = quantile(&sorted, 0.5);
+                    let gflops = r.stats.flops(p.head_dim) / med / 1e9;
                     cells.push(Cell {
                         op,
                         len,
                         acp,
-                        backend: kind.name().to_string(),
-                        seconds: secs,
-                        reps: reps[i],
+                        backend: label.clone(),
+                        seconds: med,
+                        min_seconds: sorted[0],
+                        max_seconds: sorted[sorted.len() - 1],
+                        iqr_fraction: (quantile(&sorted, 0.75) - quantile(&sorted, 0.25)) / med,
+                        reps: r.samples.len(),
+                        inner: r.inner,
+                        samples: r.samples.clone(),
                         gflops,
                         peak_fraction: gflops / peak,
-                        kept_fraction: stats[i].kept_fraction(),
+                        kept_fraction: r.stats.kept_fraction(),
                         vs_cpu: 1.0,
                         acp_speedup: 1.0,
-                        gpu_heads: splits[i],
+                        gpu_heads: r.gpu_heads,
+                        plans: r.plans,
                         max_abs_diff_vs_cpu: diff,
                     });
                     eprintln!(
-                        "[bench] {op} L={len} {} {kind}: {:.3} ms",
+                        "[bench] {op} L={len} {} {label}: median {:.3} ms, min {:.3} ms, {} x {}",
                         if acp { "acp" } else { "dense" },
-                        secs * 1e3
+                        med * 1e3,
+                        sorted[0] * 1e3,
+                        r.samples.len(),
+                        r.inner
                     );
                 }
             }
@@ -243,36 +288,44 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         cells
             .iter()
             .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == b)
-            .map(|c| c.seconds)
+            .cloned()
     };
     let snapshot = cells.clone();
     for c in &mut cells {
         if let Some(t) = find(&snapshot, c.op, c.len, c.acp, "cpu") {
-            c.vs_cpu = t / c.seconds;
+            c.vs_cpu = t.seconds / c.seconds;
         }
         if c.acp
             && let Some(t) = find(&snapshot, c.op, c.len, false, &c.backend)
         {
-            c.acp_speedup = t / c.seconds;
+            c.acp_speedup = t.seconds / c.seconds;
         }
     }
     let mut auto_vs_best = Vec::new();
     for c in cells.iter().filter(|c| c.backend == "auto") {
-        let best = ["cpu", "vulkan", "hybrid"]
+        let Some(best) = ["cpu", "vulkan", "hybrid"]
             .iter()
             .filter_map(|b| find(&cells, c.op, c.len, c.acp, b))
-            .fold(f64::INFINITY, f64::min);
-        if best.is_finite() {
-            auto_vs_best.push((
-                format!(
-                    "{} L={} {}",
-                    c.op,
-                    c.len,
-                    if c.acp { "acp" } else { "dense" }
-                ),
-                best / c.seconds,
-            ));
-        }
+            .min_by(|x, y| x.seconds.total_cmp(&y.seconds))
+        else {
+            continue;
+        };
+        let mut paired: Vec<f64> = best
+            .samples
+            .iter()
+            .zip(&c.samples)
+            .map(|(b, a)| b / a)
+            .collect();
+        paired.sort_by(f64::total_cmp);
+        auto_vs_best.push(AutoRatio {
+            cell: cell_name(c),
+            best: best.backend.clone(),
+            ratio: best.seconds / c.seconds,
+            paired_q25: quantile(&paired, 0.25),
+            paired_median: quantile(&paired, 0.5),
+            paired_q75: quantile(&paired, 0.75),
+            choice: choice_words(c),
+        });
     }
 
     let report = Report {
@@ -282,6 +335,18 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         head_dim: big.head_dim,
         device: device_name,
         calibration,
+        method: format!(
+            "per cell: {} untimed calls per backend, then up to {} rounds with the backends \
+             interleaved (order rotated each round), each sample a batch of calls lasting \
+             >= {} ms after one untimed call; <= {} s of timed calls per backend and cell \
+             (>= {} rounds; a call slower than that: its first run is its sample); median, \
+             min, IQR per backend; auto/best = best median / auto median, paired = per round",
+            method.warm,
+            method.rounds,
+            method.batch_s * 1e3,
+            method.budget_s,
+            method.min_rounds
+        ),
         cells,
         auto_vs_best,
     };
@@ -300,7 +365,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
             path: d.clone(),
             source: e,
         })?;
-        for op in ["prefill", "decode"] {
+        for &op in &ops {
             let path = d.join(format!("{op}_throughput.png"));
             plot_throughput(&path, op, &report)?;
             eprintln!("[bench] wrote {}", path.display());
@@ -318,6 +383,142 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         eprintln!("[bench] wrote {}", path.display());
     }
     Ok(())
+}
+
+/// One backend's measurement of one cell.
+struct Measured {
+    out: Vec<f32>,
+    stats: CallStats,
+    gpu_heads: Option<usize>,
+    plans: Option<[u64; 3]>,
+    inner: usize,
+    samples: Vec<f64>,
+}
+
+/// Times every engine on `run` by `method` (see [`Report::method`]): warm-up calls, then
+/// interleaved rounds, rotating which backend goes first so none always follows another
+/// (a GPU call's host traffic, or an idle pool waking, then hits every backend alike).
+fn measure(
+    engines: &[(String, Engine)],
+    n_out: usize,
+    method: Method,
+    run: impl Fn(&Engine, &mut [f32]) -> Result<CallStats>,
+) -> Result<Vec<Measured>> {
+    let k = engines.len();
+    let mut ms: Vec<Measured> = Vec::with_capacity(k);
+    let mut est = Vec::with_capacity(k);
+    let mut want = Vec::with_capacity(k);
+    let mut scratch = vec![0.0f32; n_out];
+    let mut plans0 = Vec::with_capacity(k);
+    for (_, eng) in engines {
+        let mut out = vec![0.0f32; n_out];
+        let t0 = Instant::now();
+        let stats = run(eng, &mut out)?;
+        let first = t0.elapsed().as_secs_f64();
+        let mut e = first;
+        if first < method.budget_s {
+            for _ in 1..method.warm {
+                let t0 = Instant::now();
+                run(eng, &mut scratch)?;
+                e = t0.elapsed().as_secs_f64();
+            }
+        }
+        let inner = if e < method.batch_s {
+            ((method.batch_s / e.max(1e-7)).ceil() as usize).clamp(1, 100_000)
+        } else {
+            1
+        };
+        let per_sample = e * inner as f64;
+        let n = if first >= method.budget_s {
+            0
+        } else {
+            ((method.budget_s / per_sample) as usize).clamp(method.min_rounds, method.rounds)
+        };
+        est.push(e);
+        want.push(n);
+        plans0.push(eng.plan_counts());
+        ms.push(Measured {
+            out,
+            stats,
+            gpu_heads: None,
+            plans: None,
+            inner,
+            samples: if n == 0 { vec![first] } else { Vec::new() },
+        });
+    }
+    for r in 0..method.rounds {
+        for j in 0..k {
+            let i = (r + j) % k;
+            if ms[i].samples.len() >= want[i] {
+                continue;
+            }
+            let eng = &engines[i].1;
+            // An untimed call first: the previous backend's traffic must not leave this one
+            // cold caches or sleeping pool threads.
+            if est[i] < 0.1 {
+                run(eng, &mut scratch)?;
+            }
+            let t0 = Instant::now();
+            for _ in 0..ms[i].inner {
+                run(eng, &mut scratch)?;
+            }
+            let per_call = t0.elapsed().as_secs_f64() / ms[i].inner as f64;
+            ms[i].samples.push(per_call);
+        }
+    }
+    for (i, (label, eng)) in engines.iter().enumerate() {
+        if label == "cpu" || label == "cpu2" {
+            continue;
+        }
+        ms[i].gpu_heads = eng.last_split().map(|s| s.gpu_heads.len());
+        let (a, b) = (plans0[i], eng.plan_counts());
+        ms[i].plans = Some([b.cpu - a.cpu, b.gpu - a.gpu, b.split - a.split]);
+    }
+    Ok(ms)
+}
+
+/// Linear-interpolated quantile of sorted values (NaN when empty).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        1 => sorted[0],
+        n => {
+            let x = q.clamp(0.0, 1.0) * (n - 1) as f64;
+            let i = x.floor() as usize;
+            let f = x - i as f64;
+            let j = (i + 1).min(n - 1);
+            sorted[i] * (1.0 - f) + sorted[j] * f
+        }
+    }
+}
+
+/// auto's plans over its timed calls: `cpu`, `vulkan`, `split 2/16`, or the mix
+/// (`cpu 9 + split 3`).
+fn choice_words(c: &Cell) -> String {
+    let Some([cpu, gpu, split]) = c.plans else {
+        return "cpu".into();
+    };
+    let split_name = match c.gpu_heads {
+        Some(g) if cpu == 0 && gpu == 0 => format!("split {g} gpu heads"),
+        _ => "split".into(),
+    };
+    let parts: Vec<(u64, String)> = [
+        (cpu, "cpu".to_string()),
+        (gpu, "vulkan".to_string()),
+        (split, split_name),
+    ]
+    .into_iter()
+    .filter(|(n, _)| *n > 0)
+    .collect();
+    match parts.as_slice() {
+        [] => "-".into(),
+        [(_, s)] => s.clone(),
+        _ => parts
+            .iter()
+            .map(|(n, s)| format!("{s} {n}"))
+            .collect::<Vec<_>>()
+            .join(" + "),
+    }
 }
 
 /// `1024`, `4k`, `64K` → tokens.
@@ -371,13 +572,17 @@ fn print_table(r: &Report) {
     if let Some(c) = &r.calibration {
         println!("# calibration: {c}");
     }
+    println!("# method: {}", r.method);
     println!(
-        "{:<8} {:>6} {:<5} {:<7} {:>11} {:>9} {:>7} {:>6} {:>7} {:>7} {:>5} {:>9}",
+        "{:<8} {:>6} {:<5} {:<7} {:>10} {:>10} {:>6} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>5} {:>9}",
         "op",
         "L",
         "acp",
         "backend",
-        "time ms",
+        "median ms",
+        "min ms",
+        "IQR",
+        "n x calls",
         "GFLOP/s",
         "%peak",
         "kept",
@@ -395,12 +600,15 @@ fn print_table(r: &Report) {
             format!("{:.1}%", c.peak_fraction * 100.0)
         };
         println!(
-            "{:<8} {:>6} {:<5} {:<7} {:>11.3} {:>9.1} {:>7} {:>6.3} {:>7.2} {:>7.2} {:>5} {:>9.1e}",
+            "{:<8} {:>6} {:<5} {:<7} {:>10.4} {:>10.4} {:>5.1}% {:>9} {:>9.1} {:>7} {:>6.3} {:>7.2} {:>7.2} {:>5} {:>9.1e}",
             c.op,
             c.len,
             if c.acp { "acp" } else { "dense" },
             c.backend,
             c.seconds * 1e3,
+            c.min_seconds * 1e3,
+            c.iqr_fraction * 100.0,
+            format!("{}x{}", c.reps, c.inner),
             c.gflops,
             pct,
             c.kept_fraction,
@@ -410,11 +618,100 @@ fn print_table(r: &Report) {
             c.max_abs_diff_vs_cpu
         );
     }
-    if !r.auto_vs_best.is_empty() {
-        println!("# auto / best single backend (>= 0.95 wanted):");
-        for (k, v) in &r.auto_vs_best {
-            println!("#   {k}: {v:.3}");
-        }
+    if r.auto_vs_best.is_empty() {
+        return;
+    }
+    // The summary as a Markdown table (medians in ms; min in brackets).
+    println!();
+    println!(
+        "| op | L | kept | cpu | vulkan | hybrid (gpu heads) | auto [choice] | auto/best (paired IQR) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    let get = |op: &str, len: usize, acp: bool, b: &str| {
+        r.cells
+            .iter()
+            .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == b)
+    };
+    let ms = |c: Option<&Cell>| {
+        c.map_or("-".to_string(), |c| {
+            format!("{} ({})", sig(c.seconds * 1e3), sig(c.min_seconds * 1e3))
+        })
+    };
+    for a in &r.auto_vs_best {
+        let Some(auto) = r
+            .cells
+            .iter()
+            .find(|c| c.backend == "auto" && a.cell == cell_name(c))
+        else {
+            continue;
+        };
+        let (op, len, acp) = (auto.op, auto.len, auto.acp);
+        let hy = get(op, len, acp, "hybrid").map_or("-".to_string(), |c| {
+            format!("{} ({})", ms(Some(c)), c.gpu_heads.unwrap_or(0))
+        });
+        println!(
+            "| {op} {} | {} | {:.3} | {} | {} | {hy} | {} [{}] | {:.3} ({:.2}-{:.2}) |",
+            if acp { "ACP" } else { "dense" },
+            len_name(len),
+            auto.kept_fraction,
+            ms(get(op, len, acp, "cpu")),
+            ms(get(op, len, acp, "vulkan")),
+            ms(Some(auto)),
+            a.choice,
+            a.ratio,
+            a.paired_q25,
+            a.paired_q75
+        );
+    }
+    let pass = r.auto_vs_best.iter().filter(|a| a.ratio >= 0.95).count();
+    println!(
+        "# auto / best single backend >= 0.95 in {pass} of {} cells",
+        r.auto_vs_best.len()
+    );
+    let floor: Vec<String> = r
+        .cells
+        .iter()
+        .filter(|c| c.backend == "cpu2")
+        .filter_map(|c| {
+            let cpu = get(c.op, c.len, c.acp, "cpu")?;
+            Some(format!("{} {:.3}", cell_name(c), cpu.seconds / c.seconds))
+        })
+        .collect();
+    if !floor.is_empty() {
+        println!(
+            "# control (cpu / cpu2, two identical engines): {}",
+            floor.join(", ")
+        );
+    }
+}
+
+fn cell_name(c: &Cell) -> String {
+    format!(
+        "{} L={} {}",
+        c.op,
+        c.len,
+        if c.acp { "acp" } else { "dense" }
+    )
+}
+
+fn len_name(len: usize) -> String {
+    if len.is_multiple_of(1024) {
+        format!("{}k", len / 1024)
+    } else {
+        len.to_string()
+    }
+}
+
+/// Three significant digits.
+fn sig(x: f64) -> String {
+    if x >= 100.0 {
+        format!("{x:.0}")
+    } else if x >= 10.0 {
+        format!("{x:.1}")
+    } else if x >= 1.0 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.3}")
     }
 }
 
