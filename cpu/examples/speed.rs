@@ -20,6 +20,19 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
+/// CPU time used so far by all threads of this process, seconds (Linux: the run time in
+/// `/proc/self/task/*/schedstat`; 0 elsewhere). On a shared machine, work per CPU-second
+/// compares kernels even while other jobs take turns on the cores.
+fn cpu_seconds() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 1e9
+}
+
 /// Median of `reps` timings of `f`, seconds.
 fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
     f();
@@ -90,23 +103,52 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     };
     let mut out = vec![0.0f32; shape.q_len()];
     let mut kept = 0;
-    let reps = if l >= 8192 { 3 } else { 7 };
+    let reps = arg("reps=", if l >= 8192 { 3 } else { 7 });
+    let c0 = cpu_seconds();
     let t = time(reps, || {
         let st = prefill_with_isa(isa, &args, &opts, &mut out, None).unwrap();
         kept = st.kept_pairs();
     });
+    let cpu = (cpu_seconds() - c0) / (reps + 1) as f64;
     let gf = 4.0 * d as f64 * kept as f64 / t / 1e9;
     println!(
-        "prefill {:?} L={l} acp={acp} {isa:?} bq={} bk={}: {:.2} ms, kept pairs {kept}, {gf:.1} GFLOP/s",
+        "prefill {:?} L={l} acp={acp} {isa:?} bq={} bk={}: {:.2} ms, kept pairs {kept}, {gf:.1} GFLOP/s ({:.1} GFLOP per CPU-second)",
         T::DTYPE,
         opts.block_q,
         opts.block_k,
-        t * 1e3
+        t * 1e3,
+        4.0 * d as f64 * kept as f64 / cpu / 1e9
     );
+    // `frac=R`: R rounds, each a 2-thread FMA-peak measurement (0.5 s) right before a
+    // prefill timing (median of 3): the fraction of the peak measured in the same seconds.
+    let rounds = arg("frac=", 0);
+    if rounds > 0 {
+        let mut fr = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let peak = foxedge_cpu::limits::fma_peak_gflops(2, 0.5);
+            let t = time(3, || {
+                prefill_with_isa(isa, &args, &opts, &mut out, None).unwrap();
+            });
+            let got = 4.0 * d as f64 * kept as f64 / t / 1e9;
+            println!(
+                "  round: peak {peak:.1} GFLOP/s, prefill {:.2} ms = {got:.1} GFLOP/s = {:.0}%",
+                t * 1e3,
+                100.0 * got / peak
+            );
+            fr.push(got / peak);
+        }
+        fr.sort_by(f64::total_cmp);
+        println!(
+            "prefill L={l} fraction of same-round FMA peak: median {:.0}% (min {:.0}%, max {:.0}%)",
+            100.0 * fr[fr.len() / 2],
+            100.0 * fr[0],
+            100.0 * fr[fr.len() - 1]
+        );
+    }
 }
 
 fn decode_run<T: Storage>(n: usize, acp: bool) {
-    let (h, d) = (8, 64);
+    let (h, d) = (arg("heads=", 8), arg("d=", 64));
     let mut s = 7;
     let k: Vec<Vec<T>> = (0..h)
         .map(|_| (0..n * d).map(|_| T::from_f32(lcg(&mut s))).collect())
@@ -114,11 +156,12 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
     let v: Vec<Vec<T>> = (0..h)
         .map(|_| (0..n * d).map(|_| T::from_f32(lcg(&mut s))).collect())
         .collect();
+    // c_j of a stream in position order (entry j at position j), a different decay rate
+    // per head: c_j = -rate_h * j, so D = c_t - c_j = -rate_h (n - 1 - j) <= 0.
     let c: Vec<Vec<f64>> = (0..h)
         .map(|hh| {
             (0..n)
                 .map(|j| -(0.002 * (hh + 1) as f64) * j as f64)
-                .rev()
                 .collect()
         })
         .collect();
@@ -140,7 +183,7 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
         q_pos: None,
         heads: &heads,
     };
-    let u = [2.0f64; 8];
+    let u = vec![2.0f64; h];
     let opts = DecodeOptions {
         acp: if acp {
             Acp::Bound {
@@ -156,7 +199,7 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
     };
     let mut out = vec![0.0f32; h * d];
     let mut kept = 0;
-    let t = time(21, || {
+    let t = time(arg("reps=", 21), || {
         kept = decode(&args, &opts, &mut out, None).unwrap().kept_pairs();
     });
     let bytes = kept as f64 * d as f64 * 2.0 * std::mem::size_of::<T>() as f64;
@@ -166,6 +209,35 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
         t * 1e3,
         bytes / t / 1e9
     );
+    // `frac=R`: R rounds, each a DRAM-read measurement (2 threads, best of 3 passes over
+    // 512 MiB) right before a decode timing (median of 9): the fraction of the limit
+    // measured in the same seconds.
+    let rounds = arg("frac=", 0);
+    if rounds > 0 {
+        let buf: Vec<f32> = (0..1usize << 27).map(|i| i as f32).collect();
+        let mut fr = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let bw = foxedge_cpu::limits::dram_read_gbps(&buf, 2, 3);
+            let t = time(9, || {
+                decode(&args, &opts, &mut out, None).unwrap();
+            });
+            let got = bytes / t / 1e9;
+            println!(
+                "  round: DRAM read {bw:.1} GB/s, decode {:.3} ms = {got:.1} GB/s = {:.0}%",
+                t * 1e3,
+                100.0 * got / bw
+            );
+            fr.push(got / bw);
+        }
+        fr.sort_by(f64::total_cmp);
+        println!(
+            "decode {:?} fraction of same-round DRAM read: median {:.0}% (min {:.0}%, max {:.0}%)",
+            T::DTYPE,
+            100.0 * fr[fr.len() / 2],
+            100.0 * fr[0],
+            100.0 * fr[fr.len() - 1]
+        );
+    }
 }
 
 /// The machine's limits (foxedge_cpu::limits): fp32 FMA peak and DRAM read, 1 and 2 threads.

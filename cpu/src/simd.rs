@@ -33,6 +33,16 @@ pub(crate) trait Vf32: Copy {
     fn load_bf16(s: &[u16]) -> Self;
     /// Vectors per row of the prefill register tile (4 where there are 32 registers).
     const MM_COLS: usize = 2;
+    /// `-inf` in the lanes where `self` is `-inf` (masked), `v` elsewhere.
+    fn keep_neg_inf(self, v: Self) -> Self;
+    /// Whether some lane is not below `b` (a NaN lane counts).
+    fn any_not_below(self, b: f32) -> bool;
+    /// The horizontal sums of 8 vectors, `[a[0].reduce_sum(), .., a[7].reduce_sum()]` up
+    /// to the order of the additions.
+    #[inline(always)]
+    fn reduce_sum8(a: [Self; 8]) -> [f32; 8] {
+        a.map(Self::reduce_sum)
+    }
 }
 
 /// Asks the CPU to start fetching the cache lines of `s` into L1 (x86-64: `prefetcht0`;
@@ -140,6 +150,15 @@ impl Vf32 for f32 {
     fn load_bf16(s: &[u16]) -> Self {
         f32::from_bits(u32::from(s[0]) << 16)
     }
+    #[inline(always)]
+    fn keep_neg_inf(self, v: Self) -> Self {
+        if self == f32::NEG_INFINITY { self } else { v }
+    }
+    #[inline(always)]
+    fn any_not_below(self, b: f32) -> bool {
+        // NaN compares unordered: not below.
+        self.partial_cmp(&b) != Some(core::cmp::Ordering::Less)
+    }
 }
 
 #[inline(always)]
@@ -214,6 +233,17 @@ impl Vf32 for wide::f32x8 {
         wide::f32x8::new(core::array::from_fn(|i| {
             f32::from_bits(u32::from(s[i]) << 16)
         }))
+    }
+    #[inline(always)]
+    fn keep_neg_inf(self, v: Self) -> Self {
+        use wide::CmpEq;
+        self.cmp_eq(wide::f32x8::splat(f32::NEG_INFINITY))
+            .blend(self, v)
+    }
+    #[inline(always)]
+    fn any_not_below(self, b: f32) -> bool {
+        use wide::CmpLt;
+        self.cmp_lt(wide::f32x8::splat(b)).move_mask() != 0xff
     }
 }
 
@@ -369,6 +399,41 @@ mod x86 {
                 V256(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)))
             }
         }
+        #[inline(always)]
+        fn keep_neg_inf(self, v: Self) -> Self {
+            // SAFETY: see the comment above the impl.
+            unsafe {
+                let m = _mm256_cmp_ps::<_CMP_EQ_OQ>(self.0, _mm256_set1_ps(f32::NEG_INFINITY));
+                V256(_mm256_blendv_ps(v.0, self.0, m))
+            }
+        }
+        #[inline(always)]
+        fn any_not_below(self, b: f32) -> bool {
+            // SAFETY: see the comment above the impl.
+            unsafe {
+                let m = _mm256_cmp_ps::<_CMP_NLT_UQ>(self.0, _mm256_set1_ps(b));
+                _mm256_movemask_ps(m) != 0
+            }
+        }
+        #[inline(always)]
+        fn reduce_sum8(a: [Self; 8]) -> [f32; 8] {
+            let mut out = [0.0f32; 8];
+            // SAFETY: see the comment above the impl; `out` holds 8 f32.
+            unsafe {
+                // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]:
+                // two rounds leave [A0..3, B0..3, C0..3, D0..3 | A4..7, .., D4..7].
+                let h01 = _mm256_hadd_ps(a[0].0, a[1].0);
+                let h23 = _mm256_hadd_ps(a[2].0, a[3].0);
+                let h45 = _mm256_hadd_ps(a[4].0, a[5].0);
+                let h67 = _mm256_hadd_ps(a[6].0, a[7].0);
+                let q0 = _mm256_hadd_ps(h01, h23);
+                let q1 = _mm256_hadd_ps(h45, h67);
+                let lo = _mm256_permute2f128_ps::<0x20>(q0, q1);
+                let hi = _mm256_permute2f128_ps::<0x31>(q0, q1);
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+            }
+            out
+        }
     }
 
     impl Vf32 for V512 {
@@ -460,6 +525,19 @@ mod x86 {
                 let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(s.as_ptr().cast()));
                 V512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(w)))
             }
+        }
+        #[inline(always)]
+        fn keep_neg_inf(self, v: Self) -> Self {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe {
+                let m = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(self.0, _mm512_set1_ps(f32::NEG_INFINITY));
+                V512(_mm512_mask_blend_ps(m, v.0, self.0))
+            }
+        }
+        #[inline(always)]
+        fn any_not_below(self, b: f32) -> bool {
+            // SAFETY: see the comment above the V256 impl.
+            unsafe { _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(self.0, _mm512_set1_ps(b)) != 0 }
         }
         const MM_COLS: usize = 4;
     }
@@ -621,6 +699,77 @@ mod tests {
                 } else {
                     // Underflow region: zero or a subnormal, never more than 1e-37 off.
                     assert!((y as f64 - want).abs() < 1e-37, "{isa:?} exp({x})");
+                }
+            }
+        }
+    }
+
+    /// `reduce_sum8`, `keep_neg_inf(x + 1)` and `any_not_below(inf)` over 8 rows of 16
+    /// values; outputs in (column vector, row, lane) order, and the lane count.
+    struct Lanes<'a>(&'a [f32]);
+    impl WithSimd for Lanes<'_> {
+        type Output = (Vec<f32>, Vec<f32>, Vec<bool>, usize);
+        #[inline(always)]
+        fn run<V: Vf32>(self) -> Self::Output {
+            let rows: Vec<&[f32]> = self.0.chunks_exact(16).collect();
+            let (mut sums, mut kept, mut flags) = (vec![0.0f32; 8], vec![], vec![]);
+            for c0 in (0..16).step_by(V::LANES) {
+                let a: [V; 8] = core::array::from_fn(|i| V::load(&rows[i][c0..]));
+                for (s, y) in sums.iter_mut().zip(V::reduce_sum8(a)) {
+                    *s += y;
+                }
+                for r in &rows {
+                    let v = V::load(&r[c0..]);
+                    let mut out = [0.0f32; 16];
+                    v.keep_neg_inf(v.add(V::splat(1.0))).store(&mut out);
+                    kept.extend_from_slice(&out[..V::LANES]);
+                    flags.push(v.any_not_below(f32::INFINITY));
+                }
+            }
+            (sums, kept, flags, V::LANES)
+        }
+    }
+
+    #[test]
+    fn lane_helpers_match_scalar() {
+        let mut xs: Vec<f32> = (0..128)
+            .map(|i| ((i * 29) % 31) as f32 * 0.25 - 3.0)
+            .collect();
+        xs[5] = f32::NEG_INFINITY;
+        xs[40] = f32::NAN;
+        xs[77] = f32::INFINITY;
+        xs[100] = f32::NEG_INFINITY;
+        for isa in Isa::available() {
+            let (sums, kept, flags, w) = dispatch(isa, Lanes(&xs));
+            let (mut k, mut f) = (0, 0);
+            for c0 in (0..16).step_by(w) {
+                for r in 0..8 {
+                    let lanes = &xs[r * 16 + c0..r * 16 + c0 + w];
+                    let want = lanes.iter().any(|x| x.is_nan() || *x == f32::INFINITY);
+                    assert_eq!(flags[f], want, "{isa:?} row {r} col {c0}");
+                    f += 1;
+                    for &x in lanes {
+                        let y = kept[k];
+                        k += 1;
+                        if x == f32::NEG_INFINITY {
+                            assert_eq!(y, f32::NEG_INFINITY, "{isa:?}");
+                        } else if x.is_nan() {
+                            assert!(y.is_nan(), "{isa:?}");
+                        } else {
+                            assert_eq!(y, x + 1.0, "{isa:?}");
+                        }
+                    }
+                }
+            }
+            for (r, g) in sums.iter().enumerate() {
+                let row = &xs[r * 16..(r + 1) * 16];
+                let w: f32 = row.iter().sum();
+                if w.is_nan() {
+                    assert!(g.is_nan(), "{isa:?} row {r}");
+                } else if w.is_infinite() {
+                    assert_eq!(*g, w, "{isa:?} row {r}");
+                } else {
+                    assert!((g - w).abs() < 1e-4, "{isa:?} row {r}: {g} vs {w}");
                 }
             }
         }
