@@ -24,8 +24,8 @@
 mod common;
 
 use foxedge_vulkan::{
-    Acp, AttentionShape, DecodeArgs, DecodeOptions, Layout, PrefillArgs, PrefillKernel,
-    PrefillOptions, Storage, Vulkan,
+    Acp, AttentionShape, DecodeArgs, DecodeOptions, FlashConfig, Layout, PrefillArgs,
+    PrefillKernel, PrefillOptions, Storage, Vulkan,
 };
 use half::f16;
 use rand::Rng;
@@ -76,15 +76,87 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (n / d.max(1e-300)).sqrt()
 }
 
-fn kernels(vk: &Vulkan) -> Vec<PrefillKernel> {
-    let mut k = vec![PrefillKernel::Scalar];
-    if vk.supports(PrefillKernel::CoopMat) {
-        k.push(PrefillKernel::CoopMat);
-    }
-    k
+/// One prefill kernel variant of the timing table.
+#[derive(Clone, Debug)]
+struct Variant {
+    name: String,
+    kern: PrefillKernel,
+    flash: FlashConfig,
+    half: bool,
 }
 
-fn check_fixture(vk: &Vulkan, failures: &mut Vec<String>) {
+impl Variant {
+    fn select(&self, vk: &Vulkan) {
+        vk.set_prefill_kernel(self.kern);
+        vk.set_prefill_flash(self.flash);
+    }
+}
+
+/// Prefill variants by name (`--kernels scalar32,scalar16,cm,fa2,fa4,fa8,fa4nb,fa8nb,auto`;
+/// default: scalar32, scalar16, cm, fa4, fa8, auto), those this device runs. `auto` is
+/// what `PrefillKernel::Auto` picks (f16).
+fn variants(vk: &Vulkan, args: &[String]) -> Vec<Variant> {
+    let names: Vec<String> = args
+        .iter()
+        .position(|a| a == "--kernels")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.split(',').map(str::to_string).collect())
+        .unwrap_or_else(|| {
+            ["scalar32", "scalar16", "cm", "fa4", "fa8", "auto"]
+                .map(str::to_string)
+                .to_vec()
+        });
+    let mut out = Vec::new();
+    for n in names {
+        let mut flash = FlashConfig::default();
+        let (kern, half) = match n.as_str() {
+            "scalar32" => (PrefillKernel::Scalar, false),
+            "scalar16" => (PrefillKernel::Scalar, true),
+            "cm" => (PrefillKernel::CoopMat, true),
+            "auto" => (PrefillKernel::Auto, true),
+            x if x.starts_with("fa") => {
+                let nb = x.ends_with("nb");
+                let digits = x.trim_start_matches("fa").trim_end_matches("nb");
+                flash.subgroups = digits.parse().unwrap_or(4);
+                flash.shared_blocks = !nb;
+                (PrefillKernel::Flash, true)
+            }
+            other => {
+                eprintln!("unknown kernel variant {other}");
+                continue;
+            }
+        };
+        if vk.supports(kern) {
+            out.push(Variant {
+                name: n,
+                kern,
+                flash,
+                half,
+            });
+        } else {
+            println!("variant {n}: not supported on this device");
+        }
+    }
+    out
+}
+
+/// The tensor-core variants (f16 only) of `vs`, plus the scalar kernel (f32 and f16).
+fn check_variants(vs: &[Variant]) -> Vec<Variant> {
+    let mut out = vec![Variant {
+        name: "scalar".into(),
+        kern: PrefillKernel::Scalar,
+        flash: FlashConfig::default(),
+        half: false,
+    }];
+    out.extend(
+        vs.iter()
+            .filter(|v| v.kern != PrefillKernel::Scalar)
+            .cloned(),
+    );
+    out
+}
+
+fn check_fixture(vk: &Vulkan, vs: &[Variant], failures: &mut Vec<String>) {
     let (qs, q) = common::npy_f32("kernel_l1_q.npy");
     let (_, k) = common::npy_f32("kernel_l1_k.npy");
     let (_, v) = common::npy_f32("kernel_l1_v.npy");
@@ -96,8 +168,10 @@ fn check_fixture(vk: &Vulkan, failures: &mut Vec<String>) {
     let t: Vec<f64> = thr.iter().map(|&x| f64::from(x)).collect();
     let h16 = |x: &[f32]| x.iter().map(|&y| f16::from_f32(y)).collect::<Vec<_>>();
     let (q16, k16, v16) = (h16(&q), h16(&k), h16(&v));
-    for kern in kernels(vk) {
-        vk.set_prefill_kernel(kern);
+    for var in check_variants(vs) {
+        var.select(vk);
+        let kern = var.kern;
+        let vn = &var.name;
         for acp in [false, true] {
             let opts = PrefillOptions {
                 sm_scale: Some(0.125),
@@ -119,14 +193,12 @@ fn check_fixture(vk: &Vulkan, failures: &mut Vec<String>) {
                 match vk.prefill(&args, &opts, &mut out, None) {
                     Ok(_) => {
                         let e = rel_l2(&out, want);
-                        println!(
-                            "check fixture L1 {kern:?} f32 acp={acp}: rel L2 {e:.2e} (tol 2e-5)"
-                        );
+                        println!("check fixture L1 {vn} f32 acp={acp}: rel L2 {e:.2e} (tol 2e-5)");
                         if !within(e, 2e-5) {
-                            failures.push(format!("fixture {kern:?} f32 acp={acp}: {e:.2e}"));
+                            failures.push(format!("fixture {vn} f32 acp={acp}: {e:.2e}"));
                         }
                     }
-                    Err(e) => failures.push(format!("fixture {kern:?} f32: {e}")),
+                    Err(e) => failures.push(format!("fixture {vn} f32: {e}")),
                 }
             }
             let args = PrefillArgs {
@@ -141,19 +213,19 @@ fn check_fixture(vk: &Vulkan, failures: &mut Vec<String>) {
                 Ok(_) => {
                     // f16 rounding of q/k/v (the official bf16 kernel sits at ~4e-3).
                     let e = rel_l2(&out, want);
-                    println!("check fixture L1 {kern:?} f16 acp={acp}: rel L2 {e:.2e} (tol 5e-3)");
+                    println!("check fixture L1 {vn} f16 acp={acp}: rel L2 {e:.2e} (tol 5e-3)");
                     if !within(e, 5e-3) {
-                        failures.push(format!("fixture {kern:?} f16 acp={acp}: {e:.2e}"));
+                        failures.push(format!("fixture {vn} f16 acp={acp}: {e:.2e}"));
                     }
                 }
-                Err(e) => failures.push(format!("fixture {kern:?} f16: {e}")),
+                Err(e) => failures.push(format!("fixture {vn} f16: {e}")),
             }
         }
     }
     vk.set_prefill_kernel(PrefillKernel::Auto);
 }
 
-fn check_random_vs_cpu(vk: &Vulkan, failures: &mut Vec<String>) {
+fn check_random_vs_cpu(vk: &Vulkan, vs: &[Variant], failures: &mut Vec<String>) {
     let sh = common::shape(2, 4, 2, 1000, 2048, 64, Layout::SeqFirst);
     let mut r = common::rng(99);
     let q: Vec<f16> = common::randn(&mut r, sh.q_len(), 1.0)
@@ -209,8 +281,9 @@ fn check_random_vs_cpu(vk: &Vulkan, failures: &mut Vec<String>) {
                 return;
             }
         };
-        for kern in kernels(vk) {
-            vk.set_prefill_kernel(kern);
+        for var in check_variants(vs) {
+            var.select(vk);
+            let vn = &var.name;
             let args = PrefillArgs {
                 shape: sh,
                 q: &q,
@@ -227,13 +300,13 @@ fn check_random_vs_cpu(vk: &Vulkan, failures: &mut Vec<String>) {
                         a.kept_pairs == b.kept_pairs && a.total_pairs == b.total_pairs
                     });
                     println!(
-                        "check random GQA seq_q<seq_k padded f16 {kern:?} acp={acp}: rel L2 vs CPU {e:.2e} (tol 1e-3), stats equal {same}"
+                        "check random GQA seq_q<seq_k padded f16 {vn} acp={acp}: rel L2 vs CPU {e:.2e} (tol 1e-3), stats equal {same}"
                     );
                     if !within(e, 1e-3) || !same {
-                        failures.push(format!("random {kern:?} acp={acp}: {e:.2e} stats {same}"));
+                        failures.push(format!("random {vn} acp={acp}: {e:.2e} stats {same}"));
                     }
                 }
-                Err(e) => failures.push(format!("random {kern:?}: {e}")),
+                Err(e) => failures.push(format!("random {vn}: {e}")),
             }
         }
     }
@@ -265,11 +338,33 @@ fn main() {
         }
     };
     println!("device: {}", vk.info());
-    println!("prefill kernels: {:?}", kernels(&vk));
+    match vk.coopmat_layout() {
+        Ok(Some(map)) => {
+            for lane in [0usize, 1, 2, 3, 4] {
+                println!(
+                    "coopmat f32 16x16 layout lane {lane}: (row, col) {:?}",
+                    &map[lane * 8..lane * 8 + 8]
+                );
+            }
+        }
+        Ok(None) => println!("coopmat f32 16x16 layout: not available"),
+        Err(e) => println!("coopmat layout probe failed: {e}"),
+    }
+    println!(
+        "flash kernel (register softmax; accumulator layout probed): {}",
+        vk.supports(PrefillKernel::Flash)
+    );
+    let vars = variants(&vk, &args);
+    println!(
+        "prefill variants: {:?}",
+        vars.iter().map(|v| v.name.as_str()).collect::<Vec<_>>()
+    );
 
     let mut failures = Vec::new();
-    check_fixture(&vk, &mut failures);
-    check_random_vs_cpu(&vk, &mut failures);
+    check_fixture(&vk, &vars, &mut failures);
+    check_random_vs_cpu(&vk, &vars, &mut failures);
+    // (L, B, gates) -> ms per variant, for the pivot table at the end.
+    let mut pivot: Vec<(String, Vec<(String, f64)>)> = Vec::new();
 
     let (_, real) = common::npy_f32("log_fgate.npy");
     let (_, thr) = common::npy_f32("acp_threshold.npy");
@@ -338,15 +433,10 @@ fn main() {
                 }
                 let host_ms = t0.elapsed().as_secs_f64() * 1e3;
                 let name = layer.map_or("dense".to_string(), |x| format!("ACP L{x}"));
-                let mut variants: Vec<(String, PrefillKernel, bool)> = vec![
-                    ("scalar f32".into(), PrefillKernel::Scalar, false),
-                    ("scalar f16".into(), PrefillKernel::Scalar, true),
-                ];
-                if vk.supports(PrefillKernel::CoopMat) {
-                    variants.push(("coopmat f16".into(), PrefillKernel::CoopMat, true));
-                }
-                for (vname, kern, half) in variants {
-                    vk.set_prefill_kernel(kern);
+                let mut prow = (format!("| {l} | {b} | {name} |"), Vec::new());
+                for var in &vars {
+                    var.select(&vk);
+                    let (vname, half) = (&var.name, var.half);
                     let prepared = if half {
                         vk.prepare_prefill(
                             &PrefillArgs {
@@ -380,8 +470,14 @@ fn main() {
                         }
                     };
                     let (s, spread) = time_it(&|n| p.run(n));
+                    prow.1.push((vname.clone(), s * 1e3));
                     let kept = p.stats().kept_fraction();
                     let flops = 4.0 * d as f64 * p.stats().kept_pairs() as f64;
+                    let vname = match (var.kern, p.flash()) {
+                        (PrefillKernel::Auto, Some(f)) => format!("auto=fa{}", f.subgroups),
+                        (PrefillKernel::Auto, None) => format!("auto=cm:{}", p.coopmat()),
+                        _ => vname.clone(),
+                    };
                     let row = format!(
                         "| {l} | {b} | {name} | {vname} | {:.3} | {:.1} | {:.1} | {:.3} | {:.2} | {:.0}% |",
                         s * 1e3,
@@ -394,10 +490,12 @@ fn main() {
                     println!("{row}");
                     table.push(row);
                 }
+                pivot.push(prow);
             }
         }
     }
     vk.set_prefill_kernel(PrefillKernel::Auto);
+    vk.set_prefill_flash(FlashConfig::default());
 
     // Decode: 8 heads x n entries, one query, d = 64.
     let mut dtable = Vec::new();
@@ -486,6 +584,25 @@ fn main() {
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in &table {
         println!("{r}");
+    }
+    println!("\n## prefill ms per variant (same run)");
+    println!(
+        "| L | B | gates | {} |",
+        vars.iter()
+            .map(|v| v.name.as_str())
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    for (key, ms) in &pivot {
+        let cells: Vec<String> = vars
+            .iter()
+            .map(|v| {
+                ms.iter()
+                    .find(|(n, _)| n == &v.name)
+                    .map_or("-".to_string(), |(_, t)| format!("{t:.3}"))
+            })
+            .collect();
+        println!("{key} {} |", cells.join(" | "));
     }
     println!("\n## decode (one query, dense; K/V bytes read per step)");
     println!("| cached | heads | storage | split | us | TB/s | spread |");

@@ -39,6 +39,7 @@ layout(std430, set = 0, binding = 3) readonly buffer Cb { vec2 cg[]; };   // [sl
 layout(std430, set = 0, binding = 4) readonly buffer Sb { uint first_key[]; }; // [slab][acp_qb] (tokens)
 layout(std430, set = 0, binding = 5) writeonly buffer Ob { vec4 o[]; };   // [slab][seq_q][D]
 layout(std430, set = 0, binding = 6) writeonly buffer Lb { float lse[]; }; // [slab][seq_q], natural log
+layout(std430, set = 0, binding = 7) buffer Fb { uint flag[]; };           // [1]: a softmax was not finite
 
 layout(push_constant) uniform Push {
     uint seq_q;
@@ -127,7 +128,8 @@ void main() {
         const float alpha = exp2(m - mnew);
         float lsum = 0.0;
         [[unroll]] for (uint u = 0; u < KPT; ++u) {
-            const float p = s[u] > 0.5 * NEG ? exp2(s[u] - mnew) : 0.0;
+            // Masked keys hold exactly NEG; a NaN score stays NaN (and flags the row).
+            const float p = s[u] == NEG ? 0.0 : exp2(s[u] - mnew);
             ps[r * (BN + 1) + part + TPR * u] = p;
             lsum += p;
         }
@@ -155,6 +157,8 @@ void main() {
         }
         if (part == 0u) {
             lse[slab * pc.seq_q + t] = lt > 0.0 ? (m + log2(lt)) / LOG2E : -1.0 / 0.0;
+            // A row that attended keys needs a finite, positive normaliser and maximum.
+            if (row_live && !(lt > 0.0 && lt <= 3.4e38 && abs(m) <= 3.4e38)) flag[0] = 1u;
         }
     }
 }

@@ -39,6 +39,7 @@ layout(std430, set = 0, binding = 3) readonly buffer Cb { vec2 cg[]; };
 layout(std430, set = 0, binding = 4) readonly buffer Sb { uint first_key[]; };
 layout(std430, set = 0, binding = 5) writeonly buffer Ob { float o[]; };
 layout(std430, set = 0, binding = 6) writeonly buffer Lb { float lse[]; };
+layout(std430, set = 0, binding = 7) buffer Fb { uint flag[]; };   // [1]: a softmax was not finite
 
 layout(push_constant) uniform Push {
     uint seq_q;
@@ -135,7 +136,7 @@ void main() {
         const float alpha = exp2(m - mnew);
         float lsum = 0.0;
         [[unroll]] for (uint u = 0; u < KPL; ++u) {
-            const float p = sv[u] > 0.5 * NEG ? exp2(sv[u] - mnew) : 0.0;
+            const float p = sv[u] == NEG ? 0.0 : exp2(sv[u] - mnew);   // NaN stays NaN
             psh[pbase + rr * PST + part + LPR * u] = float16_t(p);
             lsum += p;
         }
@@ -178,5 +179,6 @@ void main() {
         const uint ob = (slab * pc.seq_q + t) * D + part * CPL;
         [[unroll]] for (uint c = 0; c < CPL; ++c) o[ob + c] = acc[c] * inv;
         if (part == 0u) lse[slab * pc.seq_q + t] = lt > 0.0 ? (m + log2(lt)) / LOG2E : -1.0 / 0.0;
+        if (row_live && !(lt > 0.0 && lt <= 3.4e38 && abs(m) <= 3.4e38)) flag[0] = 1u;
     }
 }

@@ -67,6 +67,9 @@ pub struct DeviceInfo {
     /// The tensor-core prefill kernel (`prefill_cm.comp`) can run: NV cooperative matrix,
     /// f16 arithmetic and storage, subgroup size a multiple of 16 with shuffles.
     pub coopmat_prefill: bool,
+    /// VK_KHR_workgroup_memory_explicit_layout (16-bit) enabled: aliased shared-memory
+    /// blocks, so `prefill_fa.comp` stages tiles with 16-byte stores.
+    pub shared_memory_blocks: bool,
     /// Largest binding range of one storage buffer (bytes): tensors are split under it.
     pub max_storage_buffer_range: u64,
     /// Largest single allocation (bytes).
@@ -81,7 +84,7 @@ impl std::fmt::Display for DeviceInfo {
         write!(
             f,
             "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {} shuffle {}, 16-bit storage {}, \
-             cooperative matrix KHR {} / NV {} (tensor-core prefill {}), max storage range {} MiB, shared {} KiB",
+             cooperative matrix KHR {} / NV {} (tensor-core prefill {}, shared blocks {}), max storage range {} MiB, shared {} KiB",
             self.name,
             self.device_type,
             self.api_version,
@@ -93,6 +96,7 @@ impl std::fmt::Display for DeviceInfo {
             self.cooperative_matrix_khr,
             self.cooperative_matrix_nv,
             self.coopmat_prefill,
+            self.shared_memory_blocks,
             self.max_storage_buffer_range >> 20,
             self.max_shared_memory >> 10,
         )
@@ -116,6 +120,12 @@ pub(crate) struct Context {
     pub prefill_kernel: std::sync::atomic::AtomicU8,
     /// Largest binding (bytes) a chunk may use: the device limit, or lower when set.
     pub binding_limit: std::sync::atomic::AtomicU64,
+    /// Register-softmax prefill settings (`prefill.rs`, `FlashConfig` packed; 0 = default).
+    pub flash_cfg: std::sync::atomic::AtomicU32,
+    /// Where a 16 x 16 f32 cooperative matrix keeps its elements (`prefill_cm_probe.comp`'s
+    /// output, probed once; empty without cooperative matrices): `prefill.rs` decides from
+    /// it whether and how `prefill_fa.glsl` runs.
+    pub fa_layout: std::sync::OnceLock<Vec<u32>>,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
 }
 
@@ -246,15 +256,24 @@ impl Context {
         let subgroup_shuffle = sg_stages.intersects(ShaderStages::COMPUTE)
             && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::SHUFFLE)
             && props.subgroup_size.is_some_and(|s| s >= 2);
+        let blocks = coopmat
+            && ext.khr_workgroup_memory_explicit_layout
+            && sup.workgroup_memory_explicit_layout
+            && sup.workgroup_memory_explicit_layout16_bit_access;
         let features = DeviceFeatures {
             storage_buffer16_bit_access: storage_16bit,
             cooperative_matrix: coopmat,
             shader_float16: coopmat,
             vulkan_memory_model: coopmat,
+            shader_storage_buffer_array_dynamic_indexing: sup
+                .shader_storage_buffer_array_dynamic_indexing,
+            workgroup_memory_explicit_layout: blocks,
+            workgroup_memory_explicit_layout16_bit_access: blocks,
             ..DeviceFeatures::empty()
         };
         let extensions = DeviceExtensions {
             nv_cooperative_matrix: coopmat,
+            khr_workgroup_memory_explicit_layout: blocks,
             ..DeviceExtensions::empty()
         };
         let (device, mut queues) = Device::new(
@@ -283,6 +302,7 @@ impl Context {
             cooperative_matrix_khr: ext.khr_cooperative_matrix,
             cooperative_matrix_nv: ext.nv_cooperative_matrix,
             coopmat_prefill: coopmat,
+            shared_memory_blocks: blocks,
             max_storage_buffer_range: u64::from(props.max_storage_buffer_range),
             max_allocation: props.max_memory_allocation_size.unwrap_or(1 << 30),
             max_shared_memory: props.max_compute_shared_memory_size,
@@ -310,6 +330,8 @@ impl Context {
             info,
             binding_limit,
             prefill_kernel: 0.into(),
+            flash_cfg: 0.into(),
+            fa_layout: std::sync::OnceLock::new(),
             decode_no_subgroups: false.into(),
             pipelines: Mutex::new(HashMap::new()),
         })

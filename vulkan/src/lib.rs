@@ -33,7 +33,7 @@ pub use decode::PreparedDecode;
 pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
 pub use error::{Error, Result};
 pub use foxedge_core::{AttentionShape, Layout};
-pub use prefill::{PrefillKernel, PrefillTile, PreparedPrefill};
+pub use prefill::{FlashConfig, PrefillKernel, PrefillTile, PreparedPrefill};
 
 use std::sync::Arc;
 
@@ -76,7 +76,23 @@ impl Vulkan {
         match k {
             PrefillKernel::Auto | PrefillKernel::Scalar => true,
             PrefillKernel::CoopMat => self.ctx.info.coopmat_prefill,
+            PrefillKernel::Flash => prefill::flash_layout_of(&self.ctx).is_ok_and(|l| l.is_some()),
         }
+    }
+
+    /// Where this device's 16 x 16 f32 cooperative-matrix accumulators keep their elements:
+    /// `(row, column)` of element `e` of lane `L` at index `8 L + e` (measured once on the
+    /// device); `None` without NV cooperative matrices, 32-lane subgroups or 8 elements a
+    /// lane. [`PrefillKernel::Flash`] runs when this layout suits it.
+    pub fn coopmat_layout(&self) -> Result<Option<Vec<(u32, u32)>>> {
+        prefill::coopmat_layout(&self.ctx)
+    }
+
+    /// Settings of the [`PrefillKernel::Flash`] kernel for later calls.
+    pub fn set_prefill_flash(&self, cfg: FlashConfig) {
+        self.ctx
+            .flash_cfg
+            .store(cfg.pack(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `true` makes decode use its shared-memory reduction variant (what devices without

@@ -1,5 +1,12 @@
 //! Prefill on the device: host-side decisions (c in f64, delta and start blocks from
-//! foxedge-core), packing into the device layout, and the tiled kernel `prefill.glsl`.
+//! foxedge-core), packing into the device layout, and one of three kernels: the scalar
+//! tiled `prefill.glsl` (any device), the tensor-core `prefill_cm.comp` (S and P through
+//! shared memory) and the tensor-core `prefill_fa.glsl` (softmax in registers, K/V tiles
+//! staged once per workgroup, work list of (slab, query tile) items, heaviest first).
+//!
+//! Every kernel sets a flag word when a row that attended keys ends with a non-finite
+//! softmax (NaN/inf in q or k, or `s q.k` overflowing f32); reading the result then fails
+//! with the CPU backend's error instead of returning that row.
 //!
 //! Device layout: every tensor head-first, one contiguous slab per (batch, head):
 //! q/out `[slab][seq_q][d]`, k/v `[kv slab][seq_k][d]`, c `[slab][seq_k]` as (hi, lo) f32
@@ -27,6 +34,14 @@ use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
 static PREFILL_F32: &[u8] = include_bytes!("../shaders/prefill_f32.spv");
 static PREFILL_F16: &[u8] = include_bytes!("../shaders/prefill_f16.spv");
 static PREFILL_CM: &[u8] = include_bytes!("../shaders/prefill_cm.spv");
+static PREFILL_FA: &[u8] = include_bytes!("../shaders/prefill_fa.spv");
+static PREFILL_FA_NB: &[u8] = include_bytes!("../shaders/prefill_fa_nb.spv");
+static PREFILL_CM_PROBE: &[u8] = include_bytes!("../shaders/prefill_cm_probe.spv");
+
+/// What the CPU backend reports for a row whose softmax is not finite.
+const NON_FINITE: foxedge_core::Error = foxedge_core::Error::BadArgument(
+    "attention logits are not finite: q, k or v holds NaN/inf, or s*q.k overflows f32",
+);
 
 /// Which prefill kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -37,11 +52,197 @@ pub enum PrefillKernel {
     Auto = 0,
     /// `prefill.glsl`: shared-memory tiles, f32 FMA (any device, any head_dim).
     Scalar = 1,
-    /// `prefill_cm.comp`: NV cooperative matrix (tensor cores), f16 storage, head_dim 64.
+    /// `prefill_cm.comp`: NV cooperative matrix (tensor cores), f16 storage, head_dim 64;
+    /// S and P pass through shared memory (any cooperative-matrix layout).
     CoopMat = 2,
+    /// `prefill_fa.glsl`: NV cooperative matrix, f16 storage, head_dim 64, softmax on the
+    /// accumulators in registers; needs the accumulator layout it assumes (probed on the
+    /// device, see [`crate::Vulkan::supports`]) and 32-lane subgroups.
+    Flash = 3,
 }
 
-/// Push constants of `prefill.glsl` (same order and types).
+/// Settings of the [`PrefillKernel::Flash`] kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashConfig {
+    /// Subgroups per workgroup (16 query rows each): 2, 4 or 8; 0 chooses per call
+    /// ([`FlashConfig::auto_subgroups`]).
+    pub subgroups: u32,
+    /// Stage tiles with 16-byte shared stores (aliased shared blocks) where the device has
+    /// VK_KHR_workgroup_memory_explicit_layout; `false` stores 2-byte halves.
+    pub shared_blocks: bool,
+}
+
+impl Default for FlashConfig {
+    fn default() -> Self {
+        Self {
+            subgroups: 0,
+            shared_blocks: true,
+        }
+    }
+}
+
+impl FlashConfig {
+    /// Subgroups per workgroup for `slabs` (batch x query heads) of `seq_q` rows: 8 (128-row
+    /// tiles, half the K/V traffic of 64-row tiles) when that still gives at least 256
+    /// workgroups (two per multiprocessor on a 132-SM H100), else 4. Measured on the H100
+    /// (BENCHMARKS.md, run 5): 8 wins at L = 8192 x 8 heads and L = 16384 x 32 heads by
+    /// 1.5x, 4 wins at L = 2048 x 8 heads and L = 4096 x 4 heads by 1.1-1.2x.
+    pub fn auto_subgroups(slabs: usize, seq_q: usize) -> u32 {
+        if slabs * seq_q.div_ceil(128) >= 256 {
+            8
+        } else {
+            4
+        }
+    }
+
+    pub(crate) fn pack(self) -> u32 {
+        self.subgroups | (u32::from(self.shared_blocks) << 8) | (1 << 16)
+    }
+
+    pub(crate) fn unpack(w: u32) -> Self {
+        if w & (1 << 16) == 0 {
+            return Self::default();
+        }
+        Self {
+            subgroups: w & 0xff,
+            shared_blocks: (w >> 8) & 1 == 1,
+        }
+    }
+}
+
+/// The accumulator layout `prefill_fa.glsl` runs with: its `LAYOUT` constant and the
+/// per-lane table `(row of slot 0, row of slot 1, slot bits, 4-bit columns)` it reads
+/// when `LAYOUT` is 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FlashLayout {
+    pub id: u32,
+    pub table: Vec<u32>,
+}
+
+/// The (row, column) of each element of each lane of a 16 x 16 f32 cooperative matrix
+/// (lane-major, 8 elements a lane), measured with `prefill_cm_probe.comp` once per device;
+/// `None` when the device has no cooperative matrices, 32-lane subgroups, or 8 elements
+/// per lane.
+pub(crate) fn coopmat_layout(ctx: &Context) -> Result<Option<Vec<(u32, u32)>>> {
+    let words = match ctx.fa_layout.get() {
+        Some(w) => w.clone(),
+        None => {
+            let w = if ctx.info.coopmat_prefill && ctx.info.subgroup_size == Some(32) {
+                // A failed probe counts as "no layout" from then on; the error is returned once.
+                run_probe(ctx).inspect_err(|_| {
+                    let _ = ctx.fa_layout.set(Vec::new());
+                })?
+            } else {
+                Vec::new()
+            };
+            ctx.fa_layout.get_or_init(|| w).clone()
+        }
+    };
+    if words.len() != 1 + 8 * 32 || f32::from_bits(words[0]) != 8.0 {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(256);
+    for &w in &words[1..] {
+        let x = f32::from_bits(w);
+        if !(0.0..256.0).contains(&x) || x.fract() != 0.0 {
+            return Ok(None);
+        }
+        out.push((x as u32 / 16, x as u32 % 16));
+    }
+    Ok(Some(out))
+}
+
+fn run_probe(ctx: &Context) -> Result<Vec<u32>> {
+    let pipe = ctx.pipeline("prefill_cm_probe", PREFILL_CM_PROBE, &[(0, 32)])?;
+    let idx: Vec<u32> = (0..256u32).map(|x| (x as f32).to_bits()).collect();
+    let bufs = ctx.upload(&[&idx])?;
+    let out = ctx.device_buffer(1 + 8 * 32)?;
+    let layout = pipe
+        .layout()
+        .set_layouts()
+        .first()
+        .cloned()
+        .ok_or_else(|| Error::Vulkan("probe pipeline has no descriptor set".into()))?;
+    let set = DescriptorSet::new(
+        ctx.desc.clone(),
+        layout,
+        [
+            WriteDescriptorSet::buffer(0, bufs[0].clone()),
+            WriteDescriptorSet::buffer(1, out.clone()),
+        ],
+        [],
+    )?;
+    let mut b = ctx.builder()?;
+    b.bind_pipeline_compute(pipe.clone())?;
+    b.bind_descriptor_sets(PipelineBindPoint::Compute, pipe.layout().clone(), 0, set)?;
+    // SAFETY: pipeline and descriptor set bound above; the shader writes at most
+    // 1 + 8 * 32 words into `out`, which holds exactly that many, and reads 256 words.
+    unsafe { b.dispatch([1, 1, 1]) }?;
+    ctx.submit(b)?;
+    Ok(ctx.download(&[&out])?.remove(0))
+}
+
+/// Whether `prefill_fa.glsl` can compute its softmax in this accumulator layout
+/// (`(row, col)` per lane-major element): every lane holds 4 elements of each of two rows,
+/// the 4 lanes of an aligned quad hold the same two rows, and the 256 elements are
+/// covered once. Returns the kernel's `LAYOUT` constant and lane table.
+pub(crate) fn flash_layout(map: &[(u32, u32)]) -> Option<FlashLayout> {
+    if map.len() != 256 {
+        return None;
+    }
+    let mut seen = [false; 256];
+    let mut table = Vec::with_capacity(32 * 4);
+    let mut rows_of = Vec::with_capacity(32);
+    for lane in 0..32usize {
+        let el = &map[lane * 8..lane * 8 + 8];
+        let r0 = el.iter().map(|x| x.0).min()?;
+        let r1 = el.iter().map(|x| x.0).max()?;
+        if r0 == r1
+            || el.iter().any(|x| x.0 != r0 && x.0 != r1)
+            || el.iter().filter(|x| x.0 == r0).count() != 4
+        {
+            return None;
+        }
+        let (mut slots, mut cols) = (0u32, 0u32);
+        for (e, &(r, c)) in el.iter().enumerate() {
+            let i = (r * 16 + c) as usize;
+            if r >= 16 || c >= 16 || seen[i] {
+                return None;
+            }
+            seen[i] = true;
+            slots |= u32::from(r == r1) << e;
+            cols |= c << (4 * e);
+        }
+        rows_of.push((r0, r1));
+        table.extend([r0, r1, slots, cols]);
+    }
+    // Quads share their rows; a row lives in one quad only (with full coverage above).
+    if (0..32).any(|l| rows_of[l] != rows_of[l & !3]) {
+        return None;
+    }
+    let rule = |slot: fn(u32) -> u32, col: fn(u32, u32) -> u32| {
+        (0..32u32).all(|lane| {
+            (0..8u32).all(|e| {
+                map[(lane * 8 + e) as usize] == ((lane >> 2) + 8 * slot(e), col(lane & 3, e))
+            })
+        })
+    };
+    let id = if rule(|e| (e >> 1) & 1, |q, e| 2 * q + (e & 1) + 8 * (e >> 2)) {
+        1
+    } else if rule(|e| e >> 2, |q, e| 2 * q + (e & 1) + 8 * ((e >> 1) & 1)) {
+        2
+    } else {
+        0
+    };
+    Some(FlashLayout { id, table })
+}
+
+/// The layout the flash kernel runs with on this device, `None` where it cannot run.
+pub(crate) fn flash_layout_of(ctx: &Context) -> Result<Option<FlashLayout>> {
+    Ok(coopmat_layout(ctx)?.and_then(|m| flash_layout(&m)))
+}
+
+/// Push constants of `prefill.glsl` and `prefill_cm.comp` (same order and types).
 #[derive(BufferContents, Clone, Copy, Debug)]
 #[repr(C)]
 struct Push {
@@ -53,6 +254,21 @@ struct Push {
     scale_log2: f32,
     acp_bq: u32,
     acp_nqb: u32,
+}
+
+/// Push constants of `prefill_fa.glsl` (same order and types).
+#[derive(BufferContents, Clone, Copy, Debug)]
+#[repr(C)]
+struct PushFa {
+    seq_q: u32,
+    seq_k: u32,
+    q_off: u32,
+    group: u32,
+    n_items: u32,
+    scale_log2: f32,
+    acp_bq: u32,
+    acp_nqb: u32,
+    gx: u32,
 }
 
 /// Kernel tile: `bm` query rows x `bn` keys, `tpr` threads per row.
@@ -99,6 +315,8 @@ impl PrefillTile {
 struct Chunk {
     set: Arc<DescriptorSet>,
     groups: [u32; 3],
+    /// Work items of this chunk (flash kernel; 0 otherwise).
+    items: u32,
     out: Subbuffer<[u32]>,
     lse: Subbuffer<[u32]>,
     slab0: usize,
@@ -117,6 +335,9 @@ pub struct PreparedPrefill {
     tile: PrefillTile,
     f16: bool,
     coopmat: bool,
+    flash: Option<FlashConfig>,
+    /// One word, set by the kernel when a softmax row is not finite.
+    flag: Subbuffer<[u32]>,
 }
 
 impl std::fmt::Debug for PreparedPrefill {
@@ -126,6 +347,7 @@ impl std::fmt::Debug for PreparedPrefill {
             .field("tile", &self.tile)
             .field("f16_storage", &self.f16)
             .field("coopmat", &self.coopmat)
+            .field("flash", &self.flash)
             .field("chunks", &self.chunks.len())
             .finish()
     }
@@ -295,49 +517,113 @@ pub(crate) fn prepare<T: Storage>(
     let want = ctx
         .prefill_kernel
         .load(std::sync::atomic::Ordering::Relaxed);
-    let coopmat = match want {
+    let fa_layout = if !cm_ok {
+        None
+    } else if want == PrefillKernel::Flash as u8 {
+        flash_layout_of(ctx)?
+    } else if want == PrefillKernel::Auto as u8 {
+        // Auto falls back to the other kernels when the probe cannot run.
+        flash_layout_of(ctx).unwrap_or(None)
+    } else {
+        None
+    };
+    let fa_ok = || -> Result<bool> { Ok(fa_layout.is_some()) };
+    let unsupported = |what: &str| {
+        Error::Unsupported(format!(
+            "{what} needs NV cooperative matrix (device: {}), f16 storage (call: {:?}) and \
+             head_dim 64 (call: {d})",
+            ctx.info.coopmat_prefill,
+            T::DTYPE
+        ))
+    };
+    let kernel = match want {
+        x if x == PrefillKernel::Scalar as u8 => PrefillKernel::Scalar,
         x if x == PrefillKernel::CoopMat as u8 => {
             if !cm_ok {
+                return Err(unsupported("tensor-core prefill"));
+            }
+            PrefillKernel::CoopMat
+        }
+        x if x == PrefillKernel::Flash as u8 => {
+            if !fa_ok()? {
+                return Err(unsupported(
+                    "register-softmax prefill (and the probed accumulator layout)",
+                ));
+            }
+            PrefillKernel::Flash
+        }
+        _ if fa_ok()? => PrefillKernel::Flash,
+        _ if cm_ok => PrefillKernel::CoopMat,
+        _ => PrefillKernel::Scalar,
+    };
+    let coopmat = kernel != PrefillKernel::Scalar;
+    let sg = ctx.info.subgroup_size.unwrap_or(32);
+    let mut flash = None;
+    let mut lay_table = vec![0u32; 4];
+    let (tile, pipe) = match kernel {
+        PrefillKernel::CoopMat => (
+            PrefillTile {
+                bm: 64,
+                bn: 64,
+                tpr: 0,
+            },
+            ctx.pipeline("prefill_cm", PREFILL_CM, &[(0, 4 * sg), (2, sg)])?,
+        ),
+        PrefillKernel::Flash => {
+            let mut cfg =
+                FlashConfig::unpack(ctx.flash_cfg.load(std::sync::atomic::Ordering::Relaxed));
+            cfg.shared_blocks &= ctx.info.shared_memory_blocks;
+            if cfg.subgroups == 0 {
+                cfg.subgroups = FlashConfig::auto_subgroups(slabs, sh.seq_q);
+            }
+            if ![2, 4, 8].contains(&cfg.subgroups) {
                 return Err(Error::Unsupported(format!(
-                    "tensor-core prefill needs NV cooperative matrix (device: {}), f16 storage                      (call: {:?}) and head_dim 64 (call: {d})",
-                    ctx.info.coopmat_prefill,
-                    T::DTYPE
+                    "flash prefill: {} subgroups per workgroup (2, 4 or 8)",
+                    cfg.subgroups
                 )));
             }
-            true
+            flash = Some(cfg);
+            let fl = fa_layout
+                .clone()
+                .ok_or_else(|| unsupported("flash prefill"))?;
+            lay_table = fl.table;
+            let (name, spv) = if cfg.shared_blocks {
+                ("prefill_fa", PREFILL_FA)
+            } else {
+                ("prefill_fa_nb", PREFILL_FA_NB)
+            };
+            (
+                PrefillTile {
+                    bm: 16 * cfg.subgroups,
+                    bn: 64,
+                    tpr: 0,
+                },
+                ctx.pipeline(
+                    name,
+                    spv,
+                    &[(0, 32 * cfg.subgroups), (1, cfg.subgroups), (2, fl.id)],
+                )?,
+            )
         }
-        x if x == PrefillKernel::Scalar as u8 => false,
-        _ => cm_ok,
+        _ => {
+            let tile = PrefillTile::choose(ctx, d)?;
+            let spv = if f16 { PREFILL_F16 } else { PREFILL_F32 };
+            let name = if f16 { "prefill_f16" } else { "prefill_f32" };
+            let pipe = ctx.pipeline(
+                name,
+                spv,
+                &[
+                    (0, tile.bm * tile.tpr),
+                    (1, d as u32),
+                    (2, tile.bm),
+                    (3, tile.bn),
+                    (4, tile.tpr),
+                ],
+            )?;
+            (tile, pipe)
+        }
     };
-    let (tile, pipe) = if coopmat {
-        let sg = ctx.info.subgroup_size.unwrap_or(32);
-        let tile = PrefillTile {
-            bm: 64,
-            bn: 64,
-            tpr: 0,
-        };
-        (
-            tile,
-            ctx.pipeline("prefill_cm", PREFILL_CM, &[(0, 4 * sg), (2, sg)])?,
-        )
-    } else {
-        let tile = PrefillTile::choose(ctx, d)?;
-        let spv = if f16 { PREFILL_F16 } else { PREFILL_F32 };
-        let name = if f16 { "prefill_f16" } else { "prefill_f32" };
-        let pipe = ctx.pipeline(
-            name,
-            spv,
-            &[
-                (0, tile.bm * tile.tpr),
-                (1, d as u32),
-                (2, tile.bm),
-                (3, tile.bn),
-                (4, tile.tpr),
-            ],
-        )?;
-        (tile, pipe)
-    };
-    // The tensor-core kernel loads whole 16-row / 64-key fragments: one tile of slack at
+    // The tensor-core kernels load whole 16-row / 64-key fragments: one tile of slack at
     // the end of q, k and v keeps those loads inside the buffers.
     let slack = if coopmat { 64 * d / 2 } else { 0 };
     let n_tiles = sh.seq_q.div_ceil(tile.bm as usize);
@@ -350,6 +636,7 @@ pub(crate) fn prepare<T: Storage>(
         g * sh.seq_q * d * 4,
         g * nqb * 4,
         g * sh.seq_q * 4,
+        g * n_tiles * 8,
     ];
     let limit = ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) as usize;
     let worst = per_kv.iter().copied().max().unwrap_or(1).max(1);
@@ -360,6 +647,7 @@ pub(crate) fn prepare<T: Storage>(
     }
     let kv_slabs = sh.batch * sh.heads_kv;
     let per_chunk = (limit / worst).clamp(1, 65_535 / g.max(1)).min(kv_slabs);
+    let flag = ctx.upload(&[&[0u32]])?.remove(0);
 
     let mut chunks = Vec::new();
     let mut kv0 = 0;
@@ -383,7 +671,22 @@ pub(crate) fn prepare<T: Storage>(
         }
         let cw = &c_pairs[s0 * sh.seq_k * 2..(s0 + ns) * sh.seq_k * 2];
         let fk = &first_key[s0 * nqb..(s0 + ns) * nqb];
-        let bufs = ctx.upload(&[&q.words, &k.words, &v.words, cw, fk])?;
+        let items = if flash.is_some() {
+            work_items(
+                fk,
+                ns,
+                n_tiles,
+                tile.bm as usize,
+                sh.seq_q,
+                sh.q_offset(),
+                opts.block_q,
+                nqb,
+            )
+        } else {
+            vec![0u32; 2]
+        };
+        let n_items = (items.len() / 2) as u32;
+        let bufs = ctx.upload(&[&q.words, &k.words, &v.words, cw, fk, &items, &lay_table])?;
         let out = ctx.device_buffer(ns * sh.seq_q * d)?;
         let lse = ctx.device_buffer(ns * sh.seq_q)?;
         let layout = pipe
@@ -392,23 +695,31 @@ pub(crate) fn prepare<T: Storage>(
             .first()
             .cloned()
             .ok_or_else(|| Error::Vulkan("prefill pipeline has no descriptor set".into()))?;
-        let set = DescriptorSet::new(
-            ctx.desc.clone(),
-            layout,
-            [
-                WriteDescriptorSet::buffer(0, bufs[0].clone()),
-                WriteDescriptorSet::buffer(1, bufs[1].clone()),
-                WriteDescriptorSet::buffer(2, bufs[2].clone()),
-                WriteDescriptorSet::buffer(3, bufs[3].clone()),
-                WriteDescriptorSet::buffer(4, bufs[4].clone()),
-                WriteDescriptorSet::buffer(5, out.clone()),
-                WriteDescriptorSet::buffer(6, lse.clone()),
-            ],
-            [],
-        )?;
+        let mut writes = vec![
+            WriteDescriptorSet::buffer(0, bufs[0].clone()),
+            WriteDescriptorSet::buffer(1, bufs[1].clone()),
+            WriteDescriptorSet::buffer(2, bufs[2].clone()),
+            WriteDescriptorSet::buffer(3, bufs[3].clone()),
+            WriteDescriptorSet::buffer(4, bufs[4].clone()),
+            WriteDescriptorSet::buffer(5, out.clone()),
+            WriteDescriptorSet::buffer(6, lse.clone()),
+            WriteDescriptorSet::buffer(7, flag.clone()),
+        ];
+        if flash.is_some() {
+            writes.push(WriteDescriptorSet::buffer(8, bufs[5].clone()));
+            writes.push(WriteDescriptorSet::buffer(9, bufs[6].clone()));
+        }
+        let set = DescriptorSet::new(ctx.desc.clone(), layout, writes, [])?;
+        let groups = if flash.is_some() {
+            let gx = n_items.clamp(1, 65_535);
+            [gx, n_items.div_ceil(gx).max(1), 1]
+        } else {
+            [n_tiles as u32, ns as u32, 1]
+        };
         chunks.push(Chunk {
             set,
-            groups: [n_tiles as u32, ns as u32, 1],
+            groups,
+            items: n_items,
             out,
             lse,
             slab0: s0,
@@ -436,7 +747,39 @@ pub(crate) fn prepare<T: Storage>(
         tile,
         f16,
         coopmat,
+        flash,
+        flag,
     })
+}
+
+/// The flash kernel's work list for one chunk: `(local slab, query tile)` pairs, flattened,
+/// ordered by the number of 64-key tiles they visit (most first, so the heaviest start
+/// first and the grid's tail is short). Tile `qt` covers rows `qt * bm ..`; its key tiles
+/// run from the first key of its first row to the diagonal of its last row, as in the
+/// kernel.
+#[allow(clippy::too_many_arguments)]
+fn work_items(
+    first_key: &[u32],
+    slabs: usize,
+    n_tiles: usize,
+    bm: usize,
+    seq_q: usize,
+    q_off: usize,
+    acp_bq: usize,
+    acp_nqb: usize,
+) -> Vec<u32> {
+    let mut it: Vec<(usize, u32, u32)> = Vec::with_capacity(slabs * n_tiles);
+    for s in 0..slabs {
+        for qt in 0..n_tiles {
+            let row0 = qt * bm;
+            let last = (row0 + bm).min(seq_q) - 1;
+            let begin = first_key[s * acp_nqb + row0 / acp_bq] as usize / 64;
+            let end = (q_off + last) / 64 + 1;
+            it.push((end.saturating_sub(begin), s as u32, qt as u32));
+        }
+    }
+    it.sort_by_key(|x| std::cmp::Reverse(x.0));
+    it.iter().flat_map(|&(_, s, qt)| [s, qt]).collect()
 }
 
 impl PreparedPrefill {
@@ -453,10 +796,28 @@ impl PreparedPrefill {
                     0,
                     ch.set.clone(),
                 )?;
-                b.push_constants(self.pipe.layout().clone(), 0, self.push)?;
+                if self.flash.is_some() {
+                    let p = &self.push;
+                    let pf = PushFa {
+                        seq_q: p.seq_q,
+                        seq_k: p.seq_k,
+                        q_off: p.q_off,
+                        group: p.group,
+                        n_items: ch.items,
+                        scale_log2: p.scale_log2,
+                        acp_bq: p.acp_bq,
+                        acp_nqb: p.acp_nqb,
+                        gx: ch.groups[0],
+                    };
+                    b.push_constants(self.pipe.layout().clone(), 0, pf)?;
+                } else {
+                    b.push_constants(self.pipe.layout().clone(), 0, self.push)?;
+                }
                 // SAFETY: the pipeline, its descriptor set and push constants are bound above;
-                // the buffers hold exactly the slabs the grid indexes (sizes from `prepare`),
-                // and the shader bounds every access by seq_q / seq_k.
+                // the buffers hold exactly the slabs the grid indexes (sizes from `prepare`,
+                // plus one tile of slack for the tensor-core kernels' fragment loads), the
+                // shader bounds every access by seq_q / seq_k, and the flash kernel's
+                // workgroups past its item count return at once.
                 unsafe { b.dispatch(ch.groups) }?;
             }
         }
@@ -480,6 +841,11 @@ impl PreparedPrefill {
         self.coopmat
     }
 
+    /// The register-softmax kernel's settings, when that kernel runs.
+    pub fn flash(&self) -> Option<FlashConfig> {
+        self.flash
+    }
+
     /// Whether q/k/v are f16 on the device.
     pub fn f16_storage(&self) -> bool {
         self.f16
@@ -487,6 +853,8 @@ impl PreparedPrefill {
 
     /// Copies the output into `out` (`shape.q_len()` elements in `shape.layout`) and,
     /// when given, the natural-log normalisers into `lse` (`[batch, heads_q, seq_q]`).
+    /// Fails with [`Error::Input`] (`BadArgument`) when a row that attended keys had a
+    /// non-finite softmax in any run so far (the flag is sticky), as the CPU backend does.
     pub fn read<O: Storage>(&self, out: &mut [O], lse: Option<&mut [f32]>) -> Result<()> {
         let sh = &self.shape;
         let d = sh.head_dim;
@@ -509,6 +877,10 @@ impl PreparedPrefill {
                 .into());
             }
         }
+        let flag = self.ctx.download(&[&self.flag])?;
+        if flag[0].first().is_some_and(|&f| f != 0) {
+            return Err(NON_FINITE.into());
+        }
         let mut lse = lse;
         for ch in &self.chunks {
             let got = self.ctx.download(&[&ch.out, &ch.lse])?;
@@ -524,5 +896,47 @@ impl PreparedPrefill {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flash_layout;
+
+    fn map(slot: fn(u32) -> u32, col: fn(u32, u32) -> u32) -> Vec<(u32, u32)> {
+        (0..32u32)
+            .flat_map(|l| (0..8u32).map(move |e| ((l >> 2) + 8 * slot(e), col(l & 3, e))))
+            .collect()
+    }
+
+    #[test]
+    fn flash_layout_recognises_quad_layouts_and_rejects_others() {
+        let a = map(|e| (e >> 1) & 1, |q, e| 2 * q + (e & 1) + 8 * (e >> 2));
+        assert_eq!(flash_layout(&a).map(|l| l.id), Some(1));
+        let b = map(|e| e >> 2, |q, e| 2 * q + (e & 1) + 8 * ((e >> 1) & 1));
+        assert_eq!(flash_layout(&b).map(|l| l.id), Some(2));
+        // Same family, other element order: runs from the table, which must describe it.
+        let mut c = a.clone();
+        for lane in c.chunks_mut(8) {
+            lane.reverse();
+        }
+        let lc = flash_layout(&c).expect("quad layout");
+        assert_eq!(lc.id, 0);
+        for (lane, el) in c.chunks(8).enumerate() {
+            let t = &lc.table[lane * 4..lane * 4 + 4];
+            for (e, &(r, col)) in el.iter().enumerate() {
+                let slot = (t[2] >> e) & 1;
+                assert_eq!(r, t[slot as usize]);
+                assert_eq!(col, (t[3] >> (4 * e)) & 15);
+            }
+        }
+        // Transposed (a lane holds 4 rows): not a layout the kernel can reduce in.
+        let t: Vec<(u32, u32)> = a.iter().map(|&(r, c)| (c, r)).collect();
+        assert!(flash_layout(&t).is_none());
+        // An element twice: rejected.
+        let mut d = a.clone();
+        d[1] = d[0];
+        assert!(flash_layout(&d).is_none());
+        assert!(flash_layout(&a[..128]).is_none());
     }
 }

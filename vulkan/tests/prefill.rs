@@ -12,7 +12,9 @@
 mod common;
 
 use common::*;
-use foxedge_vulkan::{Acp, AttentionShape, Error, Layout, PrefillArgs, PrefillOptions};
+use foxedge_vulkan::{
+    Acp, AttentionShape, Error, Layout, PrefillArgs, PrefillKernel, PrefillOptions,
+};
 use half::f16;
 
 #[allow(clippy::too_many_arguments)]
@@ -316,6 +318,82 @@ fn prefill_bad_input_is_an_error() {
     assert!(matches!(bad, Err(Error::DeviceNotFound { .. })));
 }
 
+/// A row whose softmax is not finite (NaN/inf in q or k, or s*q.k overflowing f32) is an
+/// error, as on the CPU backend, with every kernel the device runs; the same call with
+/// finite inputs succeeds (the flag is per prepared call).
+#[test]
+fn prefill_non_finite_logits_are_errors() {
+    let Some(vk) = device() else { return };
+    let mut r = rng(9);
+    let sh = shape(1, 2, 1, 20, 20, 64, Layout::SeqFirst);
+    let q = randn(&mut r, sh.q_len(), 1.0);
+    let k = randn(&mut r, sh.kv_len(), 1.0);
+    let v = randn(&mut r, sh.kv_len(), 1.0);
+    let g = log_gates(&mut r, sh.gate_len(), 2.0);
+    let mut kernels = vec![PrefillKernel::Scalar];
+    for kern in [PrefillKernel::CoopMat, PrefillKernel::Flash] {
+        if vk.supports(kern) {
+            kernels.push(kern);
+        }
+    }
+    for kern in kernels {
+        vk.set_prefill_kernel(kern);
+        // (value, f16 storage): f16 holds no 1e20 (it would be inf); the tensor-core
+        // kernels take f16 only.
+        let mut cases = vec![(f32::NAN, true), (f32::INFINITY, true)];
+        if kern == PrefillKernel::Scalar {
+            cases.extend([(f32::NAN, false), (f32::INFINITY, false), (1.0e20, false)]);
+        }
+        for (bad, half) in cases {
+            {
+                let (mut q2, mut k2) = (q.clone(), k.clone());
+                q2[5] = bad;
+                k2[5] = bad;
+                let mut out = vec![0.0f32; sh.q_len()];
+                let res = if half {
+                    let h = |x: &[f32]| x.iter().map(|&y| f16::from_f32(y)).collect::<Vec<_>>();
+                    let (qh, kh, vh) = (h(&q2), h(&k2), h(&v));
+                    let args = PrefillArgs {
+                        shape: sh,
+                        q: &qh,
+                        k: &kh,
+                        v: &vh,
+                        log_fgate: &g,
+                        seq_start: None,
+                    };
+                    vk.prefill(&args, &PrefillOptions::default(), &mut out, None)
+                } else {
+                    let args = PrefillArgs {
+                        shape: sh,
+                        q: &q2,
+                        k: &k2,
+                        v: &v,
+                        log_fgate: &g,
+                        seq_start: None,
+                    };
+                    vk.prefill(&args, &PrefillOptions::default(), &mut out, None)
+                };
+                assert!(
+                    matches!(res, Err(Error::Input(foxedge_core::Error::BadArgument(_)))),
+                    "{kern:?} half={half} bad={bad}: {res:?}"
+                );
+            }
+        }
+        let args = PrefillArgs {
+            shape: sh,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_fgate: &g,
+            seq_start: None,
+        };
+        let mut out = vec![0.0f32; sh.q_len()];
+        vk.prefill(&args, &PrefillOptions::default(), &mut out, None)
+            .expect("finite inputs");
+    }
+    vk.set_prefill_kernel(PrefillKernel::Auto);
+}
+
 /// Layer 1 of fox-tiny-pro: the exact inputs the official model gave the Triton kernel.
 /// Tolerances: real QK-normed logits reach tens, so absolute errors scale with them; as
 /// for the CPU backend, rel L2 <= 2e-5 vs the official fp32 output (itself ~1e-6 from f64)
@@ -385,5 +463,30 @@ fn prefill_layer1_fixture_dense_and_acp() {
             }
         }
         assert_eq!(st.heads[hh].kept_pairs, kept, "head {hh}");
+    }
+}
+
+/// Every prefill SPIR-V module parses with vulkano's own parser (which `ShaderModule::new`
+/// runs before anything else): a module it cannot parse would fail only on the device that
+/// runs it (the tensor-core ones never run on lavapipe).
+#[test]
+fn prefill_spirv_parses_with_vulkano() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/shaders");
+    for name in [
+        "prefill_f32",
+        "prefill_f16",
+        "prefill_cm",
+        "prefill_fa",
+        "prefill_fa_nb",
+        "prefill_cm_probe",
+    ] {
+        let bytes = std::fs::read(format!("{dir}/{name}.spv")).expect("committed SPIR-V");
+        let words: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if let Err(e) = vulkano::shader::spirv::Spirv::new(&words) {
+            panic!("{name}.spv: {e:?}");
+        }
     }
 }
