@@ -313,6 +313,183 @@ fn check_random_vs_cpu(vk: &Vulkan, vs: &[Variant], failures: &mut Vec<String>) 
     vk.set_prefill_kernel(PrefillKernel::Auto);
 }
 
+/// Ragged shapes vs the CPU backend (f16 inputs on both sides): seq_k not a multiple of
+/// the 64-key tile, odd seq_q, GQA, left padding, ACP with query/key blocks other than the
+/// kernel tiles, strong and weak decay. Output rel L2 <= 1e-3 (P is rounded to f16 for the
+/// PV product on the tensor cores), lse within 1e-3 (-inf on the same padded rows), same
+/// pair statistics.
+fn check_shapes_vs_cpu(vk: &Vulkan, vs: &[Variant], failures: &mut Vec<String>) {
+    // (batch, heads_q, heads_kv, seq_q, seq_k, layout, seq_start, gate bias, acp, block_q, block_k)
+    #[allow(clippy::type_complexity)]
+    let cases: [(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        Layout,
+        Option<Vec<usize>>,
+        f32,
+        bool,
+        usize,
+        usize,
+    ); 4] = [
+        (
+            1,
+            4,
+            2,
+            777,
+            1999,
+            Layout::SeqFirst,
+            None,
+            2.0,
+            true,
+            96,
+            48,
+        ),
+        (
+            2,
+            4,
+            4,
+            1100,
+            1100,
+            Layout::HeadFirst,
+            Some(vec![0, 333]),
+            4.0,
+            false,
+            64,
+            64,
+        ),
+        (
+            3,
+            2,
+            1,
+            50,
+            300,
+            Layout::SeqFirst,
+            Some(vec![0, 17, 299]),
+            -1.0,
+            true,
+            16,
+            32,
+        ),
+        (
+            1,
+            8,
+            8,
+            4099,
+            4099,
+            Layout::HeadFirst,
+            None,
+            3.0,
+            true,
+            128,
+            64,
+        ),
+    ];
+    for (ci, (b, hq, hkv, tq, tk, lay, start, bias, acp, bq, bk)) in cases.into_iter().enumerate() {
+        let sh = common::shape(b, hq, hkv, tq, tk, 64, lay);
+        let mut r = common::rng(1234 + ci as u64);
+        let h16 = |x: Vec<f32>| x.iter().map(|&y| f16::from_f32(y)).collect::<Vec<_>>();
+        let q = h16(common::randn(&mut r, sh.q_len(), 1.0));
+        let k = h16(common::randn(&mut r, sh.kv_len(), 1.0));
+        let v = h16(common::randn(&mut r, sh.kv_len(), 1.0));
+        let g = common::log_gates(&mut r, sh.gate_len(), bias);
+        let u = vec![4.0f64; hq];
+        let copts = foxedge_cpu::PrefillOptions {
+            acp: if acp {
+                foxedge_cpu::Acp::Bound {
+                    u: &u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                foxedge_cpu::Acp::Off
+            },
+            block_q: bq,
+            block_k: bk,
+            ..Default::default()
+        };
+        let cargs = foxedge_cpu::PrefillArgs {
+            shape: sh,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_fgate: &g,
+            seq_start: start.as_deref(),
+        };
+        let rows = b * hq * tq;
+        let mut cout = vec![0.0f32; sh.q_len()];
+        let mut clse = vec![0.0f32; rows];
+        let cst = match foxedge_cpu::prefill(&cargs, &copts, &mut cout, Some(&mut clse)) {
+            Ok(s) => s,
+            Err(e) => {
+                failures.push(format!("shapes case {ci} cpu: {e}"));
+                continue;
+            }
+        };
+        let opts = PrefillOptions {
+            acp: if acp {
+                Acp::Bound {
+                    u: &u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+            block_q: bq,
+            block_k: bk,
+            ..Default::default()
+        };
+        for var in vs.iter().filter(|v| v.kern != PrefillKernel::Scalar) {
+            var.select(vk);
+            let args = PrefillArgs {
+                shape: sh,
+                q: &q,
+                k: &k,
+                v: &v,
+                log_fgate: &g,
+                seq_start: start.as_deref(),
+            };
+            let mut out = vec![f32::NAN; sh.q_len()];
+            let mut lse = vec![f32::NAN; rows];
+            match vk.prefill(&args, &opts, &mut out, Some(&mut lse)) {
+                Ok(st) => {
+                    let e = rel_l2(&out, &cout);
+                    let le = lse
+                        .iter()
+                        .zip(&clse)
+                        .map(|(a, c)| {
+                            if c.is_finite() {
+                                f64::from((a - c).abs())
+                            } else if *a == *c {
+                                0.0
+                            } else {
+                                f64::INFINITY
+                            }
+                        })
+                        .fold(0.0, f64::max);
+                    let same = st.heads.iter().zip(&cst.heads).all(|(a, c)| {
+                        a.kept_pairs == c.kept_pairs && a.total_pairs == c.total_pairs
+                    });
+                    println!(
+                        "check shapes case {ci} ({b}x{hq}/{hkv} q{tq} k{tk} acp={acp} bq{bq} bk{bk}) {}: rel L2 vs CPU {e:.2e}, lse {le:.1e}, stats equal {same}",
+                        var.name
+                    );
+                    if !within(e, 1e-3) || !within(le, 1e-3) || !same {
+                        failures.push(format!(
+                            "shapes case {ci} {}: {e:.2e} lse {le:.1e} stats {same}",
+                            var.name
+                        ));
+                    }
+                }
+                Err(e) => failures.push(format!("shapes case {ci} {}: {e}", var.name)),
+            }
+        }
+    }
+    vk.set_prefill_kernel(PrefillKernel::Auto);
+    vk.set_prefill_flash(FlashConfig::default());
+}
+
 /// Real-gate statistics: bootstrap of each head's 1024 real gates to length `l`.
 fn gates(real: &[f32], layer: usize, b: usize, h: usize, l: usize, seed: u64) -> Vec<f32> {
     let src = &real[(layer * 4 + h) * 1024..(layer * 4 + h + 1) * 1024];
@@ -363,6 +540,7 @@ fn main() {
     let mut failures = Vec::new();
     check_fixture(&vk, &vars, &mut failures);
     check_random_vs_cpu(&vk, &vars, &mut failures);
+    check_shapes_vs_cpu(&vk, &vars, &mut failures);
     // (L, B, gates) -> ms per variant, for the pivot table at the end.
     let mut pivot: Vec<(String, Vec<(String, f64)>)> = Vec::new();
 

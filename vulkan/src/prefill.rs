@@ -64,7 +64,7 @@ pub enum PrefillKernel {
 /// Settings of the [`PrefillKernel::Flash`] kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlashConfig {
-    /// Subgroups per workgroup (16 query rows each): 2, 4 or 8; 0 chooses per call
+    /// Subgroups per workgroup (16 query rows each): 2, 4, 8 or 16; 0 chooses per call
     /// ([`FlashConfig::auto_subgroups`]).
     pub subgroups: u32,
     /// Stage tiles with 16-byte shared stores (aliased shared blocks) where the device has
@@ -576,9 +576,11 @@ pub(crate) fn prepare<T: Storage>(
             if cfg.subgroups == 0 {
                 cfg.subgroups = FlashConfig::auto_subgroups(slabs, sh.seq_q);
             }
-            if ![2, 4, 8].contains(&cfg.subgroups) {
+            if ![2, 4, 8, 16].contains(&cfg.subgroups)
+                || 32 * cfg.subgroups > ctx.info.max_workgroup_invocations
+            {
                 return Err(Error::Unsupported(format!(
-                    "flash prefill: {} subgroups per workgroup (2, 4 or 8)",
+                    "flash prefill: {} subgroups per workgroup (2, 4, 8 or 16, within the device's workgroup size)",
                     cfg.subgroups
                 )));
             }
