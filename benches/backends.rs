@@ -8,7 +8,11 @@
 //!     cargo bench --bench backends -- 'prefill/.*/acp'  # criterion's name filter
 //!
 //! Throughput is kept FLOPs (`4 * head_dim * kept_pairs`) per second. Backends without a
-//! Vulkan device are left out with a message (the CPU is always measured).
+//! Vulkan device are left out with a message (the CPU is always measured), and so is a cell
+//! whose first call took longer than `FOXEDGE_BENCH_MAX_CALL_S` seconds (default 10: ten
+//! samples of it would take minutes; lavapipe's dense 4k prefill takes ~90 s per call).
+//! Decode calls are steps of one cache (`Engine::decode`): a backend that keeps the cache
+//! resident sends it once, then one changed row per head per step, as in a session.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge::BackendKind;
@@ -36,6 +40,14 @@ fn lengths() -> Vec<usize> {
         .collect()
 }
 
+fn max_call_s() -> f64 {
+    std::env::var("FOXEDGE_BENCH_MAX_CALL_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .unwrap_or(10.0)
+}
+
 fn workload(max_len: usize) -> Result<Problem> {
     let model = Arc::new(Model::open(root().join("models/fox-tiny-pro"))?);
     let rows = read_token_rows(&root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
@@ -44,6 +56,7 @@ fn workload(max_len: usize) -> Result<Problem> {
 
 fn bench(c: &mut Criterion) {
     let lens = lengths();
+    let max_call = max_call_s();
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
         return;
@@ -98,6 +111,7 @@ fn bench(c: &mut Criterion) {
                         p.q.len()
                     };
                     let mut out = vec![0.0f32; n_out];
+                    let t0 = std::time::Instant::now();
                     let st = match &dp {
                         Some(d) => eng.decode(d, acp, &mut out),
                         None => eng.prefill(&p, acp, &mut out),
@@ -106,6 +120,14 @@ fn bench(c: &mut Criterion) {
                         eprintln!("{op} {k} L={len}: failed, not measured");
                         continue;
                     };
+                    let first = t0.elapsed().as_secs_f64();
+                    if first > max_call {
+                        eprintln!(
+                            "{op}/{k}/{acp_name}/{len}: one call took {first:.1} s > \
+                             FOXEDGE_BENCH_MAX_CALL_S={max_call}: not measured"
+                        );
+                        continue;
+                    }
                     g.throughput(Throughput::Elements(st.flops(p.head_dim) as u64));
                     let id = BenchmarkId::new(format!("{k}/{acp_name}"), len);
                     g.bench_function(id, |b| {

@@ -849,6 +849,24 @@ const FEEDBACK_WEIGHT: f64 = 0.3;
 /// counts and the current rows; the count is redone as the cache grows or shrinks).
 const RECOUNT_FRACTION: u64 = 32;
 
+/// A resident cache head's first send (the whole cache) is charged to one step as
+/// `1 / AMORTIZE_STEPS` of it: it is paid once and the mirror serves every later step of
+/// the session (otherwise a head the GPU does not hold yet would never be moved to it).
+const AMORTIZE_STEPS: u64 = 256;
+
+/// Rows of `head` the GPU must be sent for a decode step: with a resident GPU and change
+/// tracking, the rows written since the version the GPU last received (all of them, charged
+/// `1 / AMORTIZE_STEPS`, when it holds none); otherwise every row.
+fn rows_to_send(head: &CacheHead<'_>, resident: bool, synced: &HashMap<u64, u64>) -> u64 {
+    let n = head.c.len() as u64;
+    match head.sync {
+        Some(s) if resident => synced.get(&s.id).map_or(n.div_ceil(AMORTIZE_STEPS), |&v0| {
+            s.version.saturating_sub(v0).min(n)
+        }),
+        _ => n,
+    }
+}
+
 /// What [`Scheduler::choose`] decided.
 struct Choice {
     split: Split,
@@ -1201,12 +1219,7 @@ impl Scheduler {
             .zip(kept)
             .map(|(head, k)| {
                 let n = head.c.len() as u64;
-                let gpu_rows = match head.sync {
-                    Some(s) if resident => synced
-                        .get(&s.id)
-                        .map_or(n, |&v0| s.version.saturating_sub(v0).min(n)),
-                    _ => n,
-                };
+                let gpu_rows = rows_to_send(head, resident, &synced);
                 Work {
                     pairs: k.unwrap_or(n),
                     rows: n,
@@ -1223,12 +1236,7 @@ impl Scheduler {
         let nq = call.n_queries as u64;
         Ok(call.heads.iter().fold(Work::default(), |a, head| {
             let n = head.c.len() as u64;
-            let gpu_rows = match head.sync {
-                Some(s) if resident => synced
-                    .get(&s.id)
-                    .map_or(n, |&v0| s.version.saturating_sub(v0).min(n)),
-                _ => n,
-            };
+            let gpu_rows = rows_to_send(head, resident, &synced);
             a + Work {
                 pairs: n * nq,
                 rows: n,
@@ -1475,14 +1483,25 @@ impl AttentionBackend for Scheduler {
                 "decode out: [heads, n_queries, head_dim] values",
             ));
         }
+        if self.mode != Mode::GpuOnly && !self.fell_back() {
+            // Measured on first use: residency is known before the work is counted.
+            self.costs(nh, d)?;
+        }
         let resident = self.resident();
         let upper = self.decode_upper(call, resident)?;
-        let choice = self.choose(nh, d, true, upper, || {
-            // The calibration may have just been measured: residency is known now.
-            self.decode_work(call, self.resident())
-        })?;
+        let choice = self.choose(nh, d, true, upper, || self.decode_work(call, resident))?;
         let split = &choice.split;
         self.record(split)?;
+        // A step that first sends a cache to the GPU measures the send, not the steady
+        // state the model predicts: it teaches nothing.
+        let first_send = self.resident() && {
+            let synced = lock(&self.gpu_synced)?;
+            split.gpu_heads.iter().any(|&h| {
+                call.heads[h]
+                    .sync
+                    .is_some_and(|s| !synced.contains_key(&s.id))
+            })
+        };
         let t0 = Instant::now();
         let r = if split.gpu_heads.is_empty() {
             self.cpu.decode(call, out)
@@ -1495,7 +1514,7 @@ impl AttentionBackend for Scheduler {
         } else {
             self.decode_split(call, split, out)
         };
-        if r.is_ok() {
+        if r.is_ok() && !first_send {
             self.learn(&choice, t0.elapsed().as_secs_f64());
         }
         r
@@ -2720,6 +2739,86 @@ mod tests {
         cpu.decode(&d, acp, &mut b).unwrap();
         assert_eq!(a, b);
         assert!(e.last_split().unwrap().gpu_heads.is_empty());
+    }
+
+    #[test]
+    fn decode_rows_sent_follow_the_gpu_mirror() {
+        // A head the GPU received at some version needs only the rows written since; a
+        // head it never got needs all; kept counts are reused within 1/32 of growth.
+        let fail = Arc::new(AtomicBool::new(false));
+        let s = scheduler(Mode::GpuOnly, &fail);
+        let p = problem(700, 3, 16);
+        let d = p.decode_at(700).unwrap();
+        let n = d.n;
+        let mut steps = StepSync::new(3, n);
+        let call_of = |steps: &StepSync, with: &[usize]| -> Vec<Work> {
+            let heads: Vec<CacheHead<'_>> = (0..3)
+                .map(|h| CacheHead {
+                    k: &d.k[h * n * 16..(h + 1) * n * 16],
+                    v: &d.v[h * n * 16..(h + 1) * n * 16],
+                    c: &d.c[h * n..(h + 1) * n],
+                    pos: None,
+                    sync: with.contains(&h).then(|| steps.sync(h)),
+                })
+                .collect();
+            let call = DecodeCall {
+                head_dim: 16,
+                n_queries: 1,
+                q: &d.q,
+                q_c: &d.q_c,
+                q_pos: None,
+                heads: &heads,
+                acp: Acp::Bound {
+                    u: &d.u,
+                    ln_eps: -10.0,
+                },
+            };
+            s.note_gpu_synced(&call, &[0]);
+            s.decode_work(&call, true).unwrap()
+        };
+        steps.step();
+        // Head 0 is noted as received at the current version just before each look; head
+        // 1 has sync but was never sent; head 2 has no sync.
+        let w = call_of(&steps, &[0, 1]);
+        assert_eq!(w[0].gpu_rows, 0);
+        assert_eq!(
+            w[1].gpu_rows,
+            (n as u64).div_ceil(AMORTIZE_STEPS),
+            "first send"
+        );
+        assert_eq!(w[2].gpu_rows, n as u64);
+        steps.step();
+        steps.step();
+        let w2 = call_of(&steps, &[0, 1]);
+        assert_eq!(w2[0].gpu_rows, 0, "noted again at the new version");
+        assert_eq!(w2[0].pairs, w[0].pairs, "count reused");
+        let mut out = vec![0.0; 3 * 16];
+        let heads: Vec<CacheHead<'_>> = (0..3)
+            .map(|h| CacheHead {
+                k: &d.k[h * n * 16..(h + 1) * n * 16],
+                v: &d.v[h * n * 16..(h + 1) * n * 16],
+                c: &d.c[h * n..(h + 1) * n],
+                pos: None,
+                sync: None,
+            })
+            .collect();
+        let call = DecodeCall {
+            head_dim: 16,
+            n_queries: 1,
+            q: &d.q,
+            q_c: &d.q_c,
+            q_pos: None,
+            heads: &heads,
+            acp: Acp::Bound {
+                u: &d.u,
+                ln_eps: -10.0,
+            },
+        };
+        let st = CpuBackend.decode(&call, &mut out).unwrap();
+        assert_eq!(
+            w2.iter().map(|x| x.pairs).collect::<Vec<_>>(),
+            st.kept_pairs
+        );
     }
 
     #[test]

@@ -145,6 +145,41 @@ fn hybrid_on_real_gates_prefill_and_decode_equal_cpu() {
 }
 
 #[test]
+fn repeated_decode_steps_equal_cpu_on_every_backend() {
+    // Engine::decode of one problem is a session's step: a backend that keeps the cache
+    // resident sends it once, then only the rewritten newest row. Every step, and a clone
+    // (a new cache), must equal the CPU.
+    let Some(vk) = engine_or_skip(BackendKind::Vulkan, "repeated_decode") else {
+        return;
+    };
+    let engines = [
+        ("vulkan", vk),
+        ("hybrid", Engine::new(BackendKind::Hybrid).unwrap()),
+        ("auto", Engine::new(BackendKind::Auto).unwrap()),
+    ];
+    let cpu = Engine::new(BackendKind::Cpu).unwrap();
+    let p = random_problem(900, 4, 32, 11);
+    let d = p.decode_at(900).unwrap();
+    for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
+        let mut want = vec![0.0; d.q.len()];
+        let sw = cpu.decode(&d, acp, &mut want).unwrap();
+        for (name, e) in &engines {
+            for step in 0..3 {
+                let mut got = vec![0.0; d.q.len()];
+                let sg = e.decode(&d, acp, &mut got).unwrap();
+                assert_eq!(sg, sw, "{name} step {step}");
+                assert_close(&got, &want, &format!("{name} decode step {step} {acp:?}"));
+            }
+            let mut got = vec![0.0; d.q.len()];
+            e.decode(&d.clone(), acp, &mut got).unwrap();
+            assert_close(&got, &want, &format!("{name} decode of a clone"));
+        }
+    }
+    let plans = engines[1].1.plan_counts();
+    assert!(plans.split > 0, "hybrid split: {plans:?}");
+}
+
+#[test]
 fn session_on_hybrid_and_auto_matches_cpu_logits() {
     if engine_or_skip(BackendKind::Hybrid, "session_hybrid").is_none() {
         return;

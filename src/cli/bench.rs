@@ -33,6 +33,8 @@ pub struct Cell {
     pub inner: usize,
     /// Per-call seconds of each timed sample, in round order (for paired ratios).
     pub samples: Vec<f64>,
+    /// The backend whose timed batch ran just before each sample's ("" for the first).
+    pub after: Vec<String>,
     pub gflops: f64,
     pub peak_fraction: f64,
     pub kept_fraction: f64,
@@ -262,6 +264,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                         reps: r.samples.len(),
                         inner: r.inner,
                         samples: r.samples.clone(),
+                        after: r.after.clone(),
                         gflops,
                         peak_fraction: gflops / peak,
                         kept_fraction: r.stats.kept_fraction(),
@@ -387,6 +390,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
 
 /// One backend's measurement of one cell.
 struct Measured {
+    after: Vec<String>,
     out: Vec<f32>,
     stats: CallStats,
     gpu_heads: Option<usize>,
@@ -438,6 +442,11 @@ fn measure(
         want.push(n);
         plans0.push(eng.plan_counts());
         ms.push(Measured {
+            after: if n == 0 {
+                vec![String::new()]
+            } else {
+                Vec::new()
+            },
             out,
             stats,
             gpu_heads: None,
@@ -446,6 +455,7 @@ fn measure(
             samples: if n == 0 { vec![first] } else { Vec::new() },
         });
     }
+    let mut prev = String::new();
     for r in 0..method.rounds {
         for j in 0..k {
             let i = (r + j) % k;
@@ -464,6 +474,9 @@ fn measure(
             }
             let per_call = t0.elapsed().as_secs_f64() / ms[i].inner as f64;
             ms[i].samples.push(per_call);
+            ms[i]
+                .after
+                .push(std::mem::replace(&mut prev, engines[i].0.clone()));
         }
     }
     for (i, (label, eng)) in engines.iter().enumerate() {
@@ -681,6 +694,39 @@ fn print_table(r: &Report) {
         println!(
             "# control (cpu / cpu2, two identical engines): {}",
             floor.join(", ")
+        );
+    }
+    // Order effect: CPU-run samples split by whether a GPU-using backend ran just before.
+    let mut order = Vec::new();
+    for c in r.cells.iter().filter(|c| {
+        matches!(c.backend.as_str(), "cpu" | "cpu2")
+            || (c.backend == "auto" && c.plans.is_some_and(|p| p[1] + p[2] == 0))
+    }) {
+        let split = |gpu: bool| {
+            let mut v: Vec<f64> = c
+                .samples
+                .iter()
+                .zip(&c.after)
+                .filter(|(_, a)| !a.is_empty() && matches!(a.as_str(), "vulkan" | "hybrid") == gpu)
+                .map(|(s, _)| *s)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (g, n) = (split(true), split(false));
+        if g.len() >= 2 && n.len() >= 2 {
+            order.push(format!(
+                "{} {}: {:.3}",
+                cell_name(c),
+                c.backend,
+                quantile(&g, 0.5) / quantile(&n, 0.5)
+            ));
+        }
+    }
+    if !order.is_empty() {
+        println!(
+            "# order effect (median after vulkan/hybrid / median after a CPU-only backend): {}",
+            order.join(", ")
         );
     }
 }

@@ -77,8 +77,9 @@ USAGE:
   foxedge logits --model DIR --input ids.npy --output logits.npy
                    [--no-acp | --log-eps X] [--backend ...]
   foxedge bench [--backend cpu,vulkan,hybrid,auto] [--json] [--plot DIR] [--full]
-                   [--lengths 1k,4k] [--reps N] [--device SEL] [--log-eps X]
-                   [--out report.json]
+                   [--lengths 1k,4k] [--ops prefill,decode] [--reps N] [--warm N]
+                   [--batch-ms MS] [--budget-s S] [--control] [--device SEL]
+                   [--log-eps X] [--out report.json]
   foxedge inspect [--model DIR] --text FILE --plot out.png [--heads L.H,...]
                    [--max-tokens N] [--log-eps X] [--clip D]
 
@@ -88,6 +89,9 @@ layer, or a byte size (e.g. 4MiB) for the whole cache. --log-eps: ln eps of ACP 
 certified eviction (default -10); --no-acp turns both off. --temperature 0 is greedy.
 bench: attention prefill/decode per backend, dense and ACP, on the model's real gates
 (quick: 1k and 4k tokens; --full: 1k-64k); table of time, GFLOP/s, % of the measured
-FMA peak, kept fraction and speedups. inspect: decay matrix D with the ACP boundary.
+FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backend, then up
+to --reps rounds with the backends interleaved (rotated), samples of >= --batch-ms, at most
+--budget-s of timed calls per backend; medians, min, IQR and auto/best ratios; --control adds
+a second CPU engine (the noise floor). inspect: decay matrix D with the ACP boundary.
 logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
 ";
