@@ -98,8 +98,12 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
         });
     }
 
-    // Tasks (batch, head, query block), heaviest first so that the uneven rows that ACP
-    // leaves do not end on one thread.
+    // Tasks (batch, head, query block), grouped by (batch, head) and heaviest first within
+    // each: a thread walks one head's query blocks while that head's K/V (8 MiB at L =
+    // 16384, d = 64) stays in the last-level cache, instead of cycling through every
+    // head's K/V (measured at L = 16384, 8 heads: 5-10% more work per CPU-second). Work
+    // stealing splits the list in halves, and each half ends on the light early blocks,
+    // so the uneven rows that ACP leaves still balance.
     let mut tasks: Vec<(usize, usize, usize)> = Vec::with_capacity(heads * nqb);
     for bh in 0..heads {
         for qb in 0..nqb {
@@ -110,7 +114,7 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
             tasks.push((work, bh, qb));
         }
     }
-    tasks.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
+    tasks.sort_unstable_by_key(|t| (t.1, std::cmp::Reverse(t.0)));
 
     let lse_len = heads * sh.seq_q;
     let ctx = Ctx {
