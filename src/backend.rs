@@ -30,7 +30,6 @@ pub(crate) struct CacheHead<'a> {
     pub pos: Option<&'a [u64]>,
     /// Change tracking for backends that keep the head resident on a device; `None`: the
     /// backend must treat every row as new.
-    #[allow(dead_code, reason = "read by the Vulkan resident cache, landing next")]
     pub sync: Option<CacheSync<'a>>,
 }
 
@@ -39,7 +38,6 @@ pub(crate) struct CacheHead<'a> {
 /// Invariant: `row_version[j] <= version` for every row `j < n`, and a row whose contents
 /// change (k, v or c) gets a version greater than every earlier one of this `id`.
 #[derive(Debug, Clone, Copy)]
-#[allow(dead_code, reason = "read by the Vulkan resident cache, landing next")]
 pub(crate) struct CacheSync<'a> {
     /// Unique per cache head for the life of the process (never reused).
     pub id: u64,
@@ -139,6 +137,9 @@ pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
     fn kind(&self) -> BackendKind;
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
+    /// The cache heads with these [`CacheSync::id`]s are gone (their session was reset or
+    /// dropped): a backend that mirrors them may free the mirrors. Default: nothing kept.
+    fn release_cache(&self, _ids: &[u64]) {}
 }
 
 /// The SIMD CPU kernels of foxedge-cpu.

@@ -2,7 +2,7 @@
 //! over a shared [`Model`], fed token ids in chunks (prefill) or one at a time (decode).
 
 use crate::backend::{
-    self, Acp, AttentionBackend, BackendKind, CacheHead, DecodeCall, PrefillCall,
+    self, Acp, AttentionBackend, BackendKind, CacheHead, CacheSync, DecodeCall, PrefillCall,
 };
 use crate::config::{HiddenAct, OgateAct};
 use crate::error::{Error, Result};
@@ -13,6 +13,7 @@ use foxedge_core::retention::{
     Eviction, ForcedOrder, HeadState, PolicyConfig, RetentionPolicy, Slot,
 };
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// A hard limit on the retained cache.
@@ -130,8 +131,16 @@ fn rate(n: u64, s: f64) -> f64 {
     }
 }
 
+/// Source of [`HeadCache::id`]: unique per cache head for the life of the process.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
 /// One head's retained entries, dense in slot order (the policy's slot `i` is row `i`).
-#[derive(Debug, Default, Clone)]
+///
+/// Change tracking for device mirrors ([`backend::CacheSync`]): `version` counts writes;
+/// every write of a row (append, swap-delete move, re-basing of every `c`) sets its
+/// `row_version` to a fresh `version`, so `row_version[j] <= version` always holds and a
+/// changed row is newer than anything a mirror synced before.
+#[derive(Debug)]
 struct HeadCache {
     /// `[n, hd]`.
     k: Vec<f32>,
@@ -140,11 +149,62 @@ struct HeadCache {
     c: Vec<f64>,
     /// Token position of each entry.
     pos: Vec<u64>,
+    /// Process-unique identity of this head's cache (a reset makes a new one).
+    id: u64,
+    /// The newest write's version, and each row's.
+    version: u64,
+    row_version: Vec<u64>,
 }
 
 impl HeadCache {
+    fn new() -> HeadCache {
+        HeadCache {
+            k: Vec::new(),
+            v: Vec::new(),
+            c: Vec::new(),
+            pos: Vec::new(),
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            version: 0,
+            row_version: Vec::new(),
+        }
+    }
+
     fn len(&self) -> usize {
         self.c.len()
+    }
+
+    /// A fresh version for a write.
+    fn bump(&mut self) -> u64 {
+        self.version += 1;
+        self.version
+    }
+
+    /// Appends one row.
+    fn push(&mut self, k: &[f32], v: &[f32], c: f64, pos: u64) {
+        self.k.extend_from_slice(k);
+        self.v.extend_from_slice(v);
+        self.c.push(c);
+        self.pos.push(pos);
+        let ver = self.bump();
+        self.row_version.push(ver);
+    }
+
+    /// Subtracts `by` from every `c` (gate-origin re-basing): every row changes.
+    fn rebase(&mut self, by: f64) {
+        for c in &mut self.c {
+            *c -= by;
+        }
+        let ver = self.bump();
+        self.row_version.fill(ver);
+    }
+
+    /// Change tracking for a backend's device mirror.
+    fn sync(&self) -> CacheSync<'_> {
+        CacheSync {
+            id: self.id,
+            version: self.version,
+            row_version: &self.row_version,
+        }
     }
 
     /// Applies one swap-delete reported by the policy: row `slot` is gone and, when
@@ -167,6 +227,7 @@ impl HeadCache {
                 self.v.copy_within(from * hd..(from + 1) * hd, to * hd);
                 self.c[to] = self.c[from];
                 self.pos[to] = self.pos[from];
+                self.row_version[to] = self.bump();
             }
             None if slot != last => {
                 return Err(Error::Internal(format!(
@@ -179,6 +240,7 @@ impl HeadCache {
         self.v.truncate(last * hd);
         self.c.truncate(last);
         self.pos.truncate(last);
+        self.row_version.truncate(last);
         Ok(())
     }
 }
@@ -201,9 +263,10 @@ struct LayerState {
     peak_live: usize,
 }
 
-/// Bytes held per cache entry: K and V (f32) plus c (f64) and position (u64).
+/// Bytes held per cache entry: K and V (f32) plus c (f64), position (u64) and the row's
+/// version (u64, for device mirrors).
 pub fn entry_bytes(head_dim: usize) -> usize {
-    2 * head_dim * 4 + 16
+    2 * head_dim * 4 + 24
 }
 
 /// Re-base a head's gate origin once `|c_t|` exceeds this (nats): keeps stored `c` small so
@@ -330,6 +393,7 @@ impl Session {
     pub fn reset(&mut self) -> Result<()> {
         let info = self.model.info();
         let slots = self.policy_cfg.slots_needed()?;
+        self.release_cache();
         let mut layers = Vec::with_capacity(info.layers);
         for l in 0..info.layers {
             let mut store = Vec::new();
@@ -350,7 +414,7 @@ impl Session {
                 k_shift: vec![0.0; info.hidden],
                 v_shift: vec![0.0; info.hidden],
                 gates: vec![GateStream::new(); info.heads],
-                heads: vec![HeadCache::default(); info.heads],
+                heads: (0..info.heads).map(|_| HeadCache::new()).collect(),
                 policy,
                 k_norm_max: vec![0.0; info.heads],
                 peak_live: 0,
@@ -363,6 +427,18 @@ impl Session {
         };
         self.poisoned = false;
         Ok(())
+    }
+
+    /// Tells the backend that the cache heads of this session's current state are gone.
+    fn release_cache(&self) {
+        let ids: Vec<u64> = self
+            .layers
+            .iter()
+            .flat_map(|l| l.heads.iter().map(|h| h.id))
+            .collect();
+        if !ids.is_empty() {
+            self.backend.release_cache(&ids);
+        }
     }
 
     /// The model this session runs.
@@ -382,6 +458,7 @@ impl Session {
 
     /// Replaces the attention backend (crate-internal: input capture in `hybrid`).
     pub(crate) fn set_backend(&mut self, backend: Box<dyn AttentionBackend>) {
+        self.release_cache();
         self.backend = backend;
     }
 
@@ -552,6 +629,7 @@ impl Session {
                 h.v.try_reserve(want * hd).map_err(oom)?;
                 h.c.try_reserve(want).map_err(oom)?;
                 h.pos.try_reserve(want).map_err(oom)?;
+                h.row_version.try_reserve(want).map_err(oom)?;
             }
         }
         Ok(())
@@ -728,9 +806,7 @@ impl Session {
             if cur.abs() > REBASE_AT {
                 state.gates[h].rebase(cur);
                 state.policy.rebase(h, cur)?;
-                for c in &mut state.heads[h].c {
-                    *c -= cur;
-                }
+                state.heads[h].rebase(cur);
             }
         }
         // c of every chunk row per head, validated by the gate stream (finite, <= 0).
@@ -774,10 +850,12 @@ impl Session {
             }
             for (h, hc) in heads.iter_mut().enumerate() {
                 let at = r * d + h * hd;
-                hc.k.extend_from_slice(&s.k[at..at + hd]);
-                hc.v.extend_from_slice(&s.v[at..at + hd]);
-                hc.c.push(c_rows[r * nh + h]);
-                hc.pos.push(pos0 + r as u64);
+                hc.push(
+                    &s.k[at..at + hd],
+                    &s.v[at..at + hd],
+                    c_rows[r * nh + h],
+                    pos0 + r as u64,
+                );
             }
             state.peak_live = state.peak_live.max(state.policy.live_total());
             Ok(())
@@ -835,7 +913,7 @@ impl Session {
                         v: &hc.v,
                         c: &hc.c,
                         pos: None,
-                        sync: None,
+                        sync: Some(hc.sync()),
                     })
                     .collect();
                 let call = DecodeCall {
@@ -887,6 +965,12 @@ impl Session {
         self.stats.cache_bytes = live * eb;
         self.stats.peak_cache_bytes = self.stats.peak_cache_bytes.max(peak * eb);
         self.stats.max_bound = max_bound;
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.release_cache();
     }
 }
 

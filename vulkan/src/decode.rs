@@ -1,80 +1,214 @@
-//! Decode on the device: flash-decoding over each query head's cache (`decode.glsl`, one
-//! workgroup per (query, chunk of `split` entries)) and an exact merge
-//! (`decode_merge.comp`). ACP decisions are made on the host in f64 exactly as foxedge-cpu
-//! makes them (a block of `block_k` entries is skipped when `c_t - min_j c_j < delta` for
-//! every query of the head) and uploaded as one flag per block.
+//! Decode on the device in one dispatch (`shaders/decode.glsl`): one workgroup per (query,
+//! chunk of cache entries) computes a partial softmax; the last workgroup of a query to
+//! finish (an atomic counter per query) merges the partials exactly. ACP decisions are made
+//! on the host in f64 exactly as foxedge-cpu makes them (a block of `block_k` entries is
+//! skipped when `c_t - min_j c_j < delta` for every query of the head) and uploaded as one
+//! flag per block (nothing when a head keeps every block).
 //!
-//! Device layout: heads' entries concatenated, each head starting on a multiple of
-//! `block_k` so that a block's flag index is `entry / block_k`; c as (hi, lo) f32 pairs
-//! (see `prefill.rs`); positions as i32 relative to the head's smallest query position.
-//! Heads are grouped into chunks whose every binding fits `maxStorageBufferRange`.
+//! Device layout: one buffer per cache head, `cap` rows of K, then `cap` rows of V (f16
+//! pairs or f32 words), then `cap` meta words `(c_hi, c_lo, pos_lo, pos_hi)`: c as a
+//! double-float pair (see `pack.rs`), positions as u64. A dispatch binds up to [`HPD`]
+//! head buffers; more heads take more dispatches in the same command buffer. The same layout
+//! serves a call's one-off upload ([`prepare`]) and the resident cache (`cache.rs`).
 
 use crate::api::{Acp, AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage};
 use crate::device::Context;
 use crate::error::{Error, Result};
-use crate::pack::{pack_rows, split_f64, unpack_rows};
+use crate::pack::{pack_rows, split_f64};
 use foxedge_core::threshold;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::command_buffer::{
+    AutoCommandBufferBuilder, BufferCopy, CopyBufferInfo, PrimaryAutoCommandBuffer,
+    PrimaryCommandBufferAbstract,
+};
 use vulkano::descriptor_set::{DescriptorSet, WriteDescriptorSet};
 use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
+use vulkano::sync::GpuFuture;
 
 static DECODE_F32: &[u8] = include_bytes!("../shaders/decode_f32.spv");
 static DECODE_F16: &[u8] = include_bytes!("../shaders/decode_f16.spv");
 static DECODE_F32_NOSG: &[u8] = include_bytes!("../shaders/decode_f32_nosg.spv");
 static DECODE_F16_NOSG: &[u8] = include_bytes!("../shaders/decode_f16_nosg.spv");
-static DECODE_MERGE: &[u8] = include_bytes!("../shaders/decode_merge.spv");
 
-/// Threads per decode workgroup (a power of two, as the reductions require).
-const WG: u32 = 128;
+/// Head buffers bound per dispatch (`HPD` in the shader).
+pub(crate) const HPD: usize = 8;
+/// Chunks per query at most (`MAXC` in the shader): longer caches get larger chunks.
+const MAXC: usize = 1024;
+/// Storage-buffer bindings the kernel uses per stage.
+const BINDINGS: u32 = HPD as u32 + 10;
+
+/// The error of a row whose softmax is not finite, as foxedge-cpu reports it.
+pub(crate) fn non_finite() -> Error {
+    Error::Input(foxedge_core::Error::BadArgument(
+        "attention logits are not finite: q, k or v holds NaN/inf, or s*q.k overflows f32",
+    ))
+}
+
+/// Launch shape of the decode kernel (benchmarks sweep it; defaults suit most GPUs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeTuning {
+    /// Threads per workgroup (a power of two; the variant without subgroups picks its own).
+    pub workgroup: u32,
+    /// Entries each team of lanes loads per iteration (loads in flight), 1..=8.
+    pub unroll: u32,
+    /// Lanes sharing one entry (a power of two dividing the row's 16-byte words); 0 = auto.
+    pub lanes_per_entry: u32,
+}
+
+impl Default for DecodeTuning {
+    fn default() -> Self {
+        Self {
+            workgroup: 128,
+            unroll: 4,
+            lanes_per_entry: 0,
+        }
+    }
+}
+
+/// Entries per chunk for a step over `entries` cached entries in all (every head and
+/// query): powers of two in 128..=2048 giving about 512 workgroups, enough to fill a large
+/// GPU without many partials per query. On the H100 (8 heads, d = 64) this picks the fastest
+/// split of the sweep in BENCHMARKS.md: 128 at 4096 entries per head, 512 at 32768.
+pub fn auto_split(entries: usize) -> usize {
+    (entries / 512).next_power_of_two().clamp(128, 2048)
+}
 
 #[derive(BufferContents, Clone, Copy, Debug)]
 #[repr(C)]
-struct Push {
+pub(crate) struct Push {
     chunk: u32,
     block: u32,
     scale_log2: f32,
-    chunks_per_query: u32,
+    pad: u32,
 }
 
-struct Chunk {
-    set: Arc<DescriptorSet>,
-    merge_set: Arc<DescriptorSet>,
-    groups: [u32; 3],
-    queries: u32,
-    out: Subbuffer<[u32]>,
-    lse: Subbuffer<[u32]>,
-    head0: usize,
-    heads: usize,
-}
-
-/// A decode step whose inputs are on the device. Built by [`crate::Vulkan::prepare_decode`].
-pub struct PreparedDecode {
-    ctx: Arc<Context>,
+/// The decode pipeline for one (head_dim, storage) pair.
+#[derive(Clone)]
+pub(crate) struct Kernel {
     pipe: Arc<ComputePipeline>,
-    merge: Arc<ComputePipeline>,
-    push: Push,
-    chunks: Vec<Chunk>,
-    d: usize,
-    nq: usize,
-    nh: usize,
-    stats: AttentionStats,
-    f16: bool,
-    subgroups: bool,
+    pub f16: bool,
+    pub subgroups: bool,
+    pub d: usize,
 }
 
-impl std::fmt::Debug for PreparedDecode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PreparedDecode")
-            .field("heads", &self.nh)
-            .field("n_queries", &self.nq)
-            .field("head_dim", &self.d)
-            .field("f16_storage", &self.f16)
-            .field("subgroups", &self.subgroups)
-            .field("chunks", &self.chunks.len())
-            .finish()
+/// u32 words of one K (or V) row.
+pub(crate) fn row_words(d: usize, f16: bool) -> usize {
+    if f16 { d / 2 } else { d }
+}
+
+/// u32 words of a head buffer of `cap` rows: K, V and 4 meta words per row.
+pub(crate) fn head_words(cap: usize, d: usize, f16: bool) -> usize {
+    cap * (2 * row_words(d, f16) + 4)
+}
+
+/// Word offsets of V and meta in a head buffer of `cap` rows.
+pub(crate) fn v_off(cap: usize, d: usize, f16: bool) -> usize {
+    cap * row_words(d, f16)
+}
+
+pub(crate) fn meta_off(cap: usize, d: usize, f16: bool) -> usize {
+    2 * cap * row_words(d, f16)
+}
+
+/// Meta words of entries `c` / `pos`: (c_hi, c_lo, pos_lo, pos_hi) each.
+pub(crate) fn meta_words(c: &[f64], pos: Option<&[u64]>, out: &mut Vec<u32>) {
+    let mut cw = [0u32; 2];
+    for (j, &x) in c.iter().enumerate() {
+        split_f64(&[x], &mut cw);
+        let p = pos.map_or(0, |p| p[j]);
+        out.extend([cw[0], cw[1], p as u32, (p >> 32) as u32]);
     }
+}
+
+pub(crate) fn kernel(
+    ctx: &Arc<Context>,
+    tuning: &DecodeTuning,
+    d: usize,
+    f16: bool,
+) -> Result<Kernel> {
+    if !ctx
+        .device
+        .enabled_features()
+        .shader_storage_buffer_array_dynamic_indexing
+    {
+        return Err(Error::Unsupported(
+            "decode needs shaderStorageBufferArrayDynamicIndexing".into(),
+        ));
+    }
+    let props = ctx.device.physical_device().properties();
+    if props.max_per_stage_descriptor_storage_buffers < BINDINGS
+        || props.max_descriptor_set_storage_buffers < BINDINGS
+    {
+        return Err(Error::Unsupported(format!(
+            "decode binds {BINDINGS} storage buffers; the device allows {}",
+            props.max_per_stage_descriptor_storage_buffers
+        )));
+    }
+    let rv = d / if f16 { 8 } else { 4 };
+    let pow2_divisor = |cap: u32| {
+        let mut t = 1u32;
+        while t * 2 <= cap && rv % (t as usize * 2) == 0 {
+            t *= 2;
+        }
+        t
+    };
+    let sg_size = ctx.info.subgroup_size.unwrap_or(0);
+    let want_tpe = if tuning.lanes_per_entry == 0 {
+        pow2_divisor(8)
+    } else {
+        tuning.lanes_per_entry
+    };
+    let sg = !ctx
+        .decode_no_subgroups
+        .load(std::sync::atomic::Ordering::Relaxed)
+        && ctx.info.subgroup_shuffle
+        && want_tpe.is_power_of_two()
+        && rv % want_tpe as usize == 0
+        && sg_size % want_tpe == 0;
+    let d4 = (d / 4) as u32;
+    let (wgs, tpe) = if sg {
+        let w = tuning.workgroup;
+        if !w.is_power_of_two() || w < want_tpe || w > ctx.info.max_workgroup_invocations {
+            return Err(Error::Unsupported(format!(
+                "decode workgroup {w}: a power of two in {want_tpe}..={}",
+                ctx.info.max_workgroup_invocations
+            )));
+        }
+        (w, want_tpe)
+    } else {
+        // One thread per entry: the team merge holds WGS * D/4 vec4 in shared memory.
+        let w = (1024 / d4.max(1)).clamp(8, 64);
+        (1u32 << (31 - w.leading_zeros()), 1)
+    };
+    let shared = (wgs / tpe) as usize * d4 as usize * 16 + MAXC * 4 + wgs as usize * 4 + 256;
+    if shared > ctx.info.max_shared_memory as usize {
+        return Err(Error::Unsupported(format!(
+            "decode needs {shared} bytes of shared memory, the device has {}",
+            ctx.info.max_shared_memory
+        )));
+    }
+    if !(1..=8).contains(&tuning.unroll) {
+        return Err(foxedge_core::Error::BadArgument("decode unroll must be 1..=8").into());
+    }
+    let (name, spv) = match (f16, sg) {
+        (true, true) => ("decode_f16", DECODE_F16),
+        (false, true) => ("decode_f32", DECODE_F32),
+        (true, false) => ("decode_f16_nosg", DECODE_F16_NOSG),
+        (false, false) => ("decode_f32_nosg", DECODE_F32_NOSG),
+    };
+    let pipe = ctx.pipeline(
+        name,
+        spv,
+        &[(0, wgs), (1, d as u32), (2, tpe), (3, tuning.unroll)],
+    )?;
+    Ok(Kernel {
+        pipe,
+        f16,
+        subgroups: sg,
+        d,
+    })
 }
 
 fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -90,7 +224,8 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
-fn validate<Q: Storage, T: Storage>(
+/// The checks foxedge-cpu's decode makes, with the same errors.
+pub(crate) fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
 ) -> Result<()> {
@@ -160,17 +295,19 @@ fn validate<Q: Storage, T: Storage>(
             .into());
         }
     }
+    if args.heads.iter().any(|h| h.c.len() > u32::MAX as usize / 4) {
+        return Err(Error::Unsupported(
+            "cache too large for u32 indexing".into(),
+        ));
+    }
     Ok(())
 }
 
-/// Per-head host data in device layout.
-struct HeadPlan {
-    /// Block flags (1 = attend) of this head, `ceil(n / block)` values.
-    kept: Vec<u32>,
-    stats: HeadStats,
-    /// Query positions relative to the head's base, and entries' positions likewise.
-    qpos: Vec<u32>,
-    epos: Vec<i32>,
+/// Per-head host decisions: block flags (1 = attend) and statistics.
+pub(crate) struct HeadPlan {
+    /// `ceil(n / block)` flags, or empty when every block is attended.
+    pub kept: Vec<u32>,
+    pub stats: HeadStats,
 }
 
 fn plan_head<Q: Storage, T: Storage>(
@@ -178,7 +315,7 @@ fn plan_head<Q: Storage, T: Storage>(
     h: usize,
     delta: Option<f64>,
     bk: usize,
-) -> Result<HeadPlan> {
+) -> HeadPlan {
     let nq = args.n_queries;
     let hc = &args.heads[h];
     let n = hc.c.len();
@@ -189,6 +326,7 @@ fn plan_head<Q: Storage, T: Storage>(
         ..HeadStats::default()
     };
     let mut kept = Vec::with_capacity(n.div_ceil(bk));
+    let mut all = true;
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + bk).min(n);
@@ -203,65 +341,31 @@ fn plan_head<Q: Storage, T: Storage>(
         if pairs > 0 {
             st.total_blocks += 1;
         }
-        let cmin = hc.c[b0..b1].iter().copied().fold(f64::INFINITY, f64::min);
-        let pruned = delta.is_some_and(|dl| qc.iter().all(|&ct| ct - cmin < dl));
+        let pruned = delta.is_some_and(|dl| {
+            let cmin = hc.c[b0..b1].iter().copied().fold(f64::INFINITY, f64::min);
+            qc.iter().all(|&ct| ct - cmin < dl)
+        });
         let keep = !pruned && pairs > 0;
         if keep {
             st.kept_pairs += pairs;
             st.kept_blocks += 1;
         }
+        all &= keep || pairs == 0;
         kept.push(u32::from(keep));
         b0 = b1;
     }
-    let (qrel, erel) = match (hc.pos, qpos) {
-        (Some(p), Some(qp)) => {
-            let base = qp.iter().copied().min().unwrap_or(0);
-            let mut qrel = Vec::with_capacity(nq);
-            for &x in qp {
-                let r = x - base;
-                if r > i32::MAX as u64 {
-                    return Err(Error::Unsupported(
-                        "query positions of one step span more than 2^31".into(),
-                    ));
-                }
-                qrel.push(r as u32);
-            }
-            let erel = p
-                .iter()
-                .map(|&x| {
-                    let r = i128::from(x) - i128::from(base);
-                    r.clamp(i128::from(i32::MIN), i128::from(i32::MAX)) as i32
-                })
-                .collect();
-            (qrel, erel)
-        }
-        _ => (vec![0; nq], vec![0; n]),
-    };
-    Ok(HeadPlan {
-        kept,
-        stats: st,
-        qpos: qrel,
-        epos: erel,
-    })
+    if all {
+        kept.clear();
+    }
+    HeadPlan { kept, stats: st }
 }
 
-pub(crate) fn prepare<Q: Storage, T: Storage>(
-    ctx: &Arc<Context>,
+/// Host decisions of every head and the call's statistics.
+pub(crate) fn plan<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
-) -> Result<PreparedDecode> {
-    validate(args, opts)?;
-    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
-    let scale = opts.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let bk = opts.block_k;
-    let chunk = opts.split.div_ceil(bk) * bk;
-    if chunk > u32::MAX as usize || args.heads.iter().any(|h| h.c.len() > i32::MAX as usize) {
-        return Err(Error::Unsupported(
-            "cache or split too large for u32 indexing".into(),
-        ));
-    }
-
-    let mut plans = Vec::with_capacity(nh);
+) -> Result<(Vec<HeadPlan>, AttentionStats)> {
+    let mut plans = Vec::with_capacity(args.heads.len());
     for (h, hc) in args.heads.iter().enumerate() {
         let n = hc.c.len();
         let delta = match opts.acp {
@@ -269,241 +373,448 @@ pub(crate) fn prepare<Q: Storage, T: Storage>(
             Acp::Bound { u, ln_eps } if n > 0 => Some(threshold::threshold(u[h], n, ln_eps)?),
             _ => None,
         };
-        plans.push(plan_head(args, h, delta, bk)?);
+        plans.push(plan_head(args, h, delta, opts.block_k));
     }
     let stats = AttentionStats {
         heads: plans.iter().map(|p| p.stats).collect(),
     };
+    Ok((plans, stats))
+}
 
-    let f16 = T::DTYPE == crate::api::DType::F16 && ctx.info.storage_16bit;
-    let esize = if f16 { 2 } else { 4 };
-    // Lane teams: TPE lanes per entry, each D/(4 TPE) vec4 columns; needs shuffles within
-    // a subgroup whose size is a multiple of TPE.
-    let tpe = (d / 4).min(8) as u32;
-    let sg = !ctx
-        .decode_no_subgroups
-        .load(std::sync::atomic::Ordering::Relaxed)
-        && ctx.info.subgroup_shuffle
-        && ctx.info.subgroup_size.is_some_and(|s| s % tpe == 0)
-        && (d / 4) as u32 % tpe == 0;
-    let (name, spv) = match (f16, sg) {
-        (true, true) => ("decode_f16", DECODE_F16),
-        (false, true) => ("decode_f32", DECODE_F32),
-        (true, false) => ("decode_f16_nosg", DECODE_F16_NOSG),
-        (false, false) => ("decode_f32_nosg", DECODE_F32_NOSG),
-    };
-    let pipe = ctx.pipeline(name, spv, &[(0, WG), (1, d as u32), (2, tpe)])?;
-    let merge = ctx.pipeline("decode_merge", DECODE_MERGE, &[(0, 64), (1, d as u32)])?;
+/// Host-to-device copies gathered into one staging buffer and recorded as few commands.
+#[derive(Default)]
+pub(crate) struct Uploads {
+    words: Vec<u32>,
+    /// (destination, source word, destination word, words).
+    regions: Vec<(Subbuffer<[u32]>, usize, usize, usize)>,
+}
 
-    // Head chunks under the binding range (the K/V entry buffers dominate).
-    let limit = ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) as usize;
-    let padded = |h: usize| args.heads[h].c.len().div_ceil(bk) * bk;
-    let mut chunks = Vec::new();
-    let mut h0 = 0;
-    while h0 < nh {
-        let mut h1 = h0;
-        let mut entries = 0usize;
-        while h1 < nh && (h1 == h0 || (entries + padded(h1)) * d * esize <= limit) {
-            entries += padded(h1);
-            h1 += 1;
+impl Uploads {
+    /// Queues `data` for `dst[at..]`.
+    pub fn push(&mut self, dst: &Subbuffer<[u32]>, at: usize, data: &[u32]) {
+        if data.is_empty() {
+            return;
         }
-        if entries * d * esize > limit {
-            return Err(Error::Unsupported(format!(
-                "one head's cache needs {} bytes, over the device's binding limit {limit}",
-                entries * d * esize
-            )));
+        let src = self.words.len();
+        self.words.extend_from_slice(data);
+        if let Some(last) = self.regions.last_mut()
+            && same(&last.0, dst)
+            && last.1 + last.3 == src
+            && last.2 + last.3 == at
+        {
+            last.3 += data.len();
+            return;
         }
-        chunks.push(build_chunk(
-            ctx, args, &plans, h0, h1, bk, chunk, f16, &pipe, &merge,
-        )?);
-        h0 = h1;
+        self.regions.push((dst.clone(), src, at, data.len()));
     }
-    let max_chunks = chunks.iter().map(|c| c.groups[0]).max().unwrap_or(1);
-    Ok(PreparedDecode {
-        ctx: ctx.clone(),
-        pipe,
-        merge,
+
+    /// Records the copies (one command per run of regions with the same destination).
+    pub fn record(
+        self,
+        ctx: &Context,
+        b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+    ) -> Result<()> {
+        if self.regions.is_empty() {
+            return Ok(());
+        }
+        let staging = ctx.host_buffer(self.words.len(), true)?;
+        staging
+            .write()
+            .map_err(|e| Error::Vulkan(e.to_string()))?
+            .copy_from_slice(&self.words);
+        let mut i = 0;
+        while i < self.regions.len() {
+            let dst = self.regions[i].0.clone();
+            let mut info = CopyBufferInfo::buffers(staging.clone(), dst.clone());
+            info.regions.clear();
+            while i < self.regions.len() && same(&self.regions[i].0, &dst) {
+                let (_, s, d, n) = self.regions[i];
+                info.regions.push(BufferCopy {
+                    src_offset: s as u64 * 4,
+                    dst_offset: d as u64 * 4,
+                    size: n as u64 * 4,
+                    ..Default::default()
+                });
+                i += 1;
+            }
+            b.copy_buffer(info)?;
+        }
+        Ok(())
+    }
+}
+
+fn same(a: &Subbuffer<[u32]>, b: &Subbuffer<[u32]>) -> bool {
+    Arc::ptr_eq(a.buffer(), b.buffer()) && a.offset() == b.offset() && a.size() == b.size()
+}
+
+/// A head as the kernel sees it: its buffer, capacity and live rows.
+#[derive(Clone)]
+pub(crate) struct HeadRef {
+    pub buf: Subbuffer<[u32]>,
+    pub cap: usize,
+}
+
+/// Queues a whole head (rows `0..n`) into a new buffer of `cap = max(n, 1)` rows.
+pub(crate) fn upload_head<T: Storage>(
+    ctx: &Context,
+    up: &mut Uploads,
+    hc: &crate::api::CacheHead<'_, T>,
+    d: usize,
+    f16: bool,
+) -> Result<HeadRef> {
+    let n = hc.c.len();
+    let cap = n.max(1);
+    let buf = ctx.device_buffer(head_words(cap, d, f16))?;
+    up.push(&buf, 0, &pack_rows(hc.k, f16, n, d, |r| r * d).words);
+    up.push(
+        &buf,
+        v_off(cap, d, f16),
+        &pack_rows(hc.v, f16, n, d, |r| r * d).words,
+    );
+    let mut meta = Vec::with_capacity(4 * n);
+    meta_words(hc.c, hc.pos, &mut meta);
+    up.push(&buf, meta_off(cap, d, f16), &meta);
+    Ok(HeadRef { buf, cap })
+}
+
+/// One dispatch: up to [`HPD`] heads, its inputs, scratch and outputs.
+pub(crate) struct Group {
+    set: Arc<DescriptorSet>,
+    groups: [u32; 3],
+    counters: Subbuffer<[u32]>,
+    pub out: Subbuffer<[u32]>,
+    pub lse: Subbuffer<[u32]>,
+    pub head0: usize,
+    pub heads: usize,
+}
+
+/// A call's dispatches and the values they share.
+pub(crate) struct Step {
+    kernel: Kernel,
+    push: Push,
+    pub groups: Vec<Group>,
+    pub flag: Subbuffer<[u32]>,
+    pub nq: usize,
+}
+
+/// Builds the dispatches of a call over `heads` (one [`HeadRef`] per head of `args`),
+/// queuing its small inputs into `up`.
+pub(crate) fn build_step<Q: Storage, T: Storage>(
+    ctx: &Arc<Context>,
+    kernel: &Kernel,
+    args: &DecodeArgs<'_, Q, T>,
+    opts: &DecodeOptions<'_>,
+    plans: &[HeadPlan],
+    heads: &[HeadRef],
+    up: &mut Uploads,
+) -> Result<Step> {
+    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
+    let bk = opts.block_k;
+    let n_max = args.heads.iter().map(|h| h.c.len()).max().unwrap_or(0);
+    let chunk = opts
+        .split
+        .max(n_max.div_ceil(MAXC))
+        .div_ceil(bk)
+        .checked_mul(bk)
+        .filter(|&c| c <= u32::MAX as usize)
+        .ok_or_else(|| Error::Unsupported("split too large for u32 indexing".into()))?;
+    let scale = opts.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let layout = kernel
+        .pipe
+        .layout()
+        .set_layouts()
+        .first()
+        .cloned()
+        .ok_or_else(|| Error::Vulkan("decode pipeline has no descriptor set".into()))?;
+    let flag = ctx.device_buffer(1)?;
+    let mut groups = Vec::new();
+    for h0 in (0..nh).step_by(HPD) {
+        let h1 = (h0 + HPD).min(nh);
+        let queries = (h1 - h0) * nq;
+        let mut qinfo = Vec::with_capacity(queries * 8);
+        let mut qc = vec![0u32; queries * 2];
+        let mut kept = Vec::new();
+        let mut parts = 0usize;
+        let mut max_chunks = 1usize;
+        for h in h0..h1 {
+            let n = args.heads[h].c.len();
+            let nch = n.div_ceil(chunk);
+            max_chunks = max_chunks.max(nch);
+            let kept0 = if plans[h].kept.is_empty() {
+                u32::MAX
+            } else {
+                let k0 = kept.len() as u32;
+                kept.extend(&plans[h].kept);
+                k0
+            };
+            let use_pos = u32::from(args.heads[h].pos.is_some());
+            for t in 0..nq {
+                let qp = args.q_pos.map_or(0, |p| p[h * nq + t]);
+                qinfo.extend([
+                    n as u32,
+                    heads[h].cap as u32,
+                    parts as u32,
+                    kept0,
+                    (h - h0) as u32,
+                    use_pos,
+                    qp as u32,
+                    (qp >> 32) as u32,
+                ]);
+                parts += nch;
+            }
+            split_f64(
+                &args.q_c[h * nq..(h + 1) * nq],
+                &mut qc[(h - h0) * nq * 2..(h - h0 + 1) * nq * 2],
+            );
+        }
+        let q = pack_rows(args.q, false, queries, d, |r| (h0 * nq + r) * d).words;
+        let bq = ctx.device_buffer(q.len())?;
+        let bi = ctx.device_buffer(qinfo.len())?;
+        let bc = ctx.device_buffer(qc.len())?;
+        let bk_ = ctx.device_buffer(kept.len().max(1))?;
+        up.push(&bq, 0, &q);
+        up.push(&bi, 0, &qinfo);
+        up.push(&bc, 0, &qc);
+        up.push(&bk_, 0, &kept);
+        let part_ml = ctx.device_buffer(parts.max(1) * 2)?;
+        let part_o = ctx.device_buffer(parts.max(1) * d)?;
+        let out = ctx.device_buffer(queries * d)?;
+        let lse = ctx.device_buffer(queries)?;
+        let counters = ctx.device_buffer(queries)?;
+        let slots: Vec<Subbuffer<[u32]>> = (0..HPD)
+            .map(|s| heads[(h0 + s).min(h1 - 1)].buf.clone())
+            .collect();
+        let set = DescriptorSet::new(
+            ctx.desc.clone(),
+            layout.clone(),
+            [
+                WriteDescriptorSet::buffer(0, bq),
+                WriteDescriptorSet::buffer_array(1, 0, slots),
+                WriteDescriptorSet::buffer(2, bi),
+                WriteDescriptorSet::buffer(3, bc),
+                WriteDescriptorSet::buffer(4, bk_),
+                WriteDescriptorSet::buffer(5, part_ml),
+                WriteDescriptorSet::buffer(6, part_o),
+                WriteDescriptorSet::buffer(7, out.clone()),
+                WriteDescriptorSet::buffer(8, lse.clone()),
+                WriteDescriptorSet::buffer(9, counters.clone()),
+                WriteDescriptorSet::buffer(10, flag.clone()),
+            ],
+            [],
+        )?;
+        groups.push(Group {
+            set,
+            groups: [max_chunks as u32, queries as u32, 1],
+            counters,
+            out,
+            lse,
+            head0: h0,
+            heads: h1 - h0,
+        });
+    }
+    Ok(Step {
+        kernel: kernel.clone(),
         push: Push {
             chunk: chunk as u32,
             block: bk as u32,
             scale_log2: scale * std::f32::consts::LOG2_E,
-            chunks_per_query: max_chunks,
+            pad: 0,
         },
-        chunks,
-        d,
+        groups,
+        flag,
         nq,
-        nh,
-        stats,
-        f16,
-        subgroups: sg,
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn build_chunk<Q: Storage, T: Storage>(
-    ctx: &Arc<Context>,
-    args: &DecodeArgs<'_, Q, T>,
-    plans: &[HeadPlan],
-    h0: usize,
-    h1: usize,
-    bk: usize,
-    chunk: usize,
-    f16: bool,
-    pipe: &Arc<ComputePipeline>,
-    merge: &Arc<ComputePipeline>,
-) -> Result<Chunk> {
-    let (d, nq) = (args.head_dim, args.n_queries);
-    let dw = if f16 { d / 2 } else { d };
-    let mut k = Vec::new();
-    let mut v = Vec::new();
-    let mut c = Vec::new();
-    let mut epos = Vec::new();
-    let mut kept = Vec::new();
-    let mut qinfo = Vec::new();
-    let mut qc = vec![0u32; (h1 - h0) * nq * 2];
-    let mut chunk0 = 0u32;
-    let mut max_chunks = 1u32;
-    for h in h0..h1 {
-        let hc = &args.heads[h];
-        let n = hc.c.len();
-        let e0 = k.len() / dw;
-        k.extend(pack_rows(hc.k, f16, n, d, |r| r * d).words);
-        v.extend(pack_rows(hc.v, f16, n, d, |r| r * d).words);
-        let pad = n.div_ceil(bk) * bk - n;
-        k.resize(k.len() + pad * dw, 0);
-        v.resize(v.len() + pad * dw, 0);
-        let mut cw = vec![0u32; n * 2];
-        split_f64(hc.c, &mut cw);
-        c.extend(cw);
-        c.resize(c.len() + pad * 2, 0);
-        epos.extend(plans[h].epos.iter().map(|&x| x as u32));
-        epos.resize(epos.len() + pad, 0);
-        kept.extend(&plans[h].kept);
-        let nch = n.div_ceil(chunk) as u32;
-        max_chunks = max_chunks.max(nch);
-        for t in 0..nq {
-            qinfo.extend([e0 as u32, n as u32, chunk0, plans[h].qpos[t]]);
-            chunk0 += nch;
+impl Step {
+    /// Records: zeroed counters and flag, then `reps` times every dispatch.
+    pub fn record(
+        &self,
+        b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+        reps: usize,
+    ) -> Result<()> {
+        b.fill_buffer(self.flag.clone(), 0)?;
+        for g in &self.groups {
+            b.fill_buffer(g.counters.clone(), 0)?;
         }
-        split_f64(
-            &args.q_c[h * nq..(h + 1) * nq],
-            &mut qc[(h - h0) * nq * 2..(h - h0 + 1) * nq * 2],
-        );
+        let pipe = &self.kernel.pipe;
+        for _ in 0..reps.max(1) {
+            for g in &self.groups {
+                b.bind_pipeline_compute(pipe.clone())?;
+                b.bind_descriptor_sets(
+                    PipelineBindPoint::Compute,
+                    pipe.layout().clone(),
+                    0,
+                    g.set.clone(),
+                )?;
+                b.push_constants(pipe.layout().clone(), 0, self.push)?;
+                // SAFETY: pipeline, set and push constants bound above. Every index the
+                // kernel forms is bounded by what the host wrote: rows < n <= cap of the
+                // bound head buffer, parts < the part buffers' length, queries < the
+                // dispatch's y size; workgroups past a query's chunk count return at once.
+                // Counters start at 0 (filled above) and the merging workgroup resets them.
+                unsafe { b.dispatch(g.groups) }?;
+            }
+        }
+        Ok(())
     }
-    let q = pack_rows(args.q, false, (h1 - h0) * nq, d, |r| (h0 * nq + r) * d);
-    let bufs = ctx.upload(&[&q.words, &k, &v, &c, &epos, &qinfo, &qc, &kept])?;
-    let part_ml = ctx.device_buffer(chunk0.max(1) as usize * 2)?;
-    let part_o = ctx.device_buffer(chunk0.max(1) as usize * d)?;
-    let queries = ((h1 - h0) * nq) as u32;
-    let out = ctx.device_buffer(queries as usize * d)?;
-    let lse = ctx.device_buffer(queries as usize)?;
-    let layout = |p: &Arc<ComputePipeline>| {
-        p.layout()
-            .set_layouts()
-            .first()
-            .cloned()
-            .ok_or_else(|| Error::Vulkan("decode pipeline has no descriptor set".into()))
-    };
-    let mut writes: Vec<WriteDescriptorSet> = bufs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| WriteDescriptorSet::buffer(i as u32, b.clone()))
-        .collect();
-    writes.push(WriteDescriptorSet::buffer(8, part_ml.clone()));
-    writes.push(WriteDescriptorSet::buffer(9, part_o.clone()));
-    let set = DescriptorSet::new(ctx.desc.clone(), layout(pipe)?, writes, [])?;
-    let merge_set = DescriptorSet::new(
-        ctx.desc.clone(),
-        layout(merge)?,
-        [
-            WriteDescriptorSet::buffer(0, bufs[5].clone()),
-            WriteDescriptorSet::buffer(1, part_ml),
-            WriteDescriptorSet::buffer(2, part_o),
-            WriteDescriptorSet::buffer(3, out.clone()),
-            WriteDescriptorSet::buffer(4, lse.clone()),
-        ],
-        [],
-    )?;
-    Ok(Chunk {
-        set,
-        merge_set,
-        groups: [max_chunks, queries, 1],
-        queries,
-        out,
-        lse,
-        head0: h0,
-        heads: h1 - h0,
+
+    /// Output `[heads, n_queries, head_dim]` and lse `[heads, n_queries]` from the words of
+    /// each group's (out, lse) and the flag word; a set flag is the non-finite error.
+    pub fn scatter<O: Storage>(
+        &self,
+        outs: &[(Vec<u32>, Vec<u32>)],
+        flag: u32,
+        out: &mut [O],
+        mut lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if flag != 0 {
+            return Err(non_finite());
+        }
+        let d = self.kernel.d;
+        for (g, (o, l)) in self.groups.iter().zip(outs) {
+            let r0 = g.head0 * self.nq;
+            let nr = g.heads * self.nq;
+            for (x, &w) in out[r0 * d..(r0 + nr) * d].iter_mut().zip(o) {
+                *x = O::from_f32(f32::from_bits(w));
+            }
+            if let Some(ls) = lse.as_deref_mut() {
+                for (x, &w) in ls[r0..r0 + nr].iter_mut().zip(l) {
+                    *x = f32::from_bits(w);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds and submits `b`, waits; returns the time from submit to completion.
+pub(crate) fn submit_timed(
+    ctx: &Context,
+    b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+) -> Result<Duration> {
+    let cb = b.build()?;
+    let t0 = Instant::now();
+    cb.execute(ctx.queue.clone())
+        .map_err(|e| Error::Vulkan(e.to_string()))?
+        .then_signal_fence_and_flush()?
+        .wait(None)?;
+    Ok(t0.elapsed())
+}
+
+/// Checks `out` / `lse` lengths for `rows` query rows of `d` values.
+pub(crate) fn check_out_len<O: Storage>(
+    rows: usize,
+    d: usize,
+    out: &[O],
+    lse: Option<&[f32]>,
+) -> Result<()> {
+    bad_len("decode out", rows * d, out.len())?;
+    if let Some(l) = lse {
+        bad_len("decode lse", rows, l.len())?;
+    }
+    Ok(())
+}
+
+/// A decode step whose inputs are on the device. Built by [`crate::Vulkan::prepare_decode`].
+pub struct PreparedDecode {
+    ctx: Arc<Context>,
+    step: Step,
+    nh: usize,
+    stats: AttentionStats,
+}
+
+impl std::fmt::Debug for PreparedDecode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedDecode")
+            .field("heads", &self.nh)
+            .field("n_queries", &self.step.nq)
+            .field("head_dim", &self.step.kernel.d)
+            .field("f16_storage", &self.step.kernel.f16)
+            .field("subgroups", &self.step.kernel.subgroups)
+            .field("dispatches", &self.step.groups.len())
+            .finish()
+    }
+}
+
+pub(crate) fn prepare<Q: Storage, T: Storage>(
+    ctx: &Arc<Context>,
+    tuning: &DecodeTuning,
+    args: &DecodeArgs<'_, Q, T>,
+    opts: &DecodeOptions<'_>,
+) -> Result<PreparedDecode> {
+    validate(args, opts)?;
+    let d = args.head_dim;
+    let f16 = T::DTYPE == crate::api::DType::F16;
+    let kernel = kernel(ctx, tuning, d, f16)?;
+    let (plans, stats) = plan(args, opts)?;
+    let limit = ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) as usize;
+    let mut up = Uploads::default();
+    let mut heads = Vec::with_capacity(args.heads.len());
+    for hc in args.heads {
+        let bytes = head_words(hc.c.len().max(1), d, f16) * 4;
+        if bytes > limit {
+            return Err(Error::Unsupported(format!(
+                "one head's cache needs {bytes} bytes, over the device's binding limit {limit}"
+            )));
+        }
+        heads.push(upload_head(ctx, &mut up, hc, d, f16)?);
+    }
+    let step = build_step(ctx, &kernel, args, opts, &plans, &heads, &mut up)?;
+    let mut b = ctx.builder()?;
+    up.record(ctx, &mut b)?;
+    ctx.submit(b)?;
+    Ok(PreparedDecode {
+        ctx: ctx.clone(),
+        step,
+        nh: args.heads.len(),
+        stats,
     })
 }
 
 impl PreparedDecode {
-    /// Runs the step `reps` times in one command buffer; wall time of submit-to-completion.
+    /// Runs the step `reps` times in one command buffer (built before the clock starts);
+    /// wall time of submit-to-completion.
     pub fn run(&self, reps: usize) -> Result<Duration> {
         let mut b = self.ctx.builder()?;
-        for _ in 0..reps.max(1) {
-            for ch in &self.chunks {
-                b.bind_pipeline_compute(self.pipe.clone())?;
-                b.bind_descriptor_sets(
-                    PipelineBindPoint::Compute,
-                    self.pipe.layout().clone(),
-                    0,
-                    ch.set.clone(),
-                )?;
-                b.push_constants(self.pipe.layout().clone(), 0, self.push)?;
-                // SAFETY: pipeline, set and push constants bound above; workgroups past a
-                // query's chunk count return at once; every index is bounded by the per-query
-                // entry count the host wrote into qinfo.
-                unsafe { b.dispatch(ch.groups) }?;
-                b.bind_pipeline_compute(self.merge.clone())?;
-                b.bind_descriptor_sets(
-                    PipelineBindPoint::Compute,
-                    self.merge.layout().clone(),
-                    0,
-                    ch.merge_set.clone(),
-                )?;
-                b.push_constants(self.merge.layout().clone(), 0, self.push)?;
-                // SAFETY: as above; the merge reads exactly the partials pass 1 wrote (the
-                // automatic barrier orders it after pass 1).
-                unsafe { b.dispatch([ch.queries, 1, 1]) }?;
-            }
-        }
-        let t0 = Instant::now();
-        self.ctx.submit(b)?;
-        Ok(t0.elapsed())
+        self.step.record(&mut b, reps)?;
+        submit_timed(&self.ctx, b)
     }
 
     pub fn stats(&self) -> &AttentionStats {
         &self.stats
     }
 
+    /// Whether K and V are f16 on the device (f16 input; read as packed halves).
     pub fn f16_storage(&self) -> bool {
-        self.f16
+        self.step.kernel.f16
     }
 
-    /// Whether the subgroup-reduction variant runs.
+    /// Whether the lane-team variant (subgroup shuffles) runs.
     pub fn subgroups(&self) -> bool {
-        self.subgroups
+        self.step.kernel.subgroups
     }
 
-    /// Output `[heads, n_queries, head_dim]` and optional lse `[heads, n_queries]`.
+    /// Output `[heads, n_queries, head_dim]` and optional lse `[heads, n_queries]` of the
+    /// last run. A row whose softmax was not finite is an error, as on the CPU.
     pub fn read<O: Storage>(&self, out: &mut [O], lse: Option<&mut [f32]>) -> Result<()> {
-        let rows = self.nh * self.nq;
-        bad_len("decode out", rows * self.d, out.len())?;
-        if let Some(l) = lse.as_deref() {
-            bad_len("decode lse", rows, l.len())?;
+        check_out_len(
+            self.nh * self.step.nq,
+            self.step.kernel.d,
+            out,
+            lse.as_deref(),
+        )?;
+        let mut bufs = vec![&self.step.flag];
+        for g in &self.step.groups {
+            bufs.push(&g.out);
+            bufs.push(&g.lse);
         }
-        let mut lse = lse;
-        for ch in &self.chunks {
-            let got = self.ctx.download(&[&ch.out, &ch.lse])?;
-            let r0 = ch.head0 * self.nq;
-            let nr = ch.heads * self.nq;
-            unpack_rows(&got[0], out, nr, self.d, |r| (r0 + r) * self.d);
-            if let Some(l) = lse.as_deref_mut() {
-                for (x, &w) in l[r0..r0 + nr].iter_mut().zip(&got[1]) {
-                    *x = f32::from_bits(w);
-                }
-            }
-        }
-        Ok(())
+        let got = self.ctx.download(&bufs)?;
+        let flag = got[0].first().copied().unwrap_or(0);
+        let outs: Vec<(Vec<u32>, Vec<u32>)> = got[1..]
+            .chunks_exact(2)
+            .map(|p| (p[0].clone(), p[1].clone()))
+            .collect();
+        self.step.scatter(&outs, flag, out, lse)
     }
 }

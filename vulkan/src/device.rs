@@ -265,6 +265,10 @@ impl Context {
             cooperative_matrix: coopmat,
             shader_float16: coopmat,
             vulkan_memory_model: coopmat,
+            // Decode's cross-workgroup merge (device-scope atomics and barriers) under the
+            // memory model that the tensor-core prefill turns on.
+            vulkan_memory_model_device_scope: coopmat && sup.vulkan_memory_model_device_scope,
+            // Decode binds the cache heads as an array of storage buffers, indexed per workgroup.
             shader_storage_buffer_array_dynamic_indexing: sup
                 .shader_storage_buffer_array_dynamic_indexing,
             workgroup_memory_explicit_layout: blocks,
@@ -419,7 +423,7 @@ impl Context {
     }
 
     /// A host-visible buffer for uploads (`write`) or downloads (`!write`).
-    fn host_buffer(&self, words: usize, write: bool) -> Result<Subbuffer<[u32]>> {
+    pub(crate) fn host_buffer(&self, words: usize, write: bool) -> Result<Subbuffer<[u32]>> {
         let filter = if write {
             MemoryTypeFilter::PREFER_HOST | MemoryTypeFilter::HOST_SEQUENTIAL_WRITE
         } else {

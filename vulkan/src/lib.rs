@@ -7,8 +7,11 @@
 //!   `delta` from `foxedge_core::threshold`. Shared-memory tiles and an online softmax
 //!   (`shaders/prefill.glsl`).
 //! - [`Vulkan::decode`]: new queries against an unordered cache whose entries carry `c_j`;
-//!   split over the cache (flash-decoding) with an exact merge (`shaders/decode.glsl`,
-//!   `shaders/decode_merge.comp`), subgroup reductions where the device has them.
+//!   split over the cache (flash-decoding) with an exact merge in the same dispatch (the
+//!   last workgroup of a query merges, `shaders/decode.glsl`), subgroup reductions where the
+//!   device has them. A row whose softmax is not finite is an error, as on the CPU.
+//! - [`ResidentCache`]: cache heads kept on the device between decode steps; a step uploads
+//!   only the rows written since the last one.
 //!
 //! Storage: f16 stays f16 on the device when it has 16-bit storage buffers; f32 and bf16
 //! (and f16 without 16-bit storage) go up as f32. Compute and accumulation are f32. `c` is
@@ -19,6 +22,7 @@
 //! device lost, limits the call exceeds, bad input.
 
 mod api;
+mod cache;
 mod decode;
 mod device;
 mod error;
@@ -29,7 +33,8 @@ pub use api::{
     Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
     PrefillOptions, Storage,
 };
-pub use decode::PreparedDecode;
+pub use cache::{CacheCounters, HeadSync, ResidentCache, ResidentOptions};
+pub use decode::{DecodeTuning, PreparedDecode, auto_split};
 pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
 pub use error::{Error, Result};
 pub use foxedge_core::{AttentionShape, Layout};
@@ -42,6 +47,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 pub struct Vulkan {
     ctx: Arc<device::Context>,
+    decode_tuning: Arc<std::sync::Mutex<DecodeTuning>>,
 }
 
 impl Vulkan {
@@ -54,6 +60,7 @@ impl Vulkan {
     pub fn with_selection(sel: &DeviceSelection) -> Result<Self> {
         Ok(Self {
             ctx: Arc::new(device::Context::new(sel)?),
+            decode_tuning: Arc::default(),
         })
     }
 
@@ -178,6 +185,23 @@ impl Vulkan {
         args: &DecodeArgs<'_, Q, T>,
         opts: &DecodeOptions<'_>,
     ) -> Result<PreparedDecode> {
-        decode::prepare(&self.ctx, args, opts)
+        decode::prepare(&self.ctx, &self.decode_tuning(), args, opts)
+    }
+
+    /// Sets the decode kernel's launch shape for later calls (and caches made after).
+    pub fn set_decode_tuning(&self, t: DecodeTuning) {
+        if let Ok(mut g) = self.decode_tuning.lock() {
+            *g = t;
+        }
+    }
+
+    /// The decode kernel's launch shape in force.
+    pub fn decode_tuning(&self) -> DecodeTuning {
+        self.decode_tuning.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// A device-resident decode cache on this device (see [`ResidentCache`]).
+    pub fn resident_cache(&self, opts: ResidentOptions) -> ResidentCache {
+        ResidentCache::new(self.ctx.clone(), self.decode_tuning(), opts)
     }
 }

@@ -1,0 +1,476 @@
+//! A device-resident decode cache: mirrors of cache heads kept on the device between steps,
+//! so a decode step uploads only the rows written since the mirror last synced (an append,
+//! the swap-delete moves of eviction, every row after a re-basing of c) instead of the whole
+//! cache.
+//!
+//! A mirror is one buffer per head in the decode kernel's layout (`decode.rs`: `cap` rows
+//! of K, `cap` rows of V, `cap` meta words with c and the position), `cap` a power of two
+//! grown by doubling (old rows copied on the device). Heads are identified by the caller's
+//! [`HeadSync::id`], unique for the life of the process, with a version per row: the mirror
+//! uploads row `j` when `row_version[j] > synced`, the newest version it has seen. That is
+//! exact when the caller keeps the invariant of `HeadSync`.
+//!
+//! Device memory of mirrors is accounted and bounded by a budget: beyond it (or when an
+//! allocation fails) the least-recently-used mirrors not needed by the current step are
+//! dropped (their next step uploads them whole); a step that cannot fit even then is
+//! [`Error::OutOfDeviceMemory`], not a crash.
+
+use crate::api::{AttentionStats, DecodeArgs, DecodeOptions, Storage};
+use crate::decode::{self, HeadRef, Uploads};
+use crate::device::Context;
+use crate::error::{Error, Result};
+use crate::pack::pack_rows;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use vulkano::buffer::Subbuffer;
+use vulkano::command_buffer::{BufferCopy, CopyBufferInfo};
+use vulkano::memory::MemoryHeapFlags;
+
+/// Change tracking of one cache head, from its owner.
+///
+/// Invariant (the caller's): `row_version[j] <= version` for every live row `j`, and a row
+/// whose contents change (k, v, c or position), or an index that becomes live, gets a
+/// version greater than every version this `id` had before. `id` is never reused.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadSync<'a> {
+    pub id: u64,
+    /// The newest row version of the head.
+    pub version: u64,
+    /// `[n]` the version at which each row was last written.
+    pub row_version: &'a [u64],
+}
+
+/// Counters of a [`ResidentCache`] since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounters {
+    /// Decode steps run against the cache.
+    pub steps: u64,
+    /// Cache rows uploaded (K, V and meta of one entry each), and their bytes.
+    pub rows_uploaded: u64,
+    pub bytes_uploaded: u64,
+    /// Heads uploaded whole: a new mirror, a re-created one, or a head without sync.
+    pub full_uploads: u64,
+    /// Mirrors whose capacity doubled, and mirrors dropped to stay under the budget.
+    pub grows: u64,
+    pub evictions: u64,
+    /// Device bytes held by mirrors now, and how many mirrors.
+    pub resident_bytes: u64,
+    pub mirrors: u64,
+}
+
+/// Settings of a [`ResidentCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResidentOptions {
+    /// Keep K and V as f16 on the device (half the bytes; rounds f32 input), else f32.
+    pub f16: bool,
+    /// Most device bytes the mirrors may hold; `None`: half the largest device-local heap.
+    pub budget_bytes: Option<u64>,
+}
+
+/// A doubled mirror's old rows: (old buffer, new buffer, K / V / meta regions).
+type GrowCopy = (Subbuffer<[u32]>, Subbuffer<[u32]>, Vec<BufferCopy>);
+
+struct Mirror {
+    buf: Subbuffer<[u32]>,
+    cap: usize,
+    n: usize,
+    synced: u64,
+    d: usize,
+    last_use: u64,
+}
+
+impl Mirror {
+    fn bytes(&self) -> u64 {
+        self.buf.size()
+    }
+}
+
+/// Mirrors of cache heads on one device; see the module documentation.
+pub struct ResidentCache {
+    ctx: Arc<Context>,
+    tuning: crate::DecodeTuning,
+    f16: bool,
+    budget: u64,
+    mirrors: HashMap<u64, Mirror>,
+    clock: u64,
+    counters: CacheCounters,
+}
+
+impl std::fmt::Debug for ResidentCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentCache")
+            .field("f16", &self.f16)
+            .field("budget", &self.budget)
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+/// Rows `j < n` with `row_version[j] > synced`, as runs `[a, b)`.
+fn dirty_runs(row_version: &[u64], synced: u64) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (j, &v) in row_version.iter().enumerate() {
+        if v > synced {
+            match runs.last_mut() {
+                Some(r) if r.1 == j => r.1 = j + 1,
+                _ => runs.push((j, j + 1)),
+            }
+        }
+    }
+    runs
+}
+
+impl ResidentCache {
+    pub(crate) fn new(
+        ctx: Arc<Context>,
+        tuning: crate::DecodeTuning,
+        opts: ResidentOptions,
+    ) -> Self {
+        let heap = ctx
+            .device
+            .physical_device()
+            .memory_properties()
+            .memory_heaps
+            .iter()
+            .filter(|h| h.flags.intersects(MemoryHeapFlags::DEVICE_LOCAL))
+            .map(|h| h.size)
+            .max()
+            .unwrap_or(1 << 30);
+        Self {
+            ctx,
+            tuning,
+            f16: opts.f16,
+            budget: opts.budget_bytes.unwrap_or(heap / 2),
+            mirrors: HashMap::new(),
+            clock: 0,
+            counters: CacheCounters::default(),
+        }
+    }
+
+    /// Counters so far (resident bytes and mirrors as of now).
+    pub fn counters(&self) -> CacheCounters {
+        CacheCounters {
+            resident_bytes: self.mirrors.values().map(Mirror::bytes).sum(),
+            mirrors: self.mirrors.len() as u64,
+            ..self.counters
+        }
+    }
+
+    /// The budget in force (bytes).
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Changes the budget; mirrors over it are dropped at the next step.
+    pub fn set_budget(&mut self, bytes: u64) {
+        self.budget = bytes;
+    }
+
+    /// Decode-kernel launch shape for later steps.
+    pub fn set_tuning(&mut self, t: crate::DecodeTuning) {
+        self.tuning = t;
+    }
+
+    /// Drops the mirrors of these heads (their owner reset or went away).
+    pub fn forget(&mut self, ids: &[u64]) {
+        for id in ids {
+            self.mirrors.remove(id);
+        }
+    }
+
+    /// Drops every mirror.
+    pub fn clear(&mut self) {
+        self.mirrors.clear();
+    }
+
+    fn resident(&self) -> u64 {
+        self.mirrors.values().map(Mirror::bytes).sum()
+    }
+
+    /// Drops the least recently used mirror not in `keep`; false when there is none.
+    fn evict_one(&mut self, keep: &HashSet<u64>) -> bool {
+        let victim = self
+            .mirrors
+            .iter()
+            .filter(|(id, _)| !keep.contains(id))
+            .min_by_key(|(_, m)| m.last_use)
+            .map(|(&id, _)| id);
+        match victim {
+            Some(id) => {
+                self.mirrors.remove(&id);
+                self.counters.evictions += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A device buffer of `words` for a mirror, within the budget (`extra`: bytes this step
+    /// already allocated and not yet counted in a mirror).
+    fn alloc(&mut self, words: usize, keep: &HashSet<u64>, extra: u64) -> Result<Subbuffer<[u32]>> {
+        let bytes = words as u64 * 4;
+        while self.resident() + extra + bytes > self.budget {
+            if !self.evict_one(keep) {
+                return Err(Error::OutOfDeviceMemory);
+            }
+        }
+        loop {
+            match self.ctx.device_buffer(words) {
+                Ok(b) => return Ok(b),
+                Err(Error::OutOfDeviceMemory) => {
+                    if !self.evict_one(keep) {
+                        return Err(Error::OutOfDeviceMemory);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One decode step against the mirrors: heads with `Some` sync are brought up to date
+    /// (only their changed rows uploaded) and read in place; heads with `None` are uploaded
+    /// whole for this step. Same results and statistics as [`crate::Vulkan::decode`].
+    ///
+    /// Errors: bad input or a broken sync invariant ([`Error::Input`]), device memory
+    /// exhausted even after dropping every other mirror ([`Error::OutOfDeviceMemory`]),
+    /// device failures. A failed step leaves every mirror as it was.
+    pub fn decode<Q: Storage, T: Storage, O: Storage>(
+        &mut self,
+        args: &DecodeArgs<'_, Q, T>,
+        sync: &[Option<HeadSync<'_>>],
+        opts: &DecodeOptions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<AttentionStats> {
+        decode::validate(args, opts)?;
+        let (d, nh) = (args.head_dim, args.heads.len());
+        decode::check_out_len(nh * args.n_queries, d, out, lse.as_deref())?;
+        if sync.len() != nh {
+            return Err(foxedge_core::Error::BadLength {
+                what: "decode sync (one per head)",
+                expected: nh,
+                got: sync.len(),
+            }
+            .into());
+        }
+        for (s, hc) in sync.iter().zip(args.heads) {
+            if let Some(s) = s {
+                if s.row_version.len() != hc.c.len() {
+                    return Err(foxedge_core::Error::BadLength {
+                        what: "row_version (one per cache entry)",
+                        expected: hc.c.len(),
+                        got: s.row_version.len(),
+                    }
+                    .into());
+                }
+                if s.row_version.iter().any(|&v| v > s.version) {
+                    return Err(foxedge_core::Error::BadArgument(
+                        "a row version is newer than its head's version",
+                    )
+                    .into());
+                }
+            }
+        }
+        let f16 = self.f16;
+        let kernel = decode::kernel(&self.ctx, &self.tuning, d, f16)?;
+        let (plans, stats) = decode::plan(args, opts)?;
+        let limit = self
+            .ctx
+            .binding_limit
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.clock += 1;
+        let keep: HashSet<u64> = sync.iter().flatten().map(|s| s.id).collect();
+        let rw = decode::row_words(d, f16);
+        let row_bytes = (2 * rw + 4) as u64 * 4;
+
+        // New mirror states, applied only once the step has run.
+        let mut pending: Vec<(u64, Mirror)> = Vec::new();
+        let mut grow_copies: Vec<GrowCopy> = Vec::new();
+        let mut up = Uploads::default();
+        let mut heads = Vec::with_capacity(nh);
+        let mut rows = 0u64;
+        let mut full = 0u64;
+        let mut grows = 0u64;
+        let mut extra = 0u64;
+        for (h, hc) in args.heads.iter().enumerate() {
+            let n = hc.c.len();
+            let Some(s) = sync[h] else {
+                let bytes = decode::head_words(n.max(1), d, f16) as u64 * 4;
+                if bytes > limit {
+                    return Err(Error::Unsupported(format!(
+                        "one head's cache needs {bytes} bytes, over the binding limit {limit}"
+                    )));
+                }
+                heads.push(decode::upload_head(&self.ctx, &mut up, hc, d, f16)?);
+                rows += n as u64;
+                full += 1;
+                continue;
+            };
+            if let Some((_, m)) = pending.iter().find(|(id, _)| *id == s.id) {
+                // The same head twice in one step: already brought up to date above.
+                heads.push(HeadRef {
+                    buf: m.buf.clone(),
+                    cap: m.cap,
+                });
+                continue;
+            }
+            let want_cap = n.max(64).next_power_of_two();
+            let old = self
+                .mirrors
+                .get(&s.id)
+                .filter(|m| m.d == d && m.synced <= s.version);
+            let (buf, cap, synced) = match old {
+                Some(m) if m.cap >= n => (m.buf.clone(), m.cap, m.synced),
+                Some(m) => {
+                    let (old_buf, old_cap, keep_rows, synced) =
+                        (m.buf.clone(), m.cap, m.n.min(n), m.synced);
+                    let cap = want_cap.max(2 * old_cap);
+                    let words = decode::head_words(cap, d, f16);
+                    self.check_limit(words, limit)?;
+                    let buf = self.alloc(words, &keep, extra)?;
+                    extra += words as u64 * 4;
+                    let region = |src: usize, dst: usize, len: usize| BufferCopy {
+                        src_offset: src as u64 * 4,
+                        dst_offset: dst as u64 * 4,
+                        size: len as u64 * 4,
+                        ..Default::default()
+                    };
+                    let mut regions = Vec::new();
+                    if keep_rows > 0 {
+                        regions.push(region(0, 0, keep_rows * rw));
+                        regions.push(region(
+                            decode::v_off(old_cap, d, f16),
+                            decode::v_off(cap, d, f16),
+                            keep_rows * rw,
+                        ));
+                        regions.push(region(
+                            decode::meta_off(old_cap, d, f16),
+                            decode::meta_off(cap, d, f16),
+                            keep_rows * 4,
+                        ));
+                        grow_copies.push((old_buf, buf.clone(), regions));
+                    }
+                    grows += 1;
+                    (buf, cap, synced)
+                }
+                None => {
+                    let words = decode::head_words(want_cap, d, f16);
+                    self.check_limit(words, limit)?;
+                    let buf = self.alloc(words, &keep, extra)?;
+                    extra += words as u64 * 4;
+                    full += 1;
+                    // Nothing on the device yet: every row is dirty.
+                    (buf, want_cap, 0)
+                }
+            };
+            let runs = if synced == 0 {
+                vec![(0, n)]
+            } else {
+                dirty_runs(s.row_version, synced)
+            };
+            let mut meta = Vec::new();
+            for &(a, b) in &runs {
+                if a == b {
+                    continue;
+                }
+                let k = pack_rows(hc.k, f16, b - a, d, |r| (a + r) * d).words;
+                let v = pack_rows(hc.v, f16, b - a, d, |r| (a + r) * d).words;
+                up.push(&buf, a * rw, &k);
+                up.push(&buf, decode::v_off(cap, d, f16) + a * rw, &v);
+                meta.clear();
+                decode::meta_words(&hc.c[a..b], hc.pos.map(|p| &p[a..b]), &mut meta);
+                up.push(&buf, decode::meta_off(cap, d, f16) + a * 4, &meta);
+                rows += (b - a) as u64;
+            }
+            heads.push(HeadRef {
+                buf: buf.clone(),
+                cap,
+            });
+            pending.push((
+                s.id,
+                Mirror {
+                    buf,
+                    cap,
+                    n,
+                    synced: s.version,
+                    d,
+                    last_use: self.clock,
+                },
+            ));
+        }
+
+        let step = decode::build_step(&self.ctx, &kernel, args, opts, &plans, &heads, &mut up)?;
+        let mut b = self.ctx.builder()?;
+        for (src, dst, regions) in grow_copies {
+            let mut info = CopyBufferInfo::buffers(src, dst);
+            info.regions.clear();
+            info.regions.extend(regions);
+            b.copy_buffer(info)?;
+        }
+        up.record(&self.ctx, &mut b)?;
+        step.record(&mut b, 1)?;
+        // Results back in the same submission: flag, then (out, lse) of each dispatch.
+        let mut read_words = 1usize;
+        for g in &step.groups {
+            read_words += (g.out.len() + g.lse.len()) as usize;
+        }
+        let host = self.ctx.host_buffer(read_words, false)?;
+        let mut at = 0u64;
+        let mut copy_to_host = |src: &Subbuffer<[u32]>| -> Result<(usize, usize)> {
+            let len = src.len();
+            let mut info = CopyBufferInfo::buffers(src.clone(), host.clone());
+            info.regions[0].dst_offset = at * 4;
+            info.regions[0].size = len * 4;
+            b.copy_buffer(info)?;
+            let r = (at as usize, len as usize);
+            at += len;
+            Ok(r)
+        };
+        let flag_at = copy_to_host(&step.flag)?;
+        let mut spans = Vec::with_capacity(step.groups.len());
+        for g in &step.groups {
+            spans.push((copy_to_host(&g.out)?, copy_to_host(&g.lse)?));
+        }
+        self.ctx.submit(b)?;
+        let words = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+        let slice = |(a, n): (usize, usize)| words[a..a + n].to_vec();
+        let outs: Vec<(Vec<u32>, Vec<u32>)> =
+            spans.iter().map(|&(o, l)| (slice(o), slice(l))).collect();
+        let flag = words[flag_at.0];
+        drop(words);
+
+        // The step ran: the mirrors now hold what was uploaded.
+        for (id, m) in pending {
+            self.mirrors.insert(id, m);
+        }
+        self.counters.steps += 1;
+        self.counters.rows_uploaded += rows;
+        self.counters.bytes_uploaded += rows * row_bytes;
+        self.counters.full_uploads += full;
+        self.counters.grows += grows;
+        step.scatter(&outs, flag, out, lse)?;
+        Ok(stats)
+    }
+
+    fn check_limit(&self, words: usize, limit: u64) -> Result<()> {
+        let bytes = words as u64 * 4;
+        if bytes > limit {
+            return Err(Error::Unsupported(format!(
+                "one head's mirror needs {bytes} bytes, over the binding limit {limit}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dirty_runs;
+
+    #[test]
+    fn dirty_rows_come_as_runs() {
+        assert_eq!(dirty_runs(&[1, 5, 6, 2, 7, 7], 4), vec![(1, 3), (4, 6)]);
+        assert!(dirty_runs(&[1, 2, 3], 3).is_empty());
+        assert_eq!(dirty_runs(&[9], 0), vec![(0, 1)]);
+    }
+}

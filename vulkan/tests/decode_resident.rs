@@ -1,0 +1,423 @@
+//! The fused decode kernel's merge, launch shapes and non-finite detection, and the
+//! device-resident cache (`ResidentCache`): a cache head edited as a session edits it
+//! (appends, swap-delete moves, re-based c) decodes like a fresh upload and like the CPU,
+//! uploads only the changed rows, grows, and stays within its device-memory budget.
+//!
+//! Tolerance vs the CPU backend: 4e-5 max |err| for f32 storage (both f32 accumulations in
+//! different orders over up to ~10^4 entries with |v| <~ 3.4); f16 mirrors vs the CPU on
+//! the same f16-rounded rows, also 4e-5.
+mod common;
+
+use common::*;
+use foxedge_vulkan::{
+    CacheHead, DecodeArgs, DecodeOptions, DecodeTuning, Error, HeadSync, ResidentOptions,
+};
+use half::f16;
+use rand::Rng;
+
+/// One cache head owned the way a session owns it: rows, c, versions.
+#[derive(Clone)]
+struct Head {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    c: Vec<f64>,
+    id: u64,
+    version: u64,
+    row_version: Vec<u64>,
+}
+
+impl Head {
+    fn new(id: u64) -> Head {
+        Head {
+            k: vec![],
+            v: vec![],
+            c: vec![],
+            id,
+            version: 0,
+            row_version: vec![],
+        }
+    }
+
+    fn push(&mut self, k: &[f32], v: &[f32], c: f64) {
+        self.k.extend_from_slice(k);
+        self.v.extend_from_slice(v);
+        self.c.push(c);
+        self.version += 1;
+        self.row_version.push(self.version);
+    }
+
+    /// Swap-delete of row `j`: the last row moves into it.
+    fn remove(&mut self, j: usize, d: usize) {
+        let last = self.c.len() - 1;
+        if j != last {
+            self.k.copy_within(last * d..(last + 1) * d, j * d);
+            self.v.copy_within(last * d..(last + 1) * d, j * d);
+            self.c[j] = self.c[last];
+            self.version += 1;
+            self.row_version[j] = self.version;
+        }
+        self.k.truncate(last * d);
+        self.v.truncate(last * d);
+        self.c.truncate(last);
+        self.row_version.truncate(last);
+    }
+
+    fn rebase(&mut self, by: f64) {
+        for c in &mut self.c {
+            *c -= by;
+        }
+        self.version += 1;
+        self.row_version.fill(self.version);
+    }
+
+    fn view(&self) -> CacheHead<'_, f32> {
+        CacheHead {
+            k: &self.k,
+            v: &self.v,
+            c: &self.c,
+            pos: None,
+        }
+    }
+
+    fn sync(&self) -> Option<HeadSync<'_>> {
+        Some(HeadSync {
+            id: self.id,
+            version: self.version,
+            row_version: &self.row_version,
+        })
+    }
+}
+
+fn cpu_decode(heads: &[Head], d: usize, q: &[f32], q_c: &[f64]) -> Vec<f32> {
+    let hs: Vec<foxedge_cpu::CacheHead<'_, f32>> = heads
+        .iter()
+        .map(|h| foxedge_cpu::CacheHead {
+            k: &h.k,
+            v: &h.v,
+            c: &h.c,
+            pos: None,
+        })
+        .collect();
+    let args = foxedge_cpu::DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q,
+        q_c,
+        q_pos: None,
+        heads: &hs,
+    };
+    let mut out = vec![0.0f32; heads.len() * d];
+    foxedge_cpu::decode(&args, &Default::default(), &mut out, None).expect("cpu decode");
+    out
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(
+            0.0,
+            |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+        )
+}
+
+/// A head of `n` random rows with c from random gates.
+fn filled(r: &mut rand::rngs::StdRng, id: u64, n: usize, d: usize) -> Head {
+    let mut h = Head::new(id);
+    let g = log_gates(r, n, 1.0);
+    let mut acc = 0.0f64;
+    for x in g {
+        acc += f64::from(x);
+        let k = randn(r, d, 1.0);
+        let v = randn(r, d, 1.0);
+        h.push(&k, &v, acc);
+    }
+    h
+}
+
+#[test]
+fn many_chunks_and_launch_shapes_match_cpu() {
+    let Some(vk) = device() else { return };
+    let d = 64;
+    let mut r = rng(31);
+    // 10000 entries in chunks of 64: 157 partials per query, more than a workgroup's
+    // threads, so the merging workgroup loops; a short head takes a single chunk.
+    let heads = vec![filled(&mut r, 1, 10_000, d), filled(&mut r, 2, 50, d)];
+    let q = randn(&mut r, 2 * d, 1.0);
+    let q_c: Vec<f64> = heads.iter().map(|h| h.c[h.c.len() - 1]).collect();
+    let want = cpu_decode(&heads, d, &q, &q_c);
+    let views: Vec<_> = heads.iter().map(Head::view).collect();
+    let args = DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &views,
+    };
+    for (tuning, split) in [
+        (DecodeTuning::default(), 64),
+        (DecodeTuning::default(), 2048),
+        (
+            DecodeTuning {
+                workgroup: 64,
+                unroll: 4,
+                lanes_per_entry: 4,
+            },
+            128,
+        ),
+        (
+            DecodeTuning {
+                workgroup: 256,
+                unroll: 1,
+                lanes_per_entry: 8,
+            },
+            512,
+        ),
+    ] {
+        vk.set_decode_tuning(tuning);
+        let opts = DecodeOptions {
+            split,
+            ..Default::default()
+        };
+        let mut out = vec![f32::NAN; 2 * d];
+        let mut lse = vec![0.0f32; 2];
+        vk.decode(&args, &opts, &mut out, Some(&mut lse))
+            .expect("vulkan decode");
+        let e = max_diff(&out, &want);
+        eprintln!("{tuning:?} split {split}: max vs cpu {e:.2e}, lse {lse:?}");
+        assert!(e <= 4e-5, "{tuning:?} split {split}: {e}");
+        assert!(lse.iter().all(|x| x.is_finite()));
+    }
+    vk.set_decode_tuning(DecodeTuning::default());
+}
+
+#[test]
+fn non_finite_logits_are_an_error() {
+    let Some(vk) = device() else { return };
+    let d = 32;
+    let mut r = rng(32);
+    let mut heads = [filled(&mut r, 1, 300, d), filled(&mut r, 2, 40, d)];
+    let q_c: Vec<f64> = heads.iter().map(|h| h.c[h.c.len() - 1]).collect();
+    // s q.k overflows f32 in one key of head 0 (1e30 * 1e30 / sqrt(32)), in a later chunk.
+    heads[0].k[200 * d] = 1.0e30;
+    let mut q = randn(&mut r, 2 * d, 1.0);
+    q[0] = 1.0e30;
+    let views: Vec<_> = heads.iter().map(Head::view).collect();
+    let args = DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &views,
+    };
+    let opts = DecodeOptions {
+        split: 64,
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; 2 * d];
+    for nosg in [false, true] {
+        vk.set_decode_without_subgroups(nosg);
+        let e = vk.decode(&args, &opts, &mut out, None);
+        assert!(
+            matches!(
+                e,
+                Err(Error::Input(foxedge_core::Error::BadArgument(m))) if m.contains("not finite")
+            ),
+            "{e:?}"
+        );
+        let mut cache = vk.resident_cache(ResidentOptions::default());
+        let sync: Vec<_> = heads.iter().map(Head::sync).collect();
+        let e = cache.decode(&args, &sync, &opts, &mut out, None);
+        assert!(matches!(e, Err(Error::Input(_))), "{e:?}");
+    }
+    vk.set_decode_without_subgroups(false);
+    // The CPU kernels say the same.
+    let hs: Vec<_> = heads
+        .iter()
+        .map(|h| foxedge_cpu::CacheHead {
+            k: &h.k,
+            v: &h.v,
+            c: &h.c,
+            pos: None,
+        })
+        .collect();
+    let cargs = foxedge_cpu::DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &hs,
+    };
+    assert!(foxedge_cpu::decode(&cargs, &Default::default(), &mut out, None).is_err());
+}
+
+/// A stream against a resident cache: appends, evictions (swap-delete), a re-basing, and a
+/// head that appears mid-stream; every step equals the CPU, and the rows uploaded per step
+/// are the rows written since the last step, not the cache.
+#[test]
+fn resident_cache_follows_edits_with_few_uploads() {
+    let Some(vk) = device() else { return };
+    let d = 64;
+    let mut r = rng(33);
+    for f16_mirror in [false, true] {
+        let mut cache = vk.resident_cache(ResidentOptions {
+            f16: f16_mirror,
+            budget_bytes: None,
+        });
+        let base = if f16_mirror { 100 } else { 0 };
+        let mut heads = [
+            filled(&mut r, base + 1, 700, d),
+            filled(&mut r, base + 2, 60, d),
+            filled(&mut r, base + 3, 0, d),
+        ];
+        let mut last_c = vec![-3.0f64; 3];
+        let mut prev = cache.counters();
+        for step in 0..40 {
+            // Edits: one append per head, an eviction every other step, a re-basing once.
+            for (h, head) in heads.iter_mut().enumerate() {
+                last_c[h] += f64::from(log_gates(&mut r, 1, 1.0)[0]);
+                let (k, v) = (randn(&mut r, d, 1.0), randn(&mut r, d, 1.0));
+                head.push(&k, &v, last_c[h]);
+                if step % 2 == 1 && head.c.len() > 5 {
+                    let j = r.gen_range(0..head.c.len() - 1);
+                    head.remove(j, d);
+                }
+            }
+            if step == 20 {
+                heads[1].rebase(last_c[1]);
+                last_c[1] = 0.0;
+            }
+            let q = randn(&mut r, 3 * d, 1.0);
+            let q_c = last_c.clone();
+            // The CPU sees what the mirror holds: f16-rounded rows for an f16 mirror.
+            let shown: Vec<Head> = heads
+                .iter()
+                .map(|h| {
+                    let mut s = h.clone();
+                    if f16_mirror {
+                        for x in s.k.iter_mut().chain(s.v.iter_mut()) {
+                            *x = f16::from_f32(*x).to_f32();
+                        }
+                    }
+                    s
+                })
+                .collect();
+            let want = cpu_decode(&shown, d, &q, &q_c);
+            let views: Vec<_> = heads.iter().map(Head::view).collect();
+            let sync: Vec<_> = heads.iter().map(Head::sync).collect();
+            let args = DecodeArgs {
+                head_dim: d,
+                n_queries: 1,
+                q: &q,
+                q_c: &q_c,
+                q_pos: None,
+                heads: &views,
+            };
+            let opts = DecodeOptions {
+                split: 128,
+                ..Default::default()
+            };
+            let mut out = vec![f32::NAN; 3 * d];
+            cache
+                .decode(&args, &sync, &opts, &mut out, None)
+                .expect("resident decode");
+            let e = max_diff(&out, &want);
+            assert!(e <= 4e-5, "f16 {f16_mirror} step {step}: {e}");
+            let now = cache.counters();
+            let rows = now.rows_uploaded - prev.rows_uploaded;
+            let expect = match step {
+                0 => heads.iter().map(|h| h.c.len() as u64).sum(),
+                20 => heads[1].c.len() as u64 + 4,
+                _ => 3,
+            };
+            assert!(
+                rows <= expect,
+                "step {step}: {rows} rows uploaded, expected <= {expect}"
+            );
+            prev = now;
+        }
+        let c = cache.counters();
+        eprintln!("f16 {f16_mirror}: {c:?}");
+        assert_eq!(c.mirrors, 3);
+        assert!(c.grows >= 1, "the 60-row head outgrew its 64-row mirror");
+        assert_eq!(c.steps, 40);
+    }
+}
+
+/// A budget smaller than all mirrors: least-recently-used mirrors are dropped and
+/// re-uploaded whole when needed, results stay exact; a budget below one head's mirror is
+/// an out-of-memory error, and the cache works again once the budget allows.
+#[test]
+fn resident_cache_budget_evicts_and_reports_oom() {
+    let Some(vk) = device() else { return };
+    let d = 32;
+    let mut r = rng(34);
+    let heads: Vec<Head> = (0..4).map(|i| filled(&mut r, 10 + i, 200, d)).collect();
+    // One mirror: 256 rows * (2 * 32 + 4) words * 4 bytes = 69632 bytes.
+    let mirror = 256 * (2 * 32 + 4) * 4;
+    let mut cache = vk.resident_cache(ResidentOptions {
+        f16: false,
+        budget_bytes: Some(2 * mirror + 100),
+    });
+    for round in 0..3 {
+        for pair in [[0usize, 1], [2, 3], [1, 2]] {
+            let sel: Vec<Head> = pair.iter().map(|&i| heads[i].clone()).collect();
+            let q = randn(&mut r, 2 * d, 1.0);
+            let q_c: Vec<f64> = sel.iter().map(|h| h.c[199]).collect();
+            let views: Vec<_> = sel.iter().map(Head::view).collect();
+            let sync: Vec<_> = sel.iter().map(Head::sync).collect();
+            let args = DecodeArgs {
+                head_dim: d,
+                n_queries: 1,
+                q: &q,
+                q_c: &q_c,
+                q_pos: None,
+                heads: &views,
+            };
+            let mut out = vec![0.0f32; 2 * d];
+            cache
+                .decode(&args, &sync, &DecodeOptions::default(), &mut out, None)
+                .expect("decode under budget");
+            assert!(max_diff(&out, &cpu_decode(&sel, d, &q, &q_c)) <= 4e-5);
+            assert!(
+                cache.counters().resident_bytes <= cache.budget(),
+                "round {round}"
+            );
+        }
+    }
+    let c = cache.counters();
+    eprintln!("{c:?}");
+    assert!(c.evictions > 0 && c.full_uploads > 4);
+
+    cache.set_budget(mirror - 1);
+    let q = randn(&mut r, d, 1.0);
+    let views = [heads[3].view()];
+    let sync = [heads[3].sync()];
+    let args = DecodeArgs {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &[heads[3].c[199]],
+        q_pos: None,
+        heads: &views,
+    };
+    let mut out = vec![0.0f32; d];
+    cache.forget(&[13]);
+    let e = cache.decode(&args, &sync, &DecodeOptions::default(), &mut out, None);
+    assert_eq!(e.err(), Some(Error::OutOfDeviceMemory));
+    cache.set_budget(mirror);
+    cache
+        .decode(&args, &sync, &DecodeOptions::default(), &mut out, None)
+        .expect("decode once the budget allows");
+    // A broken sync invariant is refused.
+    let bad = [Some(HeadSync {
+        id: 13,
+        version: 0,
+        row_version: &heads[3].row_version,
+    })];
+    let e = cache.decode(&args, &bad, &DecodeOptions::default(), &mut out, None);
+    assert!(matches!(e, Err(Error::Input(_))), "{e:?}");
+}
