@@ -712,6 +712,9 @@ fn decode_sample(
         };
         b.decode(&call, &mut out).map(|_| ())
     })?;
+    if resident {
+        b.release_cache(&(0..heads as u64).map(|h| sync.base + h).collect::<Vec<_>>());
+    }
     Ok(Sample {
         pairs,
         rows: if resident { heads } else { n * heads } as u64,
@@ -1421,10 +1424,6 @@ fn join_gpu(
 }
 
 impl AttentionBackend for Scheduler {
-    fn release_cache(&self, ids: &[u64]) {
-        self.gpu.backend.release_cache(ids);
-    }
-
     fn kind(&self) -> BackendKind {
         if self.fell_back() {
             return BackendKind::Cpu;
@@ -1519,9 +1518,28 @@ impl AttentionBackend for Scheduler {
         }
         r
     }
+
+    fn release_cache(&self, ids: &[u64]) {
+        self.forget(ids);
+    }
 }
 
 impl Scheduler {
+    /// Forgets the cache heads `ids` (and has the GPU free its mirrors of them).
+    fn forget(&self, ids: &[u64]) {
+        if let Ok(mut m) = self.gpu_synced.lock() {
+            for id in ids {
+                m.remove(id);
+            }
+        }
+        if let Ok(mut m) = self.kept_counts.lock() {
+            for id in ids {
+                m.remove(id);
+            }
+        }
+        self.gpu.backend.release_cache(ids);
+    }
+
     /// A prefill split: the GPU heads are gathered and handed to the GPU thread first; the
     /// CPU side (gather, kernel, scatter of its heads) then runs in the split pool while
     /// the GPU works; the GPU heads' output is scattered after the join.
@@ -1925,8 +1943,8 @@ impl Problem {
 /// One decode step of one query per head against `n` cached entries per head.
 ///
 /// A backend may keep the cache resident between [`Engine::decode`] calls (each call is a
-/// step that rewrote only the newest row): after changing `k`, `v` or `c` in place, decode
-/// a clone (a clone is a new cache).
+/// step that rewrote only the newest row): after changing `k`, `v` or `c` in place, call
+/// [`Engine::release`] or decode a clone (a clone is a new cache).
 ///
 /// `k`, `v`: `[heads, n, head_dim]`; `c`: `[heads, n]` (f64, non-increasing);
 /// `q`: `[heads, head_dim]`; `q_c`: `[heads]`; `u`: `[heads]`.
@@ -2104,6 +2122,12 @@ impl Engine {
             EngineInner::Sched(s) => s.last_split(),
             EngineInner::Cpu(_) => None,
         }
+    }
+
+    /// Frees what the backend keeps of `p`'s cache (a device mirror); a later decode of
+    /// `p` sends its whole cache again.
+    pub fn release(&self, p: &DecodeProblem) {
+        self.backend().release_cache(&p.cache_ids());
     }
 
     /// Calls so far by plan (a `cpu` engine counts none).
