@@ -106,18 +106,22 @@ impl std::fmt::Debug for ResidentCache {
     }
 }
 
-/// Rows `j < n` with `row_version[j] > synced`, as runs `[a, b)`.
-fn dirty_runs(row_version: &[u64], synced: u64) -> Vec<(usize, usize)> {
+/// Rows `j < n` with `row_version[j] > synced`, as runs `[a, b)`; `None` when a row is
+/// newer than `version` (the caller broke the [`HeadSync`] invariant).
+fn dirty_runs(row_version: &[u64], synced: u64, version: u64) -> Option<Vec<(usize, usize)>> {
     let mut runs: Vec<(usize, usize)> = Vec::new();
     for (j, &v) in row_version.iter().enumerate() {
         if v > synced {
+            if v > version {
+                return None;
+            }
             match runs.last_mut() {
                 Some(r) if r.1 == j => r.1 = j + 1,
                 _ => runs.push((j, j + 1)),
             }
         }
     }
-    runs
+    Some(runs)
 }
 
 impl ResidentCache {
@@ -242,7 +246,7 @@ impl ResidentCache {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<AttentionStats> {
-        decode::validate(args, opts)?;
+        decode::validate_except_c(args, opts, |h| sync.get(h).is_some_and(Option::is_some))?;
         let (d, nh) = (args.head_dim, args.heads.len());
         decode::check_out_len(nh * args.n_queries, d, out, lse.as_deref())?;
         if sync.len() != nh {
@@ -261,12 +265,6 @@ impl ResidentCache {
                         expected: hc.c.len(),
                         got: s.row_version.len(),
                     }
-                    .into());
-                }
-                if s.row_version.iter().any(|&v| v > s.version) {
-                    return Err(foxedge_core::Error::BadArgument(
-                        "a row version is newer than its head's version",
-                    )
                     .into());
                 }
             }
@@ -314,13 +312,18 @@ impl ResidentCache {
                 });
                 continue;
             }
+            let broken = || {
+                Error::Input(foxedge_core::Error::BadArgument(
+                    "a row version is newer than its head's version",
+                ))
+            };
             let want_cap = n.max(64).next_power_of_two();
             let old = self
                 .mirrors
                 .get(&s.id)
                 .filter(|m| m.d == d && m.synced <= s.version);
             let (buf, cap, synced) = match old {
-                Some(m) if m.cap >= n => (m.buf.clone(), m.cap, m.synced),
+                Some(m) if m.cap >= n => (m.buf.clone(), m.cap, Some(m.synced)),
                 Some(m) => {
                     let (old_buf, old_cap, keep_rows, synced) =
                         (m.buf.clone(), m.cap, m.n.min(n), m.synced);
@@ -351,28 +354,28 @@ impl ResidentCache {
                         grow_copies.push((old_buf, buf.clone(), regions));
                     }
                     grows += 1;
-                    (buf, cap, synced)
+                    (buf, cap, Some(synced))
                 }
                 None => {
+                    if s.row_version.iter().any(|&v| v > s.version) {
+                        return Err(broken());
+                    }
                     let words = decode::head_words(want_cap, d, f16);
                     self.check_limit(words, limit)?;
                     let buf = self.alloc(words, &keep, extra)?;
                     extra += words as u64 * 4;
                     full += 1;
-                    // Nothing on the device yet: every row is dirty.
-                    (buf, want_cap, 0)
+                    (buf, want_cap, None)
                 }
             };
-            let runs = if synced == 0 {
-                vec![(0, n)]
-            } else {
-                dirty_runs(s.row_version, synced)
+            let runs = match synced {
+                Some(v) => dirty_runs(s.row_version, v, s.version).ok_or_else(broken)?,
+                // Nothing on the device yet: every row is uploaded.
+                None => vec![(0, n)],
             };
             let mut meta = Vec::new();
             for &(a, b) in &runs {
-                if a == b {
-                    continue;
-                }
+                decode::check_c(&hc.c[a..b])?;
                 let k = pack_rows(hc.k, f16, b - a, d, |r| (a + r) * d).words;
                 let v = pack_rows(hc.v, f16, b - a, d, |r| (a + r) * d).words;
                 up.push(&buf, a * rw, &k);
@@ -469,8 +472,12 @@ mod tests {
 
     #[test]
     fn dirty_rows_come_as_runs() {
-        assert_eq!(dirty_runs(&[1, 5, 6, 2, 7, 7], 4), vec![(1, 3), (4, 6)]);
-        assert!(dirty_runs(&[1, 2, 3], 3).is_empty());
-        assert_eq!(dirty_runs(&[9], 0), vec![(0, 1)]);
+        assert_eq!(
+            dirty_runs(&[1, 5, 6, 2, 7, 7], 4, 7),
+            Some(vec![(1, 3), (4, 6)])
+        );
+        assert_eq!(dirty_runs(&[1, 2, 3], 3, 3), Some(vec![]));
+        assert_eq!(dirty_runs(&[9], 0, 9), Some(vec![(0, 1)]));
+        assert_eq!(dirty_runs(&[9, 10], 0, 9), None);
     }
 }

@@ -229,6 +229,16 @@ pub(crate) fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
 ) -> Result<()> {
+    validate_except_c(args, opts, |_| false)
+}
+
+/// [`validate`] without the finiteness scan of `c` for the heads where `synced(h)`: the
+/// resident cache checks only the rows it uploads (the others were checked when they were).
+pub(crate) fn validate_except_c<Q: Storage, T: Storage>(
+    args: &DecodeArgs<'_, Q, T>,
+    opts: &DecodeOptions<'_>,
+    synced: impl Fn(usize) -> bool,
+) -> Result<()> {
     let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
     let bad = |m| Err(Error::Input(foxedge_core::Error::BadShape(m)));
     if d == 0 || d % 8 != 0 {
@@ -251,7 +261,7 @@ pub(crate) fn validate<Q: Storage, T: Storage>(
     if let Some(p) = args.q_pos {
         bad_len("decode q_pos", rows, p.len())?;
     }
-    for hc in args.heads {
+    for (h, hc) in args.heads.iter().enumerate() {
         let n = hc.c.len();
         let nd = n
             .checked_mul(d)
@@ -260,8 +270,8 @@ pub(crate) fn validate<Q: Storage, T: Storage>(
             )))?;
         bad_len("cache k (entries * head_dim)", nd, hc.k.len())?;
         bad_len("cache v (entries * head_dim)", nd, hc.v.len())?;
-        if hc.c.iter().any(|x| !x.is_finite()) {
-            return Err(foxedge_core::Error::BadArgument("cache c_j must be finite").into());
+        if !synced(h) {
+            check_c(hc.c)?;
         }
         if let Some(p) = hc.pos {
             bad_len("cache pos", n, p.len())?;
@@ -301,6 +311,15 @@ pub(crate) fn validate<Q: Storage, T: Storage>(
         ));
     }
     Ok(())
+}
+
+/// Every `c_j` finite, as foxedge-cpu requires.
+pub(crate) fn check_c(c: &[f64]) -> Result<()> {
+    if c.iter().all(|x| x.is_finite()) {
+        Ok(())
+    } else {
+        Err(foxedge_core::Error::BadArgument("cache c_j must be finite").into())
+    }
 }
 
 /// Per-head host decisions: block flags (1 = attend) and statistics.
