@@ -14,8 +14,9 @@
 //!   only the rows written since the last one.
 //!
 //! Storage: f16 stays f16 on the device when it has 16-bit storage buffers; f32 and bf16
-//! (and f16 without 16-bit storage) go up as f32. Compute and accumulation are f32. `c` is
-//! f64 on the host and reaches the device as a double-float pair (see `prefill.rs`).
+//! (and f16 without 16-bit storage) go up as f32; decode reads f16 K/V as packed 32-bit
+//! words and keeps them f16 on any device. Compute and accumulation are f32. `c` is f64 on
+//! the host and reaches the device as a double-float pair (see `prefill.rs`).
 //!
 //! Statistics ([`AttentionStats`]) come from foxedge-core's pair counts, as on the CPU.
 //! Every failure is an [`Error`]: no loader, no driver, no device, out of device memory,
