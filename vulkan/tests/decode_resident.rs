@@ -421,3 +421,86 @@ fn resident_cache_budget_evicts_and_reports_oom() {
     let e = cache.decode(&args, &bad, &DecodeOptions::default(), &mut out, None);
     assert!(matches!(e, Err(Error::Input(_))), "{e:?}");
 }
+
+/// Several queries per step with positions (the causal mask inside a step): the mirror
+/// carries each row's u64 position, and a step whose positions cross 2^32 masks exactly.
+#[test]
+fn resident_cache_with_positions_matches_cpu() {
+    let Some(vk) = device() else { return };
+    let d = 16;
+    let nq = 3;
+    let mut r = rng(35);
+    let mut cache = vk.resident_cache(ResidentOptions::default());
+    let mut head = filled(&mut r, 77, 90, d);
+    let base = (1u64 << 32) - 50;
+    let mut pos: Vec<u64> = (0..90).map(|j| base + j as u64).collect();
+    for step in 0..4 {
+        // Three new tokens per step; the queries sit at the newest three positions.
+        for _ in 0..nq {
+            let c = head.c[head.c.len() - 1] + f64::from(log_gates(&mut r, 1, 1.0)[0]);
+            let (k, v) = (randn(&mut r, d, 1.0), randn(&mut r, d, 1.0));
+            head.push(&k, &v, c);
+            pos.push(pos[pos.len() - 1] + 1);
+        }
+        if step == 2 {
+            head.remove(5, d);
+            let last = pos.len() - 1;
+            pos[5] = pos[last];
+            pos.truncate(last);
+        }
+        let n = head.c.len();
+        let newest = *pos.iter().max().unwrap();
+        let q_pos: Vec<u64> = (0..nq as u64).map(|t| newest - 2 + t).collect();
+        let q_c: Vec<f64> = q_pos
+            .iter()
+            .map(|p| head.c[pos.iter().position(|x| x == p).unwrap()])
+            .collect();
+        let q = randn(&mut r, nq * d, 1.0);
+        let views = [CacheHead {
+            k: &head.k[..],
+            v: &head.v[..],
+            c: &head.c[..],
+            pos: Some(&pos[..]),
+        }];
+        let args = DecodeArgs {
+            head_dim: d,
+            n_queries: nq,
+            q: &q,
+            q_c: &q_c,
+            q_pos: Some(&q_pos),
+            heads: &views,
+        };
+        let opts = DecodeOptions {
+            split: 64,
+            ..Default::default()
+        };
+        let mut out = vec![f32::NAN; nq * d];
+        let st = cache
+            .decode(&args, &[head.sync()], &opts, &mut out, None)
+            .expect("resident decode with positions");
+        let ch = [foxedge_cpu::CacheHead {
+            k: &head.k[..],
+            v: &head.v[..],
+            c: &head.c[..],
+            pos: Some(&pos[..]),
+        }];
+        let cargs = foxedge_cpu::DecodeArgs {
+            head_dim: d,
+            n_queries: nq,
+            q: &q,
+            q_c: &q_c,
+            q_pos: Some(&q_pos),
+            heads: &ch,
+        };
+        let mut want = vec![0.0f32; nq * d];
+        let cst =
+            foxedge_cpu::decode(&cargs, &Default::default(), &mut want, None).expect("cpu decode");
+        assert!(max_diff(&out, &want) <= 4e-5, "step {step}");
+        assert_eq!(st.heads[0].total_pairs, cst.heads[0].total_pairs);
+        assert_eq!(
+            st.heads[0].total_pairs,
+            3 * n as u64 - 3,
+            "causal mask in the step"
+        );
+    }
+}
