@@ -349,7 +349,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         calibration,
         method: format!(
             "per cell: {} untimed calls per backend, then up to {} rounds with the backends \
-             interleaved (order rotated each round), each sample a batch of calls lasting \
+             interleaved (a random order each round), each sample a batch of calls lasting \
              >= {} ms after one untimed call; <= {} s of timed calls per backend and cell \
              (>= {} rounds; a call slower than that: its first run is its sample); median, \
              min, IQR per backend; auto/best = best median / auto median, paired = per round",
@@ -409,7 +409,7 @@ struct Measured {
 }
 
 /// Times every engine on `run` by `method` (see [`Report::method`]): warm-up calls, then
-/// interleaved rounds, rotating which backend goes first so none always follows another
+/// interleaved rounds in a random order each, so that no backend always follows another
 /// (a GPU call's host traffic, or an idle pool waking, then hits every backend alike).
 fn measure(
     engines: &[(String, Engine)],
@@ -492,9 +492,19 @@ fn measure(
         });
     }
     let mut prev = String::new();
-    for r in 0..method.rounds {
-        for j in 0..k {
-            let i = (r + j) % k;
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut order: Vec<usize> = (0..k).collect();
+    for _ in 0..method.rounds {
+        // A fresh random order each round (Fisher-Yates, fixed seed): every backend follows
+        // every other about equally often, so what one leaves behind (a GPU call's driver
+        // work, cache traffic, woken or sleeping threads) is spread over all of them.
+        for j in (1..k).rev() {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            order.swap(j, (rng % (j as u64 + 1)) as usize);
+        }
+        for &i in &order {
             if ms[i].samples.len() >= want[i] {
                 continue;
             }
