@@ -722,10 +722,13 @@ fn decode_sample(
     })
 }
 
-/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned. `resident`
-/// (a GPU): those three as resident steps, and a 4096 dense one with the whole cache sent,
-/// which gives `c` (seconds per row sent); `Ok((cost, true))` when the device keeps caches
-/// resident (the resident step is < 0.7x the whole one), else the plain fit on whole sends.
+/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned (whole sends).
+/// `resident` (a GPU): also resident dense steps (one changed row per head) over 4096 and
+/// 16384 entries; when the 4096 one runs in < 0.7x the whole send's time the device keeps
+/// caches resident (`Ok((cost, true))`): `b` is the slope between the two resident steps
+/// (a GPU step is latency-bound below a few thousand entries per head, so the slope is taken
+/// where the kernel reads enough to show it), `c` = seconds per row sent (whole minus
+/// resident 4096 step over the rows between), `a` the rest. Else the plain fit.
 fn calibrate_decode(
     b: &dyn AttentionBackend,
     heads: usize,
@@ -739,16 +742,15 @@ fn calibrate_decode(
     if !resident {
         return Ok((whole, false));
     }
-    let r1 = decode_sample(b, heads, d, 512, false, true)?;
-    let r2 = decode_sample(b, heads, d, 4096, false, true)?;
-    let rp = decode_sample(b, heads, d, 4096, true, true)?;
-    if r2.secs >= 0.7 * d2.secs {
+    let r1 = decode_sample(b, heads, d, 4096, false, true)?;
+    if r1.secs >= 0.7 * d2.secs {
         return Ok((whole, false));
     }
-    let mut lc = LinearCost::fit(r1, r2, rp);
-    lc.c = ((d2.secs - r2.secs) / d2.rows.saturating_sub(r2.rows).max(1) as f64).max(0.0);
-    lc.a = (lc.a - lc.c * r1.rows as f64).max(0.0);
-    Ok((lc, true))
+    let r2 = decode_sample(b, heads, d, 16384, false, true)?;
+    let bb = ((r2.secs - r1.secs) / r2.pairs.saturating_sub(r1.pairs).max(1) as f64).max(0.0);
+    let c = ((d2.secs - r1.secs) / d2.rows.saturating_sub(r1.rows).max(1) as f64).max(0.0);
+    let a = (r1.secs - bb * r1.pairs as f64 - c * r1.rows as f64).max(0.0);
+    Ok((LinearCost { a, b: bb, c }, true))
 }
 
 /// Measures both backends on synthetic calls of `heads` heads of `d` dims.

@@ -111,7 +111,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let rounds: usize = a.parsed("--reps")?.unwrap_or(15);
     let warm: usize = a.parsed("--warm")?.unwrap_or(3);
     let batch_ms: f64 = a.parsed("--batch-ms")?.unwrap_or(20.0);
-    let budget_s: f64 = a.parsed("--budget-s")?.unwrap_or(2.0);
+    let budget_s: f64 = a.parsed("--budget-s")?.unwrap_or(3.0);
     let ln_eps: f64 = a.parsed("--log-eps")?.unwrap_or(-10.0);
     a.finish()?;
     if rounds == 0 || warm == 0 {
@@ -348,7 +348,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         device: device_name,
         calibration,
         method: format!(
-            "per cell: {} untimed calls per backend, then up to {} rounds with the backends \
+            "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
              interleaved (a random order each round), each sample a batch of calls lasting \
              >= {} ms after one untimed call; <= {} s of timed calls per backend and cell \
              (>= {} rounds; a call slower than that: its first run is its sample); median, \
@@ -449,12 +449,13 @@ fn measure(
         if label == "cpu" {
             cpu_first = first;
         }
-        // More untimed calls (caches, pools, auto's tries) while they stay within half the
-        // budget; `e` = the fastest, which sizes the batches.
+        // More untimed calls (caches, pools, auto's tries): a second one always (the first
+        // may carry one-time work: a device upload, pipeline builds), more while they stay
+        // within the budget; `e` = the fastest, which sizes the batches.
         let mut e = first;
         let mut spent = first;
-        for _ in 1..method.warm {
-            if spent + e > method.budget_s / 2.0 {
+        for w in 1..method.warm {
+            if first >= method.budget_s || (w > 1 && spent + e > method.budget_s) {
                 break;
             }
             let t0 = Instant::now();
