@@ -458,7 +458,11 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                 let (kt, krs) = ctx.kv_tile::<V>(ctx.args.k, &mut scr.k, b, hk, j0, nk);
                 let st = sized(&mut scr.st, nk * nqp);
                 // st[j][i] = s q_i·k_j
-                tile_mm::<V>(st, nqp, kt, krs, 1, qt, nqp, nk, d, nqp, false);
+                // Keys are the rows; a diagonal tile skips those after all queries of a
+                // column chunk (softmax masks them to -inf whatever st holds there).
+                let causal0 = j0 as isize - p0 as isize;
+                let keys_rows = KeyCut::Rows(causal0);
+                tile_mm::<V>(st, nqp, kt, krs, 1, qt, nqp, nk, d, nqp, false, keys_rows);
                 let lo = ks.saturating_sub(j0).min(nk);
                 softmax_block::<V>(SoftmaxArgs {
                     st,
@@ -466,7 +470,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                     nk,
                     lo,
                     // Row j masks query columns i < j0 + j - p0 (causal).
-                    causal0: j0 as isize - p0 as isize,
+                    causal0,
                     ck: &c[j0..j0 + nk],
                     c_ref,
                     cq,
@@ -479,7 +483,9 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                 });
                 let (vt, vrs) = ctx.kv_tile::<V>(ctx.args.v, &mut scr.v, b, hk, j0, nk);
                 // acc[c][i] += Σ_j v_j[c] p_ij
-                tile_mm::<V>(acc, nqp, vt, 1, vrs, st, nqp, d, nk, nqp, true);
+                // Keys are the depth; the skipped keys have probability 0 there.
+                let keys_depth = KeyCut::Depth(causal0);
+                tile_mm::<V>(acc, nqp, vt, 1, vrs, st, nqp, d, nk, nqp, true, keys_depth);
             }
         }
 
@@ -526,6 +532,7 @@ fn bcast_mm<V: Vf32, const R: usize, const C: usize>(
     depth: usize,
     ncols: usize,
     accumulate: bool,
+    cut: KeyCut,
 ) {
     let l = V::LANES;
     if rows == 0 || depth == 0 {
@@ -536,6 +543,7 @@ fn bcast_mm<V: Vf32, const R: usize, const C: usize>(
     assert!(b.len() >= (depth - 1) * ldb + ncols);
     assert!(a.len() > (rows - 1) * ars + (depth - 1) * aks);
     for c0 in (0..ncols).step_by(C * l) {
+        let (rows, depth) = cut.limits(c0 + C * l, rows, depth);
         let mut r = 0;
         while r < rows {
             let nr = (rows - r).min(R);
@@ -606,15 +614,38 @@ fn tile_mm<V: Vf32>(
     depth: usize,
     ncols: usize,
     accumulate: bool,
+    cut: KeyCut,
 ) {
     if V::MM_COLS == 4 {
         bcast_mm::<V, 4, 4>(
-            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate,
+            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate, cut,
         );
     } else {
         bcast_mm::<V, 4, 2>(
-            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate,
+            out, ldo, a, ars, aks, b, ldb, rows, depth, ncols, accumulate, cut,
         );
+    }
+}
+
+/// Causal skipping inside a tile for [`bcast_mm`]. Key `j` of the tile is after every
+/// query of the column chunk ending at `c1` when `causal0 + j >= c1` (`causal0` = first
+/// key position minus first query position), so only keys `j < c1 - causal0` are needed;
+/// the keys are the output rows (`Rows`, for S = Q K^T) or the depth (`Depth`, for P V).
+#[derive(Clone, Copy)]
+enum KeyCut {
+    Rows(isize),
+    Depth(isize),
+}
+
+impl KeyCut {
+    /// `(rows, depth)` needed for the column chunk ending at `c1`.
+    #[inline(always)]
+    fn limits(self, c1: usize, rows: usize, depth: usize) -> (usize, usize) {
+        let need = |causal0: isize, n: usize| (c1 as isize - causal0).clamp(0, n as isize) as usize;
+        match self {
+            KeyCut::Rows(c) => (need(c, rows), depth),
+            KeyCut::Depth(c) => (rows, need(c, depth)),
+        }
     }
 }
 
