@@ -294,6 +294,7 @@ struct Scratch {
     mx: Vec<f32>,
     alpha: Vec<f32>,
     cq: Vec<f32>,
+    cq_lo: Vec<f32>,
     row: Vec<f32>,
 }
 
@@ -440,8 +441,9 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                 }
             }
             let cq = sized(&mut scr.cq, nqp);
-            for (i, x) in cq.iter_mut().enumerate() {
-                *x = (c[p0 + i.min(nq - 1)] - c_ref) as f32;
+            let cq_lo = sized(&mut scr.cq_lo, nqp);
+            for (i, (hi, lo)) in cq.iter_mut().zip(cq_lo.iter_mut()).enumerate() {
+                (*hi, *lo) = split_f64(c[p0 + i.min(nq - 1)] - c_ref);
             }
             let mx = sized(&mut scr.mx, nqp);
             let alpha = sized(&mut scr.alpha, nqp);
@@ -474,6 +476,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                     ck: &c[j0..j0 + nk],
                     c_ref,
                     cq,
+                    cq_lo,
                     m,
                     l,
                     mx,
@@ -661,7 +664,9 @@ struct SoftmaxArgs<'a> {
     /// `c` of the block's keys (f64), and `c` of the tile's first row.
     ck: &'a [f64],
     c_ref: f64,
+    /// `c_i - c_ref` of the tile's queries as an f32 pair `hi + lo` (see [`split_f64`]).
     cq: &'a [f32],
+    cq_lo: &'a [f32],
     m: &'a mut [f32],
     l: &'a mut [f32],
     mx: &'a mut [f32],
@@ -670,10 +675,19 @@ struct SoftmaxArgs<'a> {
     d: usize,
 }
 
+/// `x` as `hi + lo` with `hi = x as f32` and `lo` the f32 rounding of the remainder, so
+/// differences of two such pairs keep ~48 bits of `c` (f32 alone loses D = c_i - c_j once
+/// |c - c_ref| is large: at |c| ~ 1e4 its spacing is 1e-3, a 1e-3 relative weight error).
+#[inline(always)]
+fn split_f64(x: f64) -> (f32, f32) {
+    let hi = x as f32;
+    (hi, (x - f64::from(hi)) as f32)
+}
+
 /// Online-softmax update of one tile (FlashAttention-2), vectorised across queries:
 ///
 /// ```text
-/// x_ji  = st_ji + cq_i - ck_j        (masked: -inf)
+/// x_ji  = st_ji + (c_i - c_j)        (masked: -inf; c_i - c_j from f32 hi/lo pairs)
 /// m_i'  = max(m_i, max_j x_ji),  alpha_i = exp(m_i - m_i')
 /// st_ji = exp(x_ji - m_i'),      l_i = alpha_i l_i + Σ_j st_ji,   acc[c][i] *= alpha_i
 /// ```
@@ -686,14 +700,19 @@ fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
             row.fill(0.0);
             continue;
         }
-        let ck = V::splat((a.ck[j] - a.c_ref) as f32);
+        let (ck_hi, ck_lo) = split_f64(a.ck[j] - a.c_ref);
+        let (ck_hi, ck_lo) = (V::splat(ck_hi), V::splat(ck_lo));
         let cut = (a.causal0 + j as isize).clamp(0, nqp as isize) as usize;
-        for ((x, cq), mx) in row
+        for (((x, cq), cq_lo), mx) in row
             .chunks_exact_mut(l)
             .zip(a.cq.chunks_exact(l))
+            .zip(a.cq_lo.chunks_exact(l))
             .zip(a.mx.chunks_exact_mut(l))
         {
-            V::load(x).add(V::load(cq)).sub(ck).store(x);
+            // D_ij = (hi_i - hi_j) + (lo_i - lo_j): the hi difference is exact whenever
+            // c_i and c_j are close (Sterbenz), which is where weights are not negligible.
+            let dij = V::load(cq).sub(ck_hi).add(V::load(cq_lo).sub(ck_lo));
+            V::load(x).add(dij).store(x);
             if cut == 0 {
                 V::load(mx).max(V::load(x)).store(mx);
             }

@@ -32,7 +32,10 @@ pub fn prefill_f64<T: Storage>(
             let hk = h / sh.group();
             let mut acc = 0.0;
             for (j, cj) in c.iter_mut().enumerate() {
-                acc += f64::from(args.log_fgate[sh.gate_at(b, j, h)]);
+                // The floor is exact (a weight across a gate of -1e4 is exp(-1e4) = 0 in f64
+                // too) and keeps a gate near f32::MIN from swallowing every later gate of c.
+                let g = args.log_fgate[sh.gate_at(b, j, h)].max(foxedge_core::gate::LOG_GATE_FLOOR);
+                acc += f64::from(g);
                 *cj = acc;
             }
             for t in 0..sh.seq_q {

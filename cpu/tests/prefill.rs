@@ -113,6 +113,23 @@ fn large_cumulative_gate_keeps_precision() {
     check_f32(&p, None, &PrefillOptions::default(), Isa::detect());
 }
 
+#[test]
+fn one_huge_gate_inside_a_tile_keeps_precision() {
+    // Slow decay with one near-total forget gate mid-tile: rows after it have |c - c_ref|
+    // ~ 5e3 (or the -1e4 floor for f32::MIN) but attend each other with O(1) weights, so
+    // D between them must keep far more than f32's 1e-3 spacing at that magnitude (fuzz
+    // finding: 8e-4 output error with plain f32 c).
+    for (i, big) in [-5.0e3f32, f32::MIN].into_iter().enumerate() {
+        let mut p = problem(40 + i as u64, 1, 2, 1, 90, 90, 16, Layout::SeqFirst, 4.0);
+        for h in 0..2 {
+            p.g[p.shape.gate_at(0, 37, h)] = big;
+        }
+        for isa in Isa::available() {
+            check_f32(&p, None, &PrefillOptions::default(), isa);
+        }
+    }
+}
+
 fn check_half<T: Storage>(tol_out_t: f64) {
     let p = problem(5, 1, 4, 4, 130, 130, 64, Layout::SeqFirst, 3.0);
     let (q, k, v) = (convert::<T>(&p.q), convert::<T>(&p.k), convert::<T>(&p.v));
