@@ -202,6 +202,10 @@ const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 /// is within this factor of the chosen plan's.
 const EXPLORE: f64 = 1.25;
 
+/// [`EXPLORE`] for decode: a step is cheap and a session runs many, while the decode model
+/// extrapolates from synthetic steps (its CPU/GPU crossover was off by 2-3x on the H100 host).
+const EXPLORE_DECODE: f64 = 2.5;
+
 /// One head's work in a call: kept query-key pairs, rows the CPU reads (tokens or cache
 /// entries), rows the GPU must be sent (all of them, but only the changed ones of a decode
 /// head resident on the device).
@@ -314,9 +318,15 @@ fn candidates(
 /// head per side when there are two or more); `Auto` the plan with the smallest corrected
 /// prediction (model x measured factor, [`SPLIT_PRIOR`] for a split not yet run), except
 /// that a plan not yet run whose corrected prediction is within [`EXPLORE`] of the best is
-/// tried once (after the best has run). Returns the split, with the model's (uncorrected)
+/// tried once (after the best has run; `explore` is that factor). Returns the split, with the model's (uncorrected)
 /// prediction of it, and its kind.
-fn plan(n: usize, c: &Candidates, mode: Mode, factors: &Factors) -> (Split, PlanKind) {
+fn plan(
+    n: usize,
+    c: &Candidates,
+    mode: Mode,
+    factors: &Factors,
+    explore: f64,
+) -> (Split, PlanKind) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
         let mut gpu_heads = gpu_heads.to_vec();
         gpu_heads.sort_unstable();
@@ -359,7 +369,7 @@ fn plan(n: usize, c: &Candidates, mode: Mode, factors: &Factors) -> (Split, Plan
     if factors[kind as usize].is_some()
         && let Some(&(_, k)) = opts[1..]
             .iter()
-            .find(|(te, k)| factors[*k as usize].is_none() && *te <= EXPLORE * best_t)
+            .find(|(te, k)| factors[*k as usize].is_none() && *te <= explore * best_t)
     {
         kind = k;
     }
@@ -573,11 +583,12 @@ fn prefill_sample(
     })
 }
 
-/// Dense prefills of 64, 256, 1024 tokens (stopping after two sizes once one takes over
-/// 20 ms), then a pruned one at the last size.
+/// Dense prefills of 64, 256, 1024, 4096 tokens (stopping after two sizes once one takes
+/// over 20 ms: the fit uses the two largest, nearest the lengths that matter), then a pruned
+/// one at the last size.
 fn calibrate_prefill(b: &dyn AttentionBackend, heads: usize, d: usize) -> Result<LinearCost> {
     let mut dense: Vec<(usize, Sample)> = Vec::new();
-    for t in [64usize, 256, 1024] {
+    for t in [64usize, 256, 1024, 4096] {
         let smp = prefill_sample(b, heads, d, t, false)?;
         dense.push((t, smp));
         if dense.len() >= 2 && smp.secs > 0.02 {
@@ -722,9 +733,9 @@ fn decode_sample(
     })
 }
 
-/// Decode steps over 512 and 4096 entries per head, dense, and 4096 pruned (whole sends).
-/// `resident` (a GPU): also resident dense steps (one changed row per head) over 4096 and
-/// 16384 entries; when the 4096 one runs in < 0.7x the whole send's time the device keeps
+/// Decode steps over 1024 and 16384 entries per head, dense, and 16384 pruned (whole
+/// sends). `resident` (a GPU): also resident dense steps (one changed row per head) over
+/// 4096 and 16384 entries; when the 4096 one runs in < 0.7x a whole send of 4096 the device keeps
 /// caches resident (`Ok((cost, true))`): `b` is the slope between the two resident steps
 /// (a GPU step is latency-bound below a few thousand entries per head, so the slope is taken
 /// where the kernel reads enough to show it), `c` = seconds per row sent (whole minus
@@ -735,20 +746,23 @@ fn calibrate_decode(
     d: usize,
     resident: bool,
 ) -> Result<(LinearCost, bool)> {
-    let d1 = decode_sample(b, heads, d, 512, false, false)?;
-    let d2 = decode_sample(b, heads, d, 4096, false, false)?;
-    let p = decode_sample(b, heads, d, 4096, true, false)?;
+    // 16384 entries: below that a 16-head step is dominated by fixed costs (thread wake-up,
+    // submission) and the pruned/dense difference that gives `b` drowns in noise.
+    let d1 = decode_sample(b, heads, d, 1024, false, false)?;
+    let d2 = decode_sample(b, heads, d, 16384, false, false)?;
+    let p = decode_sample(b, heads, d, 16384, true, false)?;
     let whole = LinearCost::fit(d1, d2, p);
     if !resident {
         return Ok((whole, false));
     }
     let r1 = decode_sample(b, heads, d, 4096, false, true)?;
-    if r1.secs >= 0.7 * d2.secs {
+    let d4 = decode_sample(b, heads, d, 4096, false, false)?;
+    if r1.secs >= 0.7 * d4.secs {
         return Ok((whole, false));
     }
     let r2 = decode_sample(b, heads, d, 16384, false, true)?;
     let bb = ((r2.secs - r1.secs) / r2.pairs.saturating_sub(r1.pairs).max(1) as f64).max(0.0);
-    let c = ((d2.secs - r1.secs) / d2.rows.saturating_sub(r1.rows).max(1) as f64).max(0.0);
+    let c = ((d4.secs - r1.secs) / d4.rows.saturating_sub(r1.rows).max(1) as f64).max(0.0);
     let a = (r1.secs - bb * r1.pairs as f64 - c * r1.rows as f64).max(0.0);
     Ok((LinearCost { a, b: bb, c }, true))
 }
@@ -1139,7 +1153,12 @@ impl Scheduler {
             if !c.concurrent && cpu_slower {
                 return Ok(side(true));
             }
-            if c.concurrent && gc.b >= 19.0 * cc.b && gc.c >= 19.0 * cc.c {
+            // (Only where the GPU is sent every row: a resident GPU's `c` is per row sent.)
+            if c.concurrent
+                && upper.gpu_rows == upper.rows
+                && gc.b >= 19.0 * cc.b
+                && gc.c >= 19.0 * cc.c
+            {
                 return Ok(side(false));
             }
             // When every row goes to the GPU, a row costs it at least `gc.c` and the CPU at
@@ -1173,7 +1192,8 @@ impl Scheduler {
             .get(&class)
             .copied()
             .unwrap_or([None; 3]);
-        let (split, kind) = plan(heads, &cands, self.mode, &factors);
+        let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
+        let (split, kind) = plan(heads, &cands, self.mode, &factors, explore);
         let raw = split.predicted_seconds;
         Ok(Choice {
             split,
@@ -2386,6 +2406,7 @@ mod tests {
             &candidates(work, c, g, conc, split_cost),
             mode,
             &[None; 3],
+            EXPLORE,
         )
         .0
     }
@@ -2492,29 +2513,41 @@ mod tests {
             gpu: 1.1,
             split: Some((0.5, vec![0])),
         };
-        let (s, k) = plan(2, &c, Mode::Auto, &[None; 3]);
+        let (s, k) = plan(2, &c, Mode::Auto, &[None; 3], EXPLORE);
         assert_eq!((k, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
         // ... but it measured 2.4x its prediction: the CPU (never run) is next; then,
         // having run the CPU, the GPU (never run, within EXPLORE) is tried once; then
         // the measured best stays.
-        let (_, k) = plan(2, &c, Mode::Auto, &[None, None, Some(2.4)]);
+        let (_, k) = plan(2, &c, Mode::Auto, &[None, None, Some(2.4)], EXPLORE);
         assert_eq!(k, PlanKind::Cpu);
-        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), None, Some(2.4)]);
+        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), None, Some(2.4)], EXPLORE);
         assert_eq!(k, PlanKind::Gpu);
-        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), Some(1.3), Some(2.4)]);
+        let (_, k) = plan(
+            2,
+            &c,
+            Mode::Auto,
+            &[Some(1.0), Some(1.3), Some(2.4)],
+            EXPLORE,
+        );
         assert_eq!(k, PlanKind::Cpu);
         // A GPU far slower is never tried.
         let far = Candidates {
             gpu: 10.0,
             ..c.clone()
         };
-        let (_, k) = plan(2, &far, Mode::Auto, &[Some(1.0), None, Some(2.4)]);
+        let (_, k) = plan(2, &far, Mode::Auto, &[Some(1.0), None, Some(2.4)], EXPLORE);
         assert_eq!(k, PlanKind::Cpu);
         // Hybrid and GpuOnly ignore the measurements.
-        let (_, k) = plan(2, &c, Mode::Hybrid, &[Some(1.0), Some(1.0), Some(9.0)]);
+        let (_, k) = plan(
+            2,
+            &c,
+            Mode::Hybrid,
+            &[Some(1.0), Some(1.0), Some(9.0)],
+            EXPLORE,
+        );
         assert_eq!(k, PlanKind::Split);
-        let (s, _) = plan(2, &c, Mode::GpuOnly, &[None; 3]);
+        let (s, _) = plan(2, &c, Mode::GpuOnly, &[None; 3], EXPLORE);
         assert_eq!(s.gpu_heads, vec![0, 1]);
     }
 

@@ -351,7 +351,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
             "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
              interleaved (a random order each round), each sample a batch of calls lasting \
              >= {} ms after one untimed call; <= {} s of timed calls per backend and cell \
-             (>= {} rounds; a call slower than that: its first run is its sample); median, \
+             (>= {} rounds; a call slower than that: the faster of its two untimed runs is its sample); median, \
              min, IQR per backend; auto/best = best median / auto median, paired = per round",
             method.warm,
             method.rounds,
@@ -449,13 +449,14 @@ fn measure(
         if label == "cpu" {
             cpu_first = first;
         }
-        // More untimed calls (caches, pools, auto's tries): a second one always (the first
-        // may carry one-time work: a device upload, pipeline builds), more while they stay
-        // within the budget; `e` = the fastest, which sizes the batches.
+        // More untimed calls (caches, pools, auto's tries): a second one always, even for a
+        // slow backend (the first may carry one-time work: a device upload, pipeline builds,
+        // auto's first plan of a size class), more while they stay within the budget; `e` =
+        // the fastest, which sizes the batches.
         let mut e = first;
         let mut spent = first;
         for w in 1..method.warm {
-            if first >= method.budget_s || (w > 1 && spent + e > method.budget_s) {
+            if w > 1 && (first >= method.budget_s || spent + e > method.budget_s) {
                 break;
             }
             let t0 = Instant::now();
@@ -470,7 +471,7 @@ fn measure(
             1
         };
         let per_sample = e * inner as f64;
-        let n = if first >= method.budget_s {
+        let n = if e >= method.budget_s {
             0
         } else {
             ((method.budget_s / per_sample) as usize).clamp(method.min_rounds, method.rounds)
@@ -489,7 +490,7 @@ fn measure(
             gpu_heads: None,
             plans: None,
             inner,
-            samples: if n == 0 { vec![first] } else { Vec::new() },
+            samples: if n == 0 { vec![e] } else { Vec::new() },
         });
     }
     let mut prev = String::new();
