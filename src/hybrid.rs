@@ -845,8 +845,9 @@ pub(crate) struct Scheduler {
     feedback: Mutex<HashMap<SizeClass, Factors>>,
     /// Per decode cache id: the version the GPU last received (its mirror's state).
     gpu_synced: Mutex<HashMap<u64, u64>>,
-    /// Per decode cache id: (entries, kept pairs) when last counted.
-    kept_counts: Mutex<HashMap<u64, (u64, u64)>>,
+    /// Per decode cache id: (entries, kept pairs, pruning tag, queries) when last counted;
+    /// reused only for the same pruning ([`acp_tag`]) and query count.
+    kept_counts: Mutex<HashMap<u64, (u64, u64, u64, usize)>>,
     /// The CPU side of a split on a concurrent device: one thread fewer than the machine
     /// has, so the GPU submission thread (host packing, uploads) keeps a core.
     split_pool: OnceLock<Option<rayon::ThreadPool>>,
@@ -883,6 +884,19 @@ fn rows_to_send(head: &CacheHead<'_>, resident: bool, synced: &HashMap<u64, u64>
             s.version.saturating_sub(v0).min(n)
         }),
         _ => n,
+    }
+}
+
+/// Identifies how head `h` of a call is pruned (its bound and `ln eps`), so a kept-pair
+/// count is never reused under other pruning (the same cache decoded dense, then with ACP).
+fn acp_tag(acp: Acp<'_>, h: usize) -> u64 {
+    match acp {
+        Acp::Off => 0,
+        Acp::Bound { u, ln_eps } => {
+            let uh = u.get(h).copied().unwrap_or(f64::NAN);
+            (uh.to_bits() ^ ln_eps.to_bits().rotate_left(17)) | 1
+        }
+        Acp::ObservedNorms { ln_eps } => ln_eps.to_bits().rotate_left(29) | 2,
     }
 }
 
@@ -1212,7 +1226,9 @@ impl Scheduler {
             let cache = lock(&self.kept_counts)?;
             for (h, head) in call.heads.iter().enumerate() {
                 let n = head.c.len() as u64;
-                if let Some(&(n0, k0)) = head.sync.and_then(|s| cache.get(&s.id))
+                if let Some(&(n0, k0, tag, nq)) = head.sync.and_then(|s| cache.get(&s.id))
+                    && tag == acp_tag(call.acp, h)
+                    && nq == call.n_queries
                     && n.abs_diff(n0) <= n0 / RECOUNT_FRACTION
                 {
                     kept[h] = Some(
@@ -1233,7 +1249,8 @@ impl Scheduler {
             for (&h, k) in missing.iter().zip(counted) {
                 kept[h] = Some(k);
                 if let Some(s) = call.heads[h].sync {
-                    cache.insert(s.id, (call.heads[h].c.len() as u64, k));
+                    let n = call.heads[h].c.len() as u64;
+                    cache.insert(s.id, (n, k, acp_tag(call.acp, h), call.n_queries));
                 }
             }
         }
@@ -2851,6 +2868,37 @@ mod tests {
         let w2 = call_of(&steps, &[0, 1]);
         assert_eq!(w2[0].gpu_rows, 0, "noted again at the new version");
         assert_eq!(w2[0].pairs, w[0].pairs, "count reused");
+        {
+            // The same cache decoded dense: its own count, not the ACP one.
+            let heads: Vec<CacheHead<'_>> = (0..3)
+                .map(|h| CacheHead {
+                    k: &d.k[h * n * 16..(h + 1) * n * 16],
+                    v: &d.v[h * n * 16..(h + 1) * n * 16],
+                    c: &d.c[h * n..(h + 1) * n],
+                    pos: None,
+                    sync: Some(steps.sync(h)),
+                })
+                .collect();
+            let call = DecodeCall {
+                head_dim: 16,
+                n_queries: 1,
+                q: &d.q,
+                q_c: &d.q_c,
+                q_pos: None,
+                heads: &heads,
+                acp: Acp::Off,
+            };
+            let wd = s.decode_work(&call, true).unwrap();
+            assert!(
+                wd.iter().all(|x| x.pairs == n as u64),
+                "dense counts every entry"
+            );
+        }
+        assert_eq!(
+            call_of(&steps, &[0, 1])[0].pairs,
+            w[0].pairs,
+            "ACP count again"
+        );
         let mut out = vec![0.0; 3 * 16];
         let heads: Vec<CacheHead<'_>> = (0..3)
             .map(|h| CacheHead {
