@@ -53,6 +53,17 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// `{what}: median R% (min R%, max R%)` of the per-round fractions `fr`.
+fn print_fractions(what: &str, mut fr: Vec<f64>) {
+    fr.sort_by(f64::total_cmp);
+    println!(
+        "{what}: median {:.0}% (min {:.0}%, max {:.0}%)",
+        100.0 * fr[fr.len() / 2],
+        100.0 * fr[0],
+        100.0 * fr[fr.len() - 1]
+    );
+}
+
 fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     let h = 8;
     let d = 64;
@@ -137,12 +148,9 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
             );
             fr.push(got / peak);
         }
-        fr.sort_by(f64::total_cmp);
-        println!(
-            "prefill L={l} fraction of same-round FMA peak: median {:.0}% (min {:.0}%, max {:.0}%)",
-            100.0 * fr[fr.len() / 2],
-            100.0 * fr[0],
-            100.0 * fr[fr.len() - 1]
+        print_fractions(
+            &format!("prefill L={l} fraction of same-round FMA peak"),
+            fr,
         );
     }
 }
@@ -229,13 +237,9 @@ fn decode_run<T: Storage>(n: usize, acp: bool) {
             );
             fr.push(got / bw);
         }
-        fr.sort_by(f64::total_cmp);
-        println!(
-            "decode {:?} fraction of same-round DRAM read: median {:.0}% (min {:.0}%, max {:.0}%)",
-            T::DTYPE,
-            100.0 * fr[fr.len() / 2],
-            100.0 * fr[0],
-            100.0 * fr[fr.len() - 1]
+        print_fractions(
+            &format!("decode {:?} fraction of same-round DRAM read", T::DTYPE),
+            fr,
         );
     }
 }

@@ -272,7 +272,14 @@ const PREFETCH_BYTES: usize = 4096;
 /// K or V rows of one head in their storage form (`entries x d`, row-major), widened to
 /// f32 lane by lane as they are loaded: no conversion pass, no scratch copy.
 trait KvRows: Copy {
-    fn len(self) -> usize;
+    /// The element type as stored (f32, or the bits of f16 / bf16).
+    type Elem;
+    /// The rows as stored.
+    fn raw(&self) -> &[Self::Elem];
+    #[inline(always)]
+    fn len(self) -> usize {
+        self.raw().len()
+    }
     /// Element `i` as f32.
     fn get(self, i: usize) -> f32;
     /// Elements `i..i + V::LANES` as f32 lanes.
@@ -281,7 +288,11 @@ trait KvRows: Copy {
     /// `i + V::LANES <= self.len()`.
     unsafe fn load<V: Vf32>(self, i: usize) -> V;
     /// Starts fetching the cache lines of elements `i..i + n` (clamped to the rows).
-    fn prefetch(self, i: usize, n: usize);
+    #[inline(always)]
+    fn prefetch(self, i: usize, n: usize) {
+        let r = self.raw();
+        prefetch(&r[i.min(r.len())..(i + n).min(r.len())]);
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -292,14 +303,10 @@ struct F16Rows<'a>(&'a [u16]);
 struct Bf16Rows<'a>(&'a [u16]);
 
 impl KvRows for F32Rows<'_> {
+    type Elem = f32;
     #[inline(always)]
-    fn len(self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(self, i: usize, n: usize) {
-        let a = i.min(self.0.len());
-        prefetch(&self.0[a..(i + n).min(self.0.len())]);
+    fn raw(&self) -> &[f32] {
+        self.0
     }
     #[inline(always)]
     fn get(self, i: usize) -> f32 {
@@ -313,14 +320,10 @@ impl KvRows for F32Rows<'_> {
 }
 
 impl KvRows for F16Rows<'_> {
+    type Elem = u16;
     #[inline(always)]
-    fn len(self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(self, i: usize, n: usize) {
-        let a = i.min(self.0.len());
-        prefetch(&self.0[a..(i + n).min(self.0.len())]);
+    fn raw(&self) -> &[u16] {
+        self.0
     }
     #[inline(always)]
     fn get(self, i: usize) -> f32 {
@@ -334,14 +337,10 @@ impl KvRows for F16Rows<'_> {
 }
 
 impl KvRows for Bf16Rows<'_> {
+    type Elem = u16;
     #[inline(always)]
-    fn len(self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(self, i: usize, n: usize) {
-        let a = i.min(self.0.len());
-        prefetch(&self.0[a..(i + n).min(self.0.len())]);
+    fn raw(&self) -> &[u16] {
+        self.0
     }
     #[inline(always)]
     fn get(self, i: usize) -> f32 {
@@ -810,52 +809,30 @@ mod tests {
                         let (mut xr, mut mr, mut lr, mut ar) = (x, m0, l0, acc0.clone());
                         fused_update_ref(&q, &kr, &vr, e, g, d, &mut xr, &mut mr, &mut lr, &mut ar);
                         for isa in Isa::available() {
+                            // The same update over the rows in each storage form.
+                            macro_rules! run {
+                                ($rows:ident, $k:expr, $v:expr) => {
+                                    dispatch(
+                                        isa,
+                                        Run {
+                                            q: &q,
+                                            k: $rows($k),
+                                            v: $rows($v),
+                                            e,
+                                            g,
+                                            d,
+                                            x,
+                                            m: m0,
+                                            l: l0,
+                                            acc: acc0.clone(),
+                                        },
+                                    )
+                                };
+                            }
                             let got = match dt {
-                                DType::F32 => dispatch(
-                                    isa,
-                                    Run {
-                                        q: &q,
-                                        k: F32Rows(&kf),
-                                        v: F32Rows(&vf),
-                                        e,
-                                        g,
-                                        d,
-                                        x,
-                                        m: m0,
-                                        l: l0,
-                                        acc: acc0.clone(),
-                                    },
-                                ),
-                                DType::F16 => dispatch(
-                                    isa,
-                                    Run {
-                                        q: &q,
-                                        k: F16Rows(&k16),
-                                        v: F16Rows(&v16),
-                                        e,
-                                        g,
-                                        d,
-                                        x,
-                                        m: m0,
-                                        l: l0,
-                                        acc: acc0.clone(),
-                                    },
-                                ),
-                                DType::Bf16 => dispatch(
-                                    isa,
-                                    Run {
-                                        q: &q,
-                                        k: Bf16Rows(&k16),
-                                        v: Bf16Rows(&v16),
-                                        e,
-                                        g,
-                                        d,
-                                        x,
-                                        m: m0,
-                                        l: l0,
-                                        acc: acc0.clone(),
-                                    },
-                                ),
+                                DType::F32 => run!(F32Rows, &kf, &vf),
+                                DType::F16 => run!(F16Rows, &k16, &v16),
+                                DType::Bf16 => run!(Bf16Rows, &k16, &v16),
                             };
                             let what = format!("{isa:?} {dt:?} d={d} g={g} case {case}");
                             assert!((got.0 - mr).abs() <= 1e-5 * (1.0 + mr.abs()), "m {what}");
