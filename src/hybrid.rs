@@ -1532,7 +1532,7 @@ impl AttentionBackend for Scheduler {
         self.record(split)?;
         // A step that first sends a cache to the GPU measures the send, not the steady
         // state the model predicts: it teaches nothing.
-        let first_send = self.resident() && {
+        let first_send = resident && {
             let synced = lock(&self.gpu_synced)?;
             split.gpu_heads.iter().any(|&h| {
                 call.heads[h]
@@ -2033,6 +2033,37 @@ impl PartialEq for StepState {
 }
 
 impl DecodeProblem {
+    /// Views of each head's cache, with `sync(head)` as its change tracking.
+    fn cache_heads<'a>(
+        &'a self,
+        sync: impl Fn(usize) -> Option<CacheSync<'a>>,
+    ) -> Vec<CacheHead<'a>> {
+        let (n, d) = (self.n, self.head_dim);
+        (0..self.heads)
+            .map(|h| CacheHead {
+                k: &self.k[h * n * d..(h + 1) * n * d],
+                v: &self.v[h * n * d..(h + 1) * n * d],
+                c: &self.c[h * n..(h + 1) * n],
+                pos: None,
+                sync: sync(h),
+            })
+            .collect()
+    }
+
+    /// The decode call of this problem's one query per head over `heads` (from
+    /// [`DecodeProblem::cache_heads`]).
+    fn call<'a>(&'a self, heads: &'a [CacheHead<'a>], acp: Acp<'a>) -> DecodeCall<'a> {
+        DecodeCall {
+            head_dim: self.head_dim,
+            n_queries: 1,
+            q: &self.q,
+            q_c: &self.q_c,
+            q_pos: None,
+            heads,
+            acp,
+        }
+    }
+
     /// The cache ids ([`CacheSync::id`]) of this problem's heads.
     pub fn cache_ids(&self) -> Vec<u64> {
         let base = self.steps.0.lock().map_or(0, |s| s.base);
@@ -2212,31 +2243,14 @@ impl Engine {
                 p.q.len()
             )));
         }
-        let (n, d) = (p.n, p.head_dim);
         let mut steps = lock(&p.steps.0)?;
-        if steps.row_version.len() != n || steps.heads != p.heads {
+        if steps.row_version.len() != p.n || steps.heads != p.heads {
             // The sizes were changed through the public fields: a new cache.
-            *steps = StepSync::new(p.heads, n);
+            *steps = StepSync::new(p.heads, p.n);
         }
         steps.step();
-        let heads: Vec<CacheHead<'_>> = (0..p.heads)
-            .map(|h| CacheHead {
-                k: &p.k[h * n * d..(h + 1) * n * d],
-                v: &p.v[h * n * d..(h + 1) * n * d],
-                c: &p.c[h * n..(h + 1) * n],
-                pos: None,
-                sync: Some(steps.sync(h)),
-            })
-            .collect();
-        let call = DecodeCall {
-            head_dim: d,
-            n_queries: 1,
-            q: &p.q,
-            q_c: &p.q_c,
-            q_pos: None,
-            heads: &heads,
-            acp: acp.to_acp(&p.u),
-        };
+        let heads = p.cache_heads(|h| Some(steps.sync(h)));
+        let call = p.call(&heads, acp.to_acp(&p.u));
         Ok(self.backend().decode(&call, out)?.into())
     }
 }
@@ -2667,6 +2681,14 @@ mod tests {
         }
     }
 
+    /// ACP with `d`'s bounds and `ln eps = -10`.
+    fn acp_bound(d: &DecodeProblem) -> Acp<'_> {
+        Acp::Bound {
+            u: &d.u,
+            ln_eps: -10.0,
+        }
+    }
+
     fn problem(t: usize, heads: usize, d: usize) -> Problem {
         let n = t * heads * d;
         let mut q = vec![0.0; n];
@@ -2715,27 +2737,8 @@ mod tests {
         let p = problem(3000, 4, 16);
         let d = p.decode_at(3000).unwrap();
         let n = d.n;
-        let heads: Vec<CacheHead<'_>> = (0..4)
-            .map(|h| CacheHead {
-                k: &d.k[h * n * 16..(h + 1) * n * 16],
-                v: &d.v[h * n * 16..(h + 1) * n * 16],
-                c: &d.c[h * n..(h + 1) * n],
-                pos: None,
-                sync: None,
-            })
-            .collect();
-        let call = DecodeCall {
-            head_dim: 16,
-            n_queries: 1,
-            q: &d.q,
-            q_c: &d.q_c,
-            q_pos: None,
-            heads: &heads,
-            acp: Acp::Bound {
-                u: &d.u,
-                ln_eps: -10.0,
-            },
-        };
+        let heads = d.cache_heads(|_| None);
+        let call = d.call(&heads, acp_bound(&d));
         let w = decode_work(&call).unwrap();
         let mut out = vec![0.0; 4 * 16];
         let st = CpuBackend.decode(&call, &mut out).unwrap();
@@ -2828,27 +2831,8 @@ mod tests {
         let n = d.n;
         let mut steps = StepSync::new(3, n);
         let call_of = |steps: &StepSync, with: &[usize]| -> Vec<Work> {
-            let heads: Vec<CacheHead<'_>> = (0..3)
-                .map(|h| CacheHead {
-                    k: &d.k[h * n * 16..(h + 1) * n * 16],
-                    v: &d.v[h * n * 16..(h + 1) * n * 16],
-                    c: &d.c[h * n..(h + 1) * n],
-                    pos: None,
-                    sync: with.contains(&h).then(|| steps.sync(h)),
-                })
-                .collect();
-            let call = DecodeCall {
-                head_dim: 16,
-                n_queries: 1,
-                q: &d.q,
-                q_c: &d.q_c,
-                q_pos: None,
-                heads: &heads,
-                acp: Acp::Bound {
-                    u: &d.u,
-                    ln_eps: -10.0,
-                },
-            };
+            let heads = d.cache_heads(|h| with.contains(&h).then(|| steps.sync(h)));
+            let call = d.call(&heads, acp_bound(&d));
             s.note_gpu_synced(&call, &[0]);
             s.decode_work(&call, true).unwrap()
         };
@@ -2870,24 +2854,8 @@ mod tests {
         assert_eq!(w2[0].pairs, w[0].pairs, "count reused");
         {
             // The same cache decoded dense: its own count, not the ACP one.
-            let heads: Vec<CacheHead<'_>> = (0..3)
-                .map(|h| CacheHead {
-                    k: &d.k[h * n * 16..(h + 1) * n * 16],
-                    v: &d.v[h * n * 16..(h + 1) * n * 16],
-                    c: &d.c[h * n..(h + 1) * n],
-                    pos: None,
-                    sync: Some(steps.sync(h)),
-                })
-                .collect();
-            let call = DecodeCall {
-                head_dim: 16,
-                n_queries: 1,
-                q: &d.q,
-                q_c: &d.q_c,
-                q_pos: None,
-                heads: &heads,
-                acp: Acp::Off,
-            };
+            let heads = d.cache_heads(|h| Some(steps.sync(h)));
+            let call = d.call(&heads, Acp::Off);
             let wd = s.decode_work(&call, true).unwrap();
             assert!(
                 wd.iter().all(|x| x.pairs == n as u64),
@@ -2900,27 +2868,8 @@ mod tests {
             "ACP count again"
         );
         let mut out = vec![0.0; 3 * 16];
-        let heads: Vec<CacheHead<'_>> = (0..3)
-            .map(|h| CacheHead {
-                k: &d.k[h * n * 16..(h + 1) * n * 16],
-                v: &d.v[h * n * 16..(h + 1) * n * 16],
-                c: &d.c[h * n..(h + 1) * n],
-                pos: None,
-                sync: None,
-            })
-            .collect();
-        let call = DecodeCall {
-            head_dim: 16,
-            n_queries: 1,
-            q: &d.q,
-            q_c: &d.q_c,
-            q_pos: None,
-            heads: &heads,
-            acp: Acp::Bound {
-                u: &d.u,
-                ln_eps: -10.0,
-            },
-        };
+        let heads = d.cache_heads(|_| None);
+        let call = d.call(&heads, acp_bound(&d));
         let st = CpuBackend.decode(&call, &mut out).unwrap();
         assert_eq!(
             w2.iter().map(|x| x.pairs).collect::<Vec<_>>(),

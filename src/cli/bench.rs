@@ -296,19 +296,13 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         }
     }
     // Speedups.
-    let find = |cells: &[Cell], op: &str, len: usize, acp: bool, b: &str| {
-        cells
-            .iter()
-            .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == b)
-            .cloned()
-    };
     let snapshot = cells.clone();
     for c in &mut cells {
-        if let Some(t) = find(&snapshot, c.op, c.len, c.acp, "cpu") {
+        if let Some(t) = find_cell(&snapshot, c.op, c.len, c.acp, "cpu") {
             c.vs_cpu = t.seconds / c.seconds;
         }
         if c.acp
-            && let Some(t) = find(&snapshot, c.op, c.len, false, &c.backend)
+            && let Some(t) = find_cell(&snapshot, c.op, c.len, false, &c.backend)
         {
             c.acp_speedup = t.seconds / c.seconds;
         }
@@ -317,7 +311,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     for c in cells.iter().filter(|c| c.backend == "auto") {
         let Some(best) = ["cpu", "vulkan", "hybrid"]
             .iter()
-            .filter_map(|b| find(&cells, c.op, c.len, c.acp, b))
+            .filter_map(|b| find_cell(&cells, c.op, c.len, c.acp, b))
             .min_by(|x, y| x.seconds.total_cmp(&y.seconds))
         else {
             continue;
@@ -688,11 +682,7 @@ fn print_table(r: &Report) {
         "| op | L | kept | cpu | vulkan | hybrid (gpu heads) | auto [choice] | auto/best (paired IQR) |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
-    let get = |op: &str, len: usize, acp: bool, b: &str| {
-        r.cells
-            .iter()
-            .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == b)
-    };
+    let get = |op: &str, len: usize, acp: bool, b: &str| find_cell(&r.cells, op, len, acp, b);
     let ms = |c: Option<&Cell>| {
         c.map_or("-".to_string(), |c| {
             format!("{} ({})", sig(c.seconds * 1e3), sig(c.min_seconds * 1e3))
@@ -777,6 +767,19 @@ fn print_table(r: &Report) {
             order.join(", ")
         );
     }
+}
+
+/// The cell of `backend` at (op, len, acp).
+fn find_cell<'a>(
+    cells: &'a [Cell],
+    op: &str,
+    len: usize,
+    acp: bool,
+    backend: &str,
+) -> Option<&'a Cell> {
+    cells
+        .iter()
+        .find(|c| c.op == op && c.len == len && c.acp == acp && c.backend == backend)
 }
 
 fn cell_name(c: &Cell) -> String {
