@@ -20,9 +20,12 @@
 //! `delta_L = delta_1024 - ln(L / 1024)` (the `- ln L` term of delta = -2U - ln L + ln eps).
 //! q, k, v: random in [-1, 1] (the kernel's speed does not depend on their values).
 
+#[path = "common/mod.rs"]
+mod bench;
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use bench::{arg_list, rel_l2};
 use foxedge_vulkan::{
     Acp, AttentionShape, DecodeArgs, DecodeOptions, FlashConfig, Layout, PrefillArgs,
     PrefillKernel, PrefillOptions, Storage, Vulkan,
@@ -31,49 +34,14 @@ use half::f16;
 use rand::Rng;
 use std::time::Instant;
 
-fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| default.to_vec())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 /// Seconds per call of a prepared run: warm-up, reps sized to ~0.1 s, median of 5.
 fn time_it(run: &dyn Fn(usize) -> foxedge_vulkan::Result<std::time::Duration>) -> (f64, f64) {
-    let _ = run(1);
-    let one = run(1).map(|d| d.as_secs_f64()).unwrap_or(1.0);
-    let reps = ((0.1 / one.max(1e-6)) as usize).clamp(3, 400);
-    let samples: Vec<f64> = (0..5)
-        .map(|_| {
-            run(reps)
-                .map(|d| d.as_secs_f64() / reps as f64)
-                .unwrap_or(f64::NAN)
-        })
-        .collect();
-    let lo = samples.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = samples.iter().copied().fold(0.0, f64::max);
-    (median(samples), (hi - lo) / lo)
+    bench::time_it(run, 1, 1, 0.1, (3, 400))
 }
 
 /// `e <= tol`, false for NaN.
 fn within(e: f64, tol: f64) -> bool {
     e <= tol
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut n, mut d) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        let e = f64::from(*x) - f64::from(*y);
-        n += e * e;
-        d += f64::from(*y) * f64::from(*y);
-    }
-    (n / d.max(1e-300)).sqrt()
 }
 
 /// One prefill kernel variant of the timing table.
@@ -702,41 +670,9 @@ fn main() {
         for split in [128usize, 256, 512, 2048] {
             for half in [true, false] {
                 let res = if half {
-                    let hs: Vec<_> = (0..heads)
-                        .map(|hh| foxedge_vulkan::CacheHead {
-                            k: &k16[hh * n * d..(hh + 1) * n * d],
-                            v: &v16[hh * n * d..(hh + 1) * n * d],
-                            c: &cs[hh],
-                            pos: None,
-                        })
-                        .collect();
-                    let a = DecodeArgs {
-                        head_dim: d,
-                        n_queries: 1,
-                        q: &q,
-                        q_c: &q_c,
-                        q_pos: None,
-                        heads: &hs,
-                    };
-                    check_and_time_decode(&vk, &a, split, &mut failures)
+                    check_and_time_cache(&vk, (&k16, &v16), &cs, (&q, &q_c), split, &mut failures)
                 } else {
-                    let hs: Vec<_> = (0..heads)
-                        .map(|hh| foxedge_vulkan::CacheHead {
-                            k: &k32[hh * n * d..(hh + 1) * n * d],
-                            v: &v32[hh * n * d..(hh + 1) * n * d],
-                            c: &cs[hh],
-                            pos: None,
-                        })
-                        .collect();
-                    let a = DecodeArgs {
-                        head_dim: d,
-                        n_queries: 1,
-                        q: &q,
-                        q_c: &q_c,
-                        q_pos: None,
-                        heads: &hs,
-                    };
-                    check_and_time_decode(&vk, &a, split, &mut failures)
+                    check_and_time_cache(&vk, (&k32, &v32), &cs, (&q, &q_c), split, &mut failures)
                 };
                 if let Some((s, spread, bytes)) = res {
                     let row = format!(
@@ -797,6 +733,34 @@ fn main() {
         }
         std::process::exit(1);
     }
+}
+
+/// [`check_and_time_decode`] with one query per head over head-major `k`, `v` (each head
+/// `cs[h].len()` rows).
+fn check_and_time_cache<T: Storage + foxedge_cpu::Storage>(
+    vk: &Vulkan,
+    (k, v): (&[T], &[T]),
+    cs: &[Vec<f64>],
+    (q, q_c): (&[f32], &[f64]),
+    split: usize,
+    failures: &mut Vec<String>,
+) -> Option<(f64, f64, f64)> {
+    let stride = k.len() / cs.len();
+    let hs: Vec<_> = k
+        .chunks_exact(stride)
+        .zip(v.chunks_exact(stride))
+        .zip(cs)
+        .map(|((k, v), c)| foxedge_vulkan::CacheHead { k, v, c, pos: None })
+        .collect();
+    let a = DecodeArgs {
+        head_dim: q.len() / cs.len(),
+        n_queries: 1,
+        q,
+        q_c,
+        q_pos: None,
+        heads: &hs,
+    };
+    check_and_time_decode(vk, &a, split, failures)
 }
 
 fn check_and_time_decode<T: Storage + foxedge_cpu::Storage>(

@@ -14,53 +14,22 @@
 //!    included. Wall time per step, median over `--steps` steps; beside it the same step
 //!    with a whole-cache upload (`Vulkan::decode`) and the CPU backend's decode.
 
+#[path = "common/mod.rs"]
+mod bench;
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use bench::{arg_list, median, rel_l2};
 use foxedge_vulkan::{
-    CacheHead, DecodeArgs, DecodeOptions, DecodeTuning, HeadSync, ResidentOptions, Storage, Vulkan,
+    CacheHead, DecodeArgs, DecodeOptions, DecodeTuning, HeadSync, ResidentCache, ResidentOptions,
+    Storage, Vulkan,
 };
 use half::f16;
 use std::time::Instant;
 
-fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| default.to_vec())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 /// Seconds per step: warm-up, reps sized to ~0.05 s, median of 5; and the spread.
 fn time_it(run: &dyn Fn(usize) -> foxedge_vulkan::Result<std::time::Duration>) -> (f64, f64) {
-    let _ = run(2);
-    let one = run(8).map(|d| d.as_secs_f64() / 8.0).unwrap_or(1.0);
-    let reps = ((0.05 / one.max(1e-6)) as usize).clamp(8, 1000);
-    let samples: Vec<f64> = (0..5)
-        .map(|_| {
-            run(reps)
-                .map(|d| d.as_secs_f64() / reps as f64)
-                .unwrap_or(f64::NAN)
-        })
-        .collect();
-    let lo = samples.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = samples.iter().copied().fold(0.0, f64::max);
-    (median(samples), (hi - lo) / lo)
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut n, mut d) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        let e = f64::from(*x) - f64::from(*y);
-        n += e * e;
-        d += f64::from(*y) * f64::from(*y);
-    }
-    (n / d.max(1e-300)).sqrt()
+    bench::time_it(run, 2, 8, 0.05, (8, 1000))
 }
 
 struct Cache {
@@ -138,6 +107,39 @@ fn views<'a, T: Storage>(
             pos: None,
         })
         .collect()
+}
+
+/// One session step on the resident cache: every head synced at the cache's version.
+fn resident_step(
+    rc: &mut ResidentCache,
+    cache: &Cache,
+    q: &[f32],
+    out: &mut [f32],
+) -> foxedge_vulkan::Result<()> {
+    let hs = views(&cache.k, &cache.v, &cache.c);
+    let sync: Vec<_> = (0..cache.heads)
+        .map(|h| {
+            Some(HeadSync {
+                id: h as u64 + 1,
+                version: cache.version,
+                row_version: &cache.row_version[h],
+            })
+        })
+        .collect();
+    let q_c = cache.q_c();
+    let a = DecodeArgs {
+        head_dim: cache.d,
+        n_queries: 1,
+        q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &hs,
+    };
+    let opts = DecodeOptions {
+        split: foxedge_vulkan::auto_split(cache.heads * cache.n()),
+        ..Default::default()
+    };
+    rc.decode(&a, &sync, &opts, out, None).map(|_| ())
 }
 
 fn cpu_out(cache: &Cache, q: &[f32]) -> (Vec<f32>, f64) {
@@ -344,39 +346,13 @@ fn main() {
             let mut times = Vec::with_capacity(steps);
             let mut out = vec![0.0f32; heads * d];
             let mut ok = true;
-            let rows0;
             let mut q = common::randn(&mut r, heads * d, 1.0);
             // First step uploads every row; not timed.
-            {
-                let hs = views(&cache.k, &cache.v, &cache.c);
-                let sync: Vec<_> = (0..heads)
-                    .map(|h| {
-                        Some(HeadSync {
-                            id: h as u64 + 1,
-                            version: cache.version,
-                            row_version: &cache.row_version[h],
-                        })
-                    })
-                    .collect();
-                let q_c = cache.q_c();
-                let a = DecodeArgs {
-                    head_dim: d,
-                    n_queries: 1,
-                    q: &q,
-                    q_c: &q_c,
-                    q_pos: None,
-                    heads: &hs,
-                };
-                let opts = DecodeOptions {
-                    split: foxedge_vulkan::auto_split(heads * cache.n()),
-                    ..Default::default()
-                };
-                if let Err(e) = rc.decode(&a, &sync, &opts, &mut out, None) {
-                    failures.push(format!("resident first step {n}: {e}"));
-                    ok = false;
-                }
-                rows0 = rc.counters().rows_uploaded;
+            if let Err(e) = resident_step(&mut rc, &cache, &q, &mut out) {
+                failures.push(format!("resident first step {n}: {e}"));
+                ok = false;
             }
+            let rows0 = rc.counters().rows_uploaded;
             for _ in 0..steps.max(1) {
                 if !ok {
                     break;
@@ -384,30 +360,7 @@ fn main() {
                 cache.append(&mut r);
                 q = common::randn(&mut r, heads * d, 1.0);
                 let t0 = Instant::now();
-                let hs = views(&cache.k, &cache.v, &cache.c);
-                let sync: Vec<_> = (0..heads)
-                    .map(|h| {
-                        Some(HeadSync {
-                            id: h as u64 + 1,
-                            version: cache.version,
-                            row_version: &cache.row_version[h],
-                        })
-                    })
-                    .collect();
-                let q_c = cache.q_c();
-                let a = DecodeArgs {
-                    head_dim: d,
-                    n_queries: 1,
-                    q: &q,
-                    q_c: &q_c,
-                    q_pos: None,
-                    heads: &hs,
-                };
-                let opts = DecodeOptions {
-                    split: foxedge_vulkan::auto_split(heads * cache.n()),
-                    ..Default::default()
-                };
-                if let Err(e) = rc.decode(&a, &sync, &opts, &mut out, None) {
+                if let Err(e) = resident_step(&mut rc, &cache, &q, &mut out) {
                     failures.push(format!("resident step {n}: {e}"));
                     ok = false;
                 }
