@@ -8,11 +8,9 @@
 //! "elem/s" is FLOP/s for prefill); decode throughput is K/V bytes read per step.
 //! Threads: rayon's global pool (all cores; `RAYON_NUM_THREADS` to change).
 //!
-//! ACP gates: the fixture model's real log forget gates (`log_fgate.npy`, layers 1 and 2,
-//! 4 heads each = 8 heads of 1024 positions) repeated periodically to length L: per-head
-//! gate statistics and decay rates are those of the trained model. The logit bound per
-//! head is recovered from the model's own thresholds (`acp_threshold.npy`,
-//! `delta = -(2U + ln 1024) - 10`), and core derives delta at length L with ln eps = -10.
+//! ACP gates: the fixture model's real log forget gates repeated periodically to length L
+//! (`cpu/examples/common/fixture_gates.rs`): per-head gate statistics and decay rates are
+//! those of the trained model, and core derives delta at length L with ln eps = -10.
 //! q, k, v are random (they do not change which blocks are pruned).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -22,10 +20,11 @@ use foxedge_cpu::{
 };
 use half::{bf16, f16};
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::Duration;
 
-const HEADS: usize = 8;
+#[path = "../cpu/examples/common/fixture_gates.rs"]
+mod fixture_gates;
+use fixture_gates::{HEADS, real_gates};
 const D: usize = 64;
 
 fn lcg(seed: &mut u64) -> f32 {
@@ -33,75 +32,6 @@ fn lcg(seed: &mut u64) -> f32 {
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
-/// Little-endian `<f4` .npy (C or Fortran order) as f32 in C order, with its shape.
-fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
-    // The run-time CARGO_MANIFEST_DIR (set by cargo bench) wins, so that a copied bench
-    // binary finds the repository it runs in.
-    let root = std::env::var("CARGO_MANIFEST_DIR")
-        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
-    let path = PathBuf::from(root)
-        .join("tests/fixtures/fox-tiny-pro")
-        .join(name);
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let header = std::str::from_utf8(&bytes[10..10 + hlen]).expect("npy header");
-    assert!(header.contains("'<f4'"), "{name}: {header}");
-    let shape: Vec<usize> = header
-        .split("'shape': (")
-        .nth(1)
-        .and_then(|s| s.split(')').next())
-        .expect("npy shape")
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().expect("npy dim"))
-        .collect();
-    let raw: Vec<f32> = bytes[10 + hlen..]
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    if !header.contains("'fortran_order': True") {
-        return (shape, raw);
-    }
-    let mut strides = vec![1usize; shape.len()];
-    for a in 1..shape.len() {
-        strides[a] = strides[a - 1] * shape[a - 1];
-    }
-    let mut idx = vec![0usize; shape.len()];
-    let mut out = Vec::with_capacity(raw.len());
-    for _ in 0..raw.len() {
-        out.push(raw[idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>()]);
-        for a in (0..shape.len()).rev() {
-            idx[a] += 1;
-            if idx[a] < shape[a] {
-                break;
-            }
-            idx[a] = 0;
-        }
-    }
-    (shape, out)
-}
-
-/// The fixture model's gates for 8 heads (layers 1, 2), repeated to `l`, in
-/// `[1, l, HEADS]` (seq-first) order, and the logit bound U per head.
-fn real_gates(l: usize) -> (Vec<f32>, Vec<f64>) {
-    let (gs, g) = npy_f32("log_fgate.npy");
-    assert_eq!(gs, [4, 4, 1024]);
-    let (_, thr) = npy_f32("acp_threshold.npy");
-    let heads: Vec<(usize, usize)> = (1..3).flat_map(|ly| (0..4).map(move |h| (ly, h))).collect();
-    let mut out = vec![0.0f32; l * HEADS];
-    for t in 0..l {
-        for (h, &(ly, hh)) in heads.iter().enumerate() {
-            out[t * HEADS + h] = g[(ly * 4 + hh) * 1024 + t % 1024];
-        }
-    }
-    let u = heads
-        .iter()
-        .map(|&(ly, hh)| (-f64::from(thr[ly * 4 + hh]) - (1024f64).ln() - 10.0) / 2.0)
-        .collect();
-    (out, u)
 }
 
 struct Prefill<T> {

@@ -43,7 +43,8 @@ pub(crate) struct CacheSync<'a> {
     pub id: u64,
     /// The newest row version of this head.
     pub version: u64,
-    /// `[n]` the version at which each row was last written.
+    /// `[n]` the version at which each row was last written (read by the Vulkan mirror).
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub row_version: &'a [u64],
 }
 

@@ -5,13 +5,17 @@
 //! cargo run --release -p foxedge-cpu --example speed -- limits
 //! cargo run --release -p foxedge-cpu --example speed -- prefill 8192 [acp] [f32|f16|bf16] [isa]
 //! cargo run --release -p foxedge-cpu --example speed -- decode 32768 [acp] [f32|f16|bf16]
+//! cargo run --release -p foxedge-cpu --example speed -- ratio 2048 [rounds=9]
 //! ```
 use foxedge_cpu::{
     Acp, AttentionShape, CacheHead, DecodeArgs, DecodeOptions, Isa, Layout, PrefillArgs,
-    PrefillOptions, Storage, decode, prefill_with_isa,
+    PrefillOptions, Storage, decode, prefill, prefill_with_isa,
 };
 use half::{bf16, f16};
 use std::time::Instant;
+
+#[path = "common/fixture_gates.rs"]
+mod fixture_gates;
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed
@@ -155,6 +159,102 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     }
 }
 
+/// `ratio L rounds=R`: f32 prefill (8 heads, d = 64, random q/k/v) on the fixture model's
+/// real gates, dense and ACP measured in the same seconds. Each round: the 2-thread FMA
+/// peak (0.5 s), then `pairs=P` (default 5) alternating dense / ACP timings, median of
+/// each. Per round it prints the dense fraction of that peak and the ACP time ratio over
+/// the kept-pair fraction (issue 3's two prefill goals: >= 50% and <= 1.2x); the summary
+/// is the median (min, max) over rounds. Pairing cancels the load drift of a shared host.
+fn ratio_run(l: usize) {
+    use fixture_gates::{HEADS, real_gates};
+    let d = 64;
+    let shape = AttentionShape {
+        batch: 1,
+        heads_q: HEADS,
+        heads_kv: HEADS,
+        seq_q: l,
+        seq_k: l,
+        head_dim: d,
+        layout: Layout::SeqFirst,
+    };
+    let mut s = 1;
+    let mut gen_t = |n| (0..n).map(|_| lcg(&mut s)).collect::<Vec<f32>>();
+    let (q, k, v) = (
+        gen_t(shape.q_len()),
+        gen_t(shape.kv_len()),
+        gen_t(shape.kv_len()),
+    );
+    let (g, u) = real_gates(l);
+    let args = PrefillArgs {
+        shape,
+        q: &q,
+        k: &k,
+        v: &v,
+        log_fgate: &g,
+        seq_start: None,
+    };
+    let dense = PrefillOptions::default();
+    let acp = PrefillOptions {
+        acp: Acp::Bound {
+            u: &u,
+            ln_eps: -10.0,
+        },
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; shape.q_len()];
+    let mut run = |o: &PrefillOptions<'_>| {
+        let s = Instant::now();
+        let st = prefill(&args, o, &mut out, None).unwrap();
+        (s.elapsed().as_secs_f64(), st)
+    };
+    let (_, st_d) = run(&dense);
+    let (_, st_a) = run(&acp);
+    let kept = st_a.kept_pairs() as f64 / st_d.kept_pairs() as f64;
+    let flops = 4.0 * d as f64 * st_d.kept_pairs() as f64;
+    println!(
+        "ratio L={l}: ACP keeps {} of {} pairs ({:.1}%), {} of {} blocks",
+        st_a.kept_pairs(),
+        st_d.kept_pairs(),
+        100.0 * kept,
+        st_a.heads.iter().map(|h| h.kept_blocks).sum::<u64>(),
+        st_d.heads.iter().map(|h| h.kept_blocks).sum::<u64>(),
+    );
+    let pairs = arg("pairs=", 5);
+    let (mut fr, mut rr) = (Vec::new(), Vec::new());
+    for _ in 0..arg("rounds=", 9) {
+        let peak = foxedge_cpu::limits::fma_peak_gflops(2, 0.5);
+        let (mut td, mut ta) = (Vec::new(), Vec::new());
+        for _ in 0..pairs {
+            td.push(run(&dense).0);
+            ta.push(run(&acp).0);
+        }
+        td.sort_by(f64::total_cmp);
+        ta.sort_by(f64::total_cmp);
+        let (td, ta) = (td[pairs / 2], ta[pairs / 2]);
+        let f = flops / td / 1e9 / peak;
+        let r = ta / td / kept;
+        println!(
+            "  round: peak {peak:.1} GFLOP/s, dense {:.2} ms = {:.0}%, ACP {:.2} ms, ratio/kept {r:.3}",
+            td * 1e3,
+            100.0 * f,
+            ta * 1e3
+        );
+        fr.push(f);
+        rr.push(r);
+    }
+    print_fractions(
+        &format!("dense prefill L={l} fraction of same-round FMA peak"),
+        fr,
+    );
+    rr.sort_by(f64::total_cmp);
+    println!(
+        "ACP time ratio / kept fraction L={l}: median {:.3} (min {:.3}, max {:.3})",
+        rr[rr.len() / 2],
+        rr[0],
+        rr[rr.len() - 1]
+    );
+}
+
 fn decode_run<T: Storage>(n: usize, acp: bool) {
     let (h, d) = (arg("heads=", 8), arg("d=", 64));
     let mut s = 7;
@@ -288,8 +388,9 @@ fn main() {
         ("decode", "f16") => decode_run::<f16>(n, acp),
         ("decode", "bf16") => decode_run::<bf16>(n, acp),
         ("decode", _) => decode_run::<f32>(n, acp),
+        ("ratio", _) => ratio_run(n),
         _ => eprintln!(
-            "usage: speed limits | prefill L [acp] [f16|bf16] [scalar|portable] | decode N [acp] [f16|bf16]"
+            "usage: speed limits | prefill L [acp] [f16|bf16] [scalar|portable] | decode N [acp] [f16|bf16] | ratio L [rounds=R] [pairs=P]"
         ),
     }
 }

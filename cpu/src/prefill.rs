@@ -431,14 +431,15 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
 
         if p0 + nq > ks {
             // qt[p][i] = s q_i[p]; padded columns 0.
-            // Rows of Q are widened first, then transposed in 8 x 8 blocks (measured:
-            // row-by-row scattering cost ~10% of an ACP prefill at L = 2048).
+            // Rows of Q are widened first, then transposed in 8 x 8 register blocks
+            // (measured at L = 2048, f32: transposing element by element took 40% of a
+            // task's fixed cost, and the ACP prefill was 5% slower).
             let qrows = sized(&mut scr.row, nq * d);
             for (i, r) in qrows.chunks_exact_mut(d).enumerate() {
                 widen::<V, T>(&ctx.args.q[sh.q_at(b, t0 + i, h)..][..d], r);
             }
             let qt = sized(&mut scr.qt, d * nqp);
-            transpose(qrows, d, qt, nqp, nq, d);
+            transpose::<V>(qrows, d, qt, nqp, nq, d);
             for r in qt.chunks_exact_mut(nqp) {
                 scale_row::<V>(&mut r[..nq], ctx.scale);
                 r[nq..].fill(0.0);
@@ -507,7 +508,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
             }
         }
         let rows = sized(&mut scr.row, nq * d);
-        transpose(acc, nqp, rows, d, d, nq);
+        transpose::<V>(acc, nqp, rows, d, d, nq);
         for (i, row) in rows.chunks_exact(d).enumerate() {
             if p0 + i >= ks && !(l[i] > 0.0 && l[i].is_finite() && m[i].is_finite()) {
                 ctx.non_finite.store(true, Ordering::Relaxed);
@@ -782,12 +783,24 @@ fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
     }
 }
 
-/// `dst[c * ldd + r] = src[r * lds + c]` for `r < rows`, `c < cols`, in 8 x 8 blocks.
+/// `dst[c * ldd + r] = src[r * lds + c]` for `r < rows`, `c < cols`, in 8 x 8 blocks
+/// ([`Vf32::transpose8`]; partial edge blocks element by element).
 #[inline(always)]
-fn transpose(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize, rows: usize, cols: usize) {
+fn transpose<V: Vf32>(
+    src: &[f32],
+    lds: usize,
+    dst: &mut [f32],
+    ldd: usize,
+    rows: usize,
+    cols: usize,
+) {
     const B: usize = 8;
     for r0 in (0..rows).step_by(B) {
         for c0 in (0..cols).step_by(B) {
+            if r0 + B <= rows && c0 + B <= cols {
+                V::transpose8(&src[r0 * lds + c0..], lds, &mut dst[c0 * ldd + r0..], ldd);
+                continue;
+            }
             for r in r0..(r0 + B).min(rows) {
                 for c in c0..(c0 + B).min(cols) {
                     dst[c * ldd + r] = src[r * lds + c];

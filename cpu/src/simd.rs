@@ -43,6 +43,19 @@ pub(crate) trait Vf32: Copy {
     fn reduce_sum8(a: [Self; 8]) -> [f32; 8] {
         a.map(Self::reduce_sum)
     }
+    /// Transposes one 8 x 8 block: `dst[c * ldd + r] = src[r * lds + c]` for `r, c < 8`
+    /// (panics if a row of either side is out of bounds). The scalar body is the reference;
+    /// AVX2 transposes in registers.
+    #[inline(always)]
+    fn transpose8(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize) {
+        let rows: [[f32; 8]; 8] = core::array::from_fn(|r| array8(&src[r * lds..]));
+        for (c, d) in dst.chunks_mut(ldd).take(8).enumerate() {
+            let d = &mut d[..8];
+            for (r, x) in d.iter_mut().enumerate() {
+                *x = rows[r][c];
+            }
+        }
+    }
 }
 
 /// Asks the CPU to start fetching the cache lines of `s` into L1 (x86-64: `prefetcht0`;
@@ -285,6 +298,59 @@ mod x86 {
     #[derive(Clone, Copy)]
     pub(crate) struct V512(__m512);
 
+    /// [`Vf32::transpose8`] in registers: unpack pairs, shuffle quads, swap 128-bit
+    /// halves. Only reached from V256 / V512 kernels (AVX is part of both invariants).
+    #[inline(always)]
+    fn transpose8_avx(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize) {
+        // No closures here: a closure is not compiled with the caller's target features,
+        // so the intrinsics inside it would not inline.
+        // SAFETY: register-only; AVX is available (see above).
+        let mut r = [unsafe { _mm256_setzero_ps() }; 8];
+        for (i, x) in r.iter_mut().enumerate() {
+            let row = &src[i * lds..][..8];
+            // SAFETY: `row` has 8 f32; AVX is available (see above).
+            *x = unsafe { _mm256_loadu_ps(row.as_ptr()) };
+        }
+        // SAFETY: register-only shuffles; AVX is available (see above).
+        let t = unsafe {
+            let u = [
+                _mm256_unpacklo_ps(r[0], r[1]),
+                _mm256_unpackhi_ps(r[0], r[1]),
+                _mm256_unpacklo_ps(r[2], r[3]),
+                _mm256_unpackhi_ps(r[2], r[3]),
+                _mm256_unpacklo_ps(r[4], r[5]),
+                _mm256_unpackhi_ps(r[4], r[5]),
+                _mm256_unpacklo_ps(r[6], r[7]),
+                _mm256_unpackhi_ps(r[6], r[7]),
+            ];
+            let q = [
+                _mm256_shuffle_ps::<0x44>(u[0], u[2]),
+                _mm256_shuffle_ps::<0xEE>(u[0], u[2]),
+                _mm256_shuffle_ps::<0x44>(u[1], u[3]),
+                _mm256_shuffle_ps::<0xEE>(u[1], u[3]),
+                _mm256_shuffle_ps::<0x44>(u[4], u[6]),
+                _mm256_shuffle_ps::<0xEE>(u[4], u[6]),
+                _mm256_shuffle_ps::<0x44>(u[5], u[7]),
+                _mm256_shuffle_ps::<0xEE>(u[5], u[7]),
+            ];
+            [
+                _mm256_permute2f128_ps::<0x20>(q[0], q[4]),
+                _mm256_permute2f128_ps::<0x20>(q[1], q[5]),
+                _mm256_permute2f128_ps::<0x20>(q[2], q[6]),
+                _mm256_permute2f128_ps::<0x20>(q[3], q[7]),
+                _mm256_permute2f128_ps::<0x31>(q[0], q[4]),
+                _mm256_permute2f128_ps::<0x31>(q[1], q[5]),
+                _mm256_permute2f128_ps::<0x31>(q[2], q[6]),
+                _mm256_permute2f128_ps::<0x31>(q[3], q[7]),
+            ]
+        };
+        for (c, v) in t.iter().enumerate() {
+            let row = &mut dst[c * ldd..][..8];
+            // SAFETY: `row` has 8 f32; AVX is available (see above).
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr(), *v) };
+        }
+    }
+
     // SAFETY (for every `unsafe` block in the two impls below): the intrinsics need the
     // CPU features named in each type's invariant, which `dispatch` checked before
     // running any kernel instantiated with the type; loads and stores go through slices
@@ -434,10 +500,18 @@ mod x86 {
             }
             out
         }
+        #[inline(always)]
+        fn transpose8(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize) {
+            transpose8_avx(src, lds, dst, ldd);
+        }
     }
 
     impl Vf32 for V512 {
         const LANES: usize = 16;
+        #[inline(always)]
+        fn transpose8(src: &[f32], lds: usize, dst: &mut [f32], ldd: usize) {
+            transpose8_avx(src, lds, dst, ldd);
+        }
         #[inline(always)]
         fn splat(x: f32) -> Self {
             // SAFETY: see the comment above the V256 impl.
@@ -782,6 +856,36 @@ mod tests {
         for isa in Isa::available() {
             let got = dispatch(isa, Reduce(&xs));
             assert!((got.0 - want.0).abs() < 1e-4 && got.1 == want.1, "{isa:?}");
+        }
+    }
+
+    /// `transpose8` of an 8 x 8 block at an offset inside strided buffers.
+    struct Transpose<'a>(&'a [f32]);
+    impl WithSimd for Transpose<'_> {
+        type Output = Vec<f32>;
+        #[inline(always)]
+        fn run<V: Vf32>(self) -> Vec<f32> {
+            let mut dst = vec![-1.0f32; 12 * 10];
+            V::transpose8(&self.0[3 * 11 + 2..], 11, &mut dst[10 + 1..], 10);
+            dst
+        }
+    }
+
+    #[test]
+    fn transpose8_matches_definition() {
+        let src: Vec<f32> = (0..11 * 11).map(|i| i as f32).collect();
+        for isa in Isa::available() {
+            let dst = dispatch(isa, Transpose(&src));
+            for (i, &y) in dst.iter().enumerate() {
+                let (row, col) = (i / 10, i % 10);
+                let want = if (1..9).contains(&row) && (1..9).contains(&col) {
+                    // dst[c][r] = src[r][c] with the block at src (3, 2) and dst (1, 1).
+                    src[(3 + col - 1) * 11 + 2 + row - 1]
+                } else {
+                    -1.0
+                };
+                assert_eq!(y, want, "{isa:?} dst row {row} col {col}");
+            }
         }
     }
 }
