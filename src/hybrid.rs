@@ -41,6 +41,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+mod feedback;
+use feedback::{ClassRecord, Pick, Reason};
+
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub const BLOCK: usize = 64;
 
@@ -246,10 +249,6 @@ enum PlanKind {
     Split = 2,
 }
 
-/// Measured / predicted seconds of each plan kind (index: [`PlanKind`]); `None`: not run
-/// in this size class yet.
-type Factors = [Option<f64>; 3];
-
 /// Predicted seconds of every plan: all CPU, all GPU, and the best split found (its GPU
 /// heads). Raw model times, before corrections.
 #[derive(Debug, Clone, PartialEq)]
@@ -315,18 +314,11 @@ fn candidates(
 }
 
 /// Heads on the GPU under `mode`: `GpuOnly` all; `Hybrid` the best split (at least one
-/// head per side when there are two or more); `Auto` the plan with the smallest corrected
-/// prediction (model x measured factor, [`SPLIT_PRIOR`] for a split not yet run), except
-/// that a plan not yet run whose corrected prediction is within [`EXPLORE`] of the best is
-/// tried once (after the best has run; `explore` is that factor). Returns the split, with the model's (uncorrected)
-/// prediction of it, and its kind.
-fn plan(
-    n: usize,
-    c: &Candidates,
-    mode: Mode,
-    factors: &Factors,
-    explore: f64,
-) -> (Split, PlanKind) {
+/// head per side when there are two or more); `Auto` what `rec` picks among the three plans
+/// from their raw predictions (see [`feedback`]: measured corrections, [`SPLIT_PRIOR`] for a
+/// split not yet run, budgeted probes within `explore`). Returns the split, with the model's
+/// (uncorrected) prediction of it, and the pick.
+fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
         let mut gpu_heads = gpu_heads.to_vec();
         gpu_heads.sort_unstable();
@@ -340,104 +332,117 @@ fn plan(
         }
     };
     let all: Vec<usize> = (0..n).collect();
-    match mode {
-        Mode::GpuOnly => return (split_of(&all, c.gpu), PlanKind::Gpu),
-        Mode::Hybrid => {
-            return match &c.split {
-                Some((t, g)) => (split_of(g, *t), PlanKind::Split),
-                None => (split_of(&[], c.cpu), PlanKind::Cpu),
-            };
-        }
-        Mode::Auto => {}
-    }
-    let f = |k: PlanKind| {
-        factors[k as usize].unwrap_or(if k == PlanKind::Split {
-            SPLIT_PRIOR
-        } else {
-            1.0
-        })
+    let fixed = |kind| Pick {
+        kind,
+        reason: Reason::Best,
+        best_s: 0.0,
     };
-    let mut opts: Vec<(f64, PlanKind)> = vec![
-        (c.cpu * f(PlanKind::Cpu), PlanKind::Cpu),
-        (c.gpu * f(PlanKind::Gpu), PlanKind::Gpu),
-    ];
-    if let Some((t, _)) = &c.split {
-        opts.push((t * f(PlanKind::Split), PlanKind::Split));
-    }
-    opts.sort_by(|x, y| x.0.total_cmp(&y.0));
-    let (best_t, mut kind) = opts[0];
-    if factors[kind as usize].is_some()
-        && let Some(&(_, k)) = opts[1..]
-            .iter()
-            .find(|(te, k)| factors[*k as usize].is_none() && *te <= explore * best_t)
-    {
-        kind = k;
-    }
-    let split = match (kind, &c.split) {
+    let pick = match mode {
+        Mode::GpuOnly => fixed(PlanKind::Gpu),
+        Mode::Hybrid if c.split.is_some() => fixed(PlanKind::Split),
+        Mode::Hybrid => fixed(PlanKind::Cpu),
+        Mode::Auto => {
+            let mut raw = vec![(c.cpu, PlanKind::Cpu), (c.gpu, PlanKind::Gpu)];
+            if let Some((t, _)) = &c.split {
+                raw.push((*t, PlanKind::Split));
+            }
+            let prior = |k: PlanKind| {
+                if k == PlanKind::Split {
+                    SPLIT_PRIOR
+                } else {
+                    1.0
+                }
+            };
+            rec.pick(&raw, prior, explore)
+        }
+    };
+    let split = match (pick.kind, &c.split) {
         (PlanKind::Gpu, _) => split_of(&all, c.gpu),
         (PlanKind::Split, Some((ts, g))) => split_of(g, *ts),
         _ => split_of(&[], c.cpu),
     };
-    (split, kind)
+    (split, pick)
 }
 
 /// Kept pairs per head of a prefill call, from the same boundary the kernels use
 /// (`start_blocks` + `count_pairs` over `BLOCK`-token blocks, threshold from core).
 /// Also returns each head's start blocks (`[heads, q_blocks]`) and threshold.
 pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary> {
-    let (t, nh, d) = (call.t, call.heads, call.head_dim);
+    use rayon::prelude::*;
+    let (t, nh) = (call.t, call.heads);
     let grid = BlockGrid::new(BLOCK, BLOCK, t, t).map_err(core_err)?;
     let nqb = grid.q_blocks();
     let mut pb = PrefillBoundary {
+        block: BLOCK,
         q_blocks: nqb,
         start_blocks: vec![0; nh * nqb],
-        kept_pairs: Vec::with_capacity(nh),
-        total_pairs: Vec::with_capacity(nh),
-        delta: Vec::with_capacity(nh),
+        kept_pairs: vec![0; nh],
+        total_pairs: vec![0; nh],
+        delta: vec![None; nh],
         c: vec![0.0; nh * t],
     };
-    let scale = 1.0 / (d as f64).sqrt();
-    for h in 0..nh {
-        let c = &mut pb.c[h * t..(h + 1) * t];
-        gate::cumsum_strided(&call.log_f[h..], nh, 0.0, c).map_err(core_err)?;
-        let delta = match call.acp {
-            Acp::Off => None,
-            Acp::Bound { u, ln_eps } => {
-                let uh = *u
-                    .get(h)
-                    .ok_or_else(|| Error::invalid("ACP bound: one U per head"))?;
-                Some(threshold::threshold(uh, t, ln_eps).map_err(core_err)?)
-            }
-            Acp::ObservedNorms { ln_eps } => {
-                let norm = |x: &[f32], r: usize| {
-                    let row = &x[(r * nh + h) * d..][..d];
-                    row.iter()
-                        .map(|v| f64::from(*v) * f64::from(*v))
-                        .sum::<f64>()
-                        .sqrt()
-                };
-                let (mut qn, mut kn) = (0.0f64, 0.0f64);
-                for r in 0..t {
-                    qn = qn.max(norm(call.q, r));
-                    kn = kn.max(norm(call.k, r));
-                }
-                let u = threshold::bound_from_norms(qn, kn, scale).map_err(core_err)?;
-                Some(threshold::threshold(u, t, ln_eps).map_err(core_err)?)
-            }
-        };
-        let st = &mut pb.start_blocks[h * nqb..(h + 1) * nqb];
-        boundary::start_blocks(&grid, c, delta, 0, st).map_err(core_err)?;
-        let pc = boundary::count_pairs(&grid, st, 0);
-        pb.kept_pairs.push(pc.kept_pairs);
-        pb.total_pairs.push(pc.total_pairs);
-        pb.delta.push(delta);
-    }
+    // Heads in parallel: `auto` and the split run this before every prefill they plan, on
+    // top of the kernels' own boundary pass.
+    pb.c.par_chunks_mut(t.max(1))
+        .zip(pb.start_blocks.par_chunks_mut(nqb.max(1)))
+        .zip(pb.kept_pairs.par_iter_mut())
+        .zip(pb.total_pairs.par_iter_mut())
+        .zip(pb.delta.par_iter_mut())
+        .enumerate()
+        .try_for_each(|(h, ((((c, st), kept), total), delta))| {
+            *delta = head_boundary(call, &grid, h, c, st)?;
+            let pc = boundary::count_pairs(&grid, st, 0);
+            (*kept, *total) = (pc.kept_pairs, pc.total_pairs);
+            Ok::<(), Error>(())
+        })?;
     Ok(pb)
+}
+
+/// Head `h` of [`prefill_boundary`]: fills its `c` and start blocks, returns its threshold.
+fn head_boundary(
+    call: &PrefillCall<'_>,
+    grid: &BlockGrid,
+    h: usize,
+    c: &mut [f64],
+    st: &mut [u32],
+) -> Result<Option<f64>> {
+    let (t, nh, d) = (call.t, call.heads, call.head_dim);
+    gate::cumsum_strided(&call.log_f[h..], nh, 0.0, c).map_err(core_err)?;
+    let delta = match call.acp {
+        Acp::Off => None,
+        Acp::Bound { u, ln_eps } => {
+            let uh = *u
+                .get(h)
+                .ok_or_else(|| Error::invalid("ACP bound: one U per head"))?;
+            Some(threshold::threshold(uh, t, ln_eps).map_err(core_err)?)
+        }
+        Acp::ObservedNorms { ln_eps } => {
+            let norm = |x: &[f32], r: usize| {
+                let row = &x[(r * nh + h) * d..][..d];
+                row.iter()
+                    .map(|v| f64::from(*v) * f64::from(*v))
+                    .sum::<f64>()
+                    .sqrt()
+            };
+            let (mut qn, mut kn) = (0.0f64, 0.0f64);
+            for r in 0..t {
+                qn = qn.max(norm(call.q, r));
+                kn = kn.max(norm(call.k, r));
+            }
+            let scale = 1.0 / (d as f64).sqrt();
+            let u = threshold::bound_from_norms(qn, kn, scale).map_err(core_err)?;
+            Some(threshold::threshold(u, t, ln_eps).map_err(core_err)?)
+        }
+    };
+    boundary::start_blocks(grid, c, delta, 0, st).map_err(core_err)?;
+    Ok(delta)
 }
 
 /// The ACP boundary of one prefill call (see [`prefill_boundary`]).
 #[derive(Debug, Clone)]
 pub(crate) struct PrefillBoundary {
+    /// Tile size (tokens, queries and keys) the decisions are for: [`BLOCK`].
+    pub block: usize,
     pub q_blocks: usize,
     /// `[heads, q_blocks]`: first visited key block of each query block.
     pub start_blocks: Vec<u32>,
@@ -564,6 +569,7 @@ fn prefill_sample(
         k: &k,
         v: &v,
         log_f: &log_f,
+        decided: None,
         acp: if pruned {
             Acp::Bound {
                 u: &u,
@@ -841,8 +847,8 @@ pub(crate) struct Scheduler {
     last_split: Mutex<Option<Split>>,
     /// Calls run all on the CPU, all on the GPU, split.
     plan_counts: [AtomicU64; 3],
-    /// Measured / predicted seconds per size class and plan kind (see [`plan`]).
-    feedback: Mutex<HashMap<SizeClass, Factors>>,
+    /// Measured / predicted seconds per size class and plan kind (see [`feedback`]).
+    feedback: Mutex<HashMap<SizeClass, ClassRecord>>,
     /// Per decode cache id: the version the GPU last received (its mirror's state).
     gpu_synced: Mutex<HashMap<u64, u64>>,
     /// Per decode cache id: (entries, kept pairs, pruning tag, queries) when last counted;
@@ -861,8 +867,12 @@ fn size_class(decode: bool, w: Work) -> SizeClass {
     (decode, w.rows.max(1).ilog2(), w.pairs.max(1).ilog2())
 }
 
-/// Weight of a new measurement in a size class's factor (after its first).
-const FEEDBACK_WEIGHT: f64 = 0.3;
+/// `FOXEDGE_TRACE_AUTO=1`: `auto` prints each choice (raw predictions, measured factors,
+/// the plan and why) and each measurement to stderr.
+fn trace_auto() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FOXEDGE_TRACE_AUTO").is_some_and(|v| v != "0"))
+}
 
 /// A decode head's kept-pair count is reused while its entry count stays within this
 /// fraction of the count's (the split is still revisited at every step from the reused
@@ -904,8 +914,12 @@ fn acp_tag(acp: Acp<'_>, h: usize) -> u64 {
 struct Choice {
     split: Split,
     kind: PlanKind,
+    /// For a probe of `auto` (see [`feedback`]): the winner's corrected prediction.
+    probe_of: Option<f64>,
     /// The size class and the model's raw prediction, when the plan came from the model.
     class: Option<(SizeClass, f64)>,
+    /// When the choice began (the trace reports the scheduler's time around the kernels).
+    started: Instant,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1041,7 +1055,7 @@ impl Scheduler {
         }
     }
 
-    /// Folds a call's measured seconds into its size class's factor for `kind`.
+    /// Folds a call's measured seconds into its size class's record for its kind.
     fn learn(&self, choice: &Choice, secs: f64) {
         let Some((class, raw)) = choice.class else {
             return;
@@ -1049,13 +1063,19 @@ impl Scheduler {
         if !(raw > 0.0 && secs.is_finite()) {
             return;
         }
-        let r = secs / raw;
+        if trace_auto() && self.mode == Mode::Auto {
+            eprintln!(
+                "[auto] {class:?} ran {:?}: {:.3} ms = {:.2} x predicted (+{:.0} us choosing)",
+                choice.kind,
+                secs * 1e3,
+                secs / raw,
+                (choice.started.elapsed().as_secs_f64() - secs) * 1e6
+            );
+        }
         if let Ok(mut fb) = self.feedback.lock() {
-            let f = &mut fb.entry(class).or_insert([None; 3])[choice.kind as usize];
-            *f = Some(match *f {
-                None => r,
-                Some(old) => old + FEEDBACK_WEIGHT * (r - old),
-            });
+            fb.entry(class)
+                .or_default()
+                .record(choice.kind, raw, secs, choice.probe_of);
         }
     }
 
@@ -1122,6 +1142,7 @@ impl Scheduler {
         upper: Work,
         work: impl FnOnce() -> Result<Vec<Work>>,
     ) -> Result<Choice> {
+        let started = Instant::now();
         let side = |gpu: bool| Choice {
             split: Split {
                 gpu_heads: if gpu {
@@ -1137,7 +1158,9 @@ impl Scheduler {
                 predicted_seconds: 0.0,
             },
             kind: if gpu { PlanKind::Gpu } else { PlanKind::Cpu },
+            probe_of: None,
             class: None,
+            started,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -1198,21 +1221,46 @@ impl Scheduler {
             c.split_fixed,
             if decode { 0.0 } else { c.split_row_prefill },
         );
+        let t_work = Instant::now();
         let work = work()?;
+        let work_s = t_work.elapsed().as_secs_f64();
         let total = work.iter().fold(Work::default(), |a, &w| a + w);
         let cands = candidates(&work, cc, gc, c.concurrent, split_cost);
         let class = size_class(decode, total);
-        let factors = lock(&self.feedback)?
+        let rec = lock(&self.feedback)?
             .get(&class)
             .copied()
-            .unwrap_or([None; 3]);
+            .unwrap_or_default();
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
-        let (split, kind) = plan(heads, &cands, self.mode, &factors, explore);
+        let (split, pick) = plan(heads, &cands, self.mode, &rec, explore);
+        let (kind, why) = (pick.kind, pick.reason);
         let raw = split.predicted_seconds;
+        if trace_auto() && self.mode == Mode::Auto {
+            let f = |k: PlanKind| rec.factor(k).map_or("-".into(), |x| format!("{x:.2}"));
+            eprintln!(
+                "[auto] {class:?} raw ms cpu {:.3} gpu {:.3} split {} | factors {} {} {} -> {kind:?} \
+                 ({why:?}, {} gpu heads; work counted in {:.0} us, chosen after {:.0} us)",
+                cands.cpu * 1e3,
+                cands.gpu * 1e3,
+                cands.split.as_ref().map_or("-".into(), |(t, g)| format!(
+                    "{:.3} ({} heads)",
+                    t * 1e3,
+                    g.len()
+                )),
+                f(PlanKind::Cpu),
+                f(PlanKind::Gpu),
+                f(PlanKind::Split),
+                split.gpu_heads.len(),
+                work_s * 1e6,
+                started.elapsed().as_secs_f64() * 1e6
+            );
+        }
         Ok(Choice {
             split,
             kind,
+            probe_of: pick.probe_of(),
             class: Some((class, raw)),
+            started,
         })
     }
 
@@ -1399,6 +1447,7 @@ impl PrefillPart {
             k: &self.k,
             v: &self.v,
             log_f: &self.log_f,
+            decided: None,
             acp: match whole.acp {
                 Acp::Bound { ln_eps, .. } => Acp::Bound { u: &self.u, ln_eps },
                 Acp::Off => Acp::Off,
@@ -1485,23 +1534,31 @@ impl AttentionBackend for Scheduler {
             rows,
             gpu_rows: rows,
         };
+        let mut decided = None;
         let choice = self.choose(nh, d, false, upper, || {
-            let rows = t as u64;
-            Ok(prefill_boundary(call)?
+            let b = prefill_boundary(call)?;
+            let w = b
                 .kept_pairs
-                .into_iter()
-                .map(|pairs| Work {
+                .iter()
+                .map(|&pairs| Work {
                     pairs,
-                    rows,
-                    gpu_rows: rows,
+                    rows: t as u64,
+                    gpu_rows: t as u64,
                 })
-                .collect())
+                .collect();
+            decided = Some(b);
+            Ok(w)
         })?;
         let split = &choice.split;
         self.record(split)?;
         let t0 = Instant::now();
         let r = if split.gpu_heads.is_empty() {
-            self.cpu.prefill(call, out)
+            // The kernel reuses the decisions the plan was made from.
+            let call = PrefillCall {
+                decided: decided.as_ref(),
+                ..*call
+            };
+            self.cpu.prefill(&call, out)
         } else if split.cpu_heads.is_empty() {
             let r = self.gpu.backend.prefill(call, out);
             self.or_cpu(r, || self.cpu.prefill(call, out))
@@ -1833,6 +1890,7 @@ impl Problem {
             v: &self.v,
             log_f: &self.log_f,
             acp: acp.to_acp(&self.u),
+            decided: None,
         }
     }
 
@@ -2436,7 +2494,7 @@ mod tests {
             work.len(),
             &candidates(work, c, g, conc, split_cost),
             mode,
-            &[None; 3],
+            &ClassRecord::default(),
             EXPLORE,
         )
         .0
@@ -2544,41 +2602,26 @@ mod tests {
             gpu: 1.1,
             split: Some((0.5, vec![0])),
         };
-        let (s, k) = plan(2, &c, Mode::Auto, &[None; 3], EXPLORE);
-        assert_eq!((k, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
+        let mut rec = ClassRecord::default();
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        assert_eq!((p.kind, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
-        // ... but it measured 2.4x its prediction: the CPU (never run) is next; then,
-        // having run the CPU, the GPU (never run, within EXPLORE) is tried once; then
-        // the measured best stays.
-        let (_, k) = plan(2, &c, Mode::Auto, &[None, None, Some(2.4)], EXPLORE);
-        assert_eq!(k, PlanKind::Cpu);
-        let (_, k) = plan(2, &c, Mode::Auto, &[Some(1.0), None, Some(2.4)], EXPLORE);
-        assert_eq!(k, PlanKind::Gpu);
-        let (_, k) = plan(
-            2,
-            &c,
-            Mode::Auto,
-            &[Some(1.0), Some(1.3), Some(2.4)],
-            EXPLORE,
+        // ... but it measured 2.4x its prediction: the CPU (never run) is next, and its
+        // split has no GPU heads.
+        rec.record(PlanKind::Split, 0.5, 1.2, None);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        assert_eq!(
+            (p.kind, s.gpu_heads.len(), s.predicted_seconds),
+            (PlanKind::Cpu, 0, 1.0)
         );
-        assert_eq!(k, PlanKind::Cpu);
-        // A GPU far slower is never tried.
-        let far = Candidates {
-            gpu: 10.0,
-            ..c.clone()
-        };
-        let (_, k) = plan(2, &far, Mode::Auto, &[Some(1.0), None, Some(2.4)], EXPLORE);
-        assert_eq!(k, PlanKind::Cpu);
+        rec.record(PlanKind::Cpu, 1.0, 1.0, None);
+        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
         // Hybrid and GpuOnly ignore the measurements.
-        let (_, k) = plan(
-            2,
-            &c,
-            Mode::Hybrid,
-            &[Some(1.0), Some(1.0), Some(9.0)],
-            EXPLORE,
-        );
-        assert_eq!(k, PlanKind::Split);
-        let (s, _) = plan(2, &c, Mode::GpuOnly, &[None; 3], EXPLORE);
+        let (_, p) = plan(2, &c, Mode::Hybrid, &rec, EXPLORE);
+        assert_eq!(p.kind, PlanKind::Split);
+        let (s, _) = plan(2, &c, Mode::GpuOnly, &rec, EXPLORE);
         assert_eq!(s.gpu_heads, vec![0, 1]);
     }
 
@@ -2780,6 +2823,27 @@ mod tests {
                 concurrent: true,
             },
         )
+    }
+
+    #[test]
+    fn auto_reuses_its_decisions_and_matches_the_cpu() {
+        // Whatever auto picks (the test GPU runs the CPU kernels), every call's output and
+        // statistics equal the CPU backend's: the CPU plan runs on the decisions the plan
+        // was made from (`Acp::Decided`), the others decide again.
+        let fail = Arc::new(AtomicBool::new(false));
+        let s = scheduler(Mode::Auto, &fail);
+        let p = problem(300, 4, 16);
+        for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
+            let mut want = vec![0.0; p.q.len()];
+            let st_want = CpuBackend.prefill(&p.call(acp), &mut want).unwrap();
+            for _ in 0..6 {
+                let mut got = vec![0.0; p.q.len()];
+                let st = s.prefill(&p.call(acp), &mut got).unwrap();
+                assert_eq!(got, want);
+                assert_eq!(st, st_want);
+            }
+        }
+        assert!(s.plan_counts().cpu > 0, "{:?}", s.plan_counts());
     }
 
     #[test]

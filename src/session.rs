@@ -876,6 +876,7 @@ impl Session {
                 v: &s.v,
                 log_f: &s.log_f,
                 acp,
+                decided: None,
             };
             let st = self.backend.prefill(&call, &mut s.o)?;
             kept += st.kept_pairs.iter().sum::<u64>();

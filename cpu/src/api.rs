@@ -168,6 +168,27 @@ pub enum Acp<'a> {
     /// (`foxedge_core::threshold::bound_from_norms`), valid for this call only; the
     /// reference kernel's `adaptive_threshold="auto"`.
     ObservedNorms { ln_eps: f64 },
+    /// Prefill only: the decisions themselves, already made with foxedge-core for this
+    /// call's gates and tile grid (a caller that planned the call from them need not pay
+    /// for them twice); the kernel reads neither the gates nor a threshold.
+    Decided(Decisions<'a>),
+}
+
+/// What [`Acp::Decided`] carries, per (batch b, query head h), index `bh = b * heads_q + h`.
+///
+/// Invariant (the caller's): `c` is `foxedge_core::gate::cumsum_strided` of the call's log
+/// gates from 0 and `start_blocks` is `foxedge_core::boundary::start_blocks` for the call's
+/// `BlockGrid` (block sizes of the options), key start and threshold `delta`. The kernel
+/// checks lengths, that `c` is finite and that no query block starts after its diagonal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decisions<'a> {
+    /// `[batch * heads_q, seq_k]`: cumulative log gate `c_j` of every key position.
+    pub c: &'a [f64],
+    /// `[batch * heads_q, q_blocks]`: first visited key block of each query block.
+    pub start_blocks: &'a [u32],
+    /// `[batch * heads_q]`: the threshold each head was pruned with (None: dense), for the
+    /// statistics.
+    pub delta: &'a [Option<f64>],
 }
 
 /// Options of [`crate::prefill`].

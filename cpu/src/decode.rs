@@ -121,6 +121,11 @@ fn validate<Q: Storage, T: Storage>(
                 "ObservedNorms needs every key: pass Bound or Threshold to decode",
             ));
         }
+        Acp::Decided(_) => {
+            return Err(Error::BadArgument(
+                "Decided holds prefill decisions: pass Bound or Threshold to decode",
+            ));
+        }
     }
     Ok(())
 }

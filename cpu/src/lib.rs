@@ -24,8 +24,8 @@ pub mod reference;
 pub mod simd;
 
 pub use api::{
-    Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
-    PrefillOptions, Storage,
+    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
+    PrefillArgs, PrefillOptions, Storage,
 };
 pub use decode::{decode, decode_with_isa};
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};

@@ -18,11 +18,12 @@
 //! per-call packing left the whole kernel 1.6-2.5x slower than this register tile
 //! (measured; see BENCHMARKS.md, "CPU kernels").
 
-use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
+use crate::api::{Acp, AttentionStats, Decisions, HeadStats, PrefillArgs, PrefillOptions, Storage};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
 use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::{Error, Result, gate, threshold};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -66,37 +67,44 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     let nqb = grid.q_blocks();
 
     // Decisions, per (batch, query head): c (f64), delta, start blocks, pair counts.
-    gate::validate_log_gates(args.log_fgate)?;
-    let mut c = vec![0.0f64; heads * sh.seq_k];
-    let mut starts = vec![0u32; heads * nqb];
-    let mut stats = AttentionStats {
-        heads: Vec::with_capacity(heads),
-    };
     let key_start: Vec<usize> = match args.seq_start {
         Some(s) => s.to_vec(),
         None => vec![0; sh.batch],
     };
-    for bh in 0..heads {
-        let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-        let cb = &mut c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
-        gate::cumsum_strided(
-            &args.log_fgate[sh.gate_at(b, 0, h)..],
-            sh.gate_stride(),
-            0.0,
-            cb,
-        )?;
-        let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-        let st = &mut starts[bh * nqb..(bh + 1) * nqb];
-        boundary::start_blocks(&grid, cb, delta, key_start[b], st)?;
-        let pc = boundary::count_pairs(&grid, st, key_start[b]);
-        stats.heads.push(HeadStats {
-            kept_pairs: pc.kept_pairs,
-            total_pairs: pc.total_pairs,
-            kept_blocks: pc.kept_blocks,
-            total_blocks: pc.total_blocks,
-            delta,
-        });
-    }
+    let mut stats = AttentionStats {
+        heads: Vec::with_capacity(heads),
+    };
+    let (c, starts): (Cow<'_, [f64]>, Cow<'_, [u32]>) = match opts.acp {
+        Acp::Decided(dec) => {
+            check_decisions(&dec, &grid, heads, sh.seq_k)?;
+            for bh in 0..heads {
+                let ks = key_start[bh / sh.heads_q];
+                let st = &dec.start_blocks[bh * nqb..(bh + 1) * nqb];
+                stats.heads.push(head_stats(&grid, st, ks, dec.delta[bh]));
+            }
+            (Cow::Borrowed(dec.c), Cow::Borrowed(dec.start_blocks))
+        }
+        _ => {
+            gate::validate_log_gates(args.log_fgate)?;
+            let mut c = vec![0.0f64; heads * sh.seq_k];
+            let mut starts = vec![0u32; heads * nqb];
+            for bh in 0..heads {
+                let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+                let cb = &mut c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
+                gate::cumsum_strided(
+                    &args.log_fgate[sh.gate_at(b, 0, h)..],
+                    sh.gate_stride(),
+                    0.0,
+                    cb,
+                )?;
+                let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
+                let st = &mut starts[bh * nqb..(bh + 1) * nqb];
+                boundary::start_blocks(&grid, cb, delta, key_start[b], st)?;
+                stats.heads.push(head_stats(&grid, st, key_start[b], delta));
+            }
+            (Cow::Owned(c), Cow::Owned(starts))
+        }
+    };
 
     // Tasks (batch, head, query block), grouped by (batch, head) and heaviest first within
     // each: a thread walks one head's query blocks while that head's K/V (8 MiB at L =
@@ -194,7 +202,7 @@ fn head_delta<T: Storage>(
     let bh = b * sh.heads_q + h;
     let n_keys = sh.seq_k - key_start;
     match opts.acp {
-        Acp::Off => Ok(None),
+        Acp::Off | Acp::Decided(_) => Ok(None),
         Acp::Threshold(d) => {
             if d.len() != sh.batch * sh.heads_q {
                 return Err(Error::BadLength {
@@ -238,6 +246,57 @@ fn head_delta<T: Storage>(
             threshold::threshold(u, n_keys, ln_eps).map(Some)
         }
     }
+}
+
+/// A head's pair and block counts for the statistics (core's `count_pairs`).
+fn head_stats(grid: &BlockGrid, starts: &[u32], key_start: usize, delta: Option<f64>) -> HeadStats {
+    let pc = boundary::count_pairs(grid, starts, key_start);
+    HeadStats {
+        kept_pairs: pc.kept_pairs,
+        total_pairs: pc.total_pairs,
+        kept_blocks: pc.kept_blocks,
+        total_blocks: pc.total_blocks,
+        delta,
+    }
+}
+
+/// Checks [`Acp::Decided`]'s lengths, that `c` is finite and that every query block starts
+/// at or before its diagonal block (what the tile loop relies on).
+fn check_decisions(
+    dec: &Decisions<'_>,
+    grid: &BlockGrid,
+    heads: usize,
+    seq_k: usize,
+) -> Result<()> {
+    let nqb = grid.q_blocks();
+    for (what, expected, got) in [
+        ("Decided c", heads * seq_k, dec.c.len()),
+        ("Decided start_blocks", heads * nqb, dec.start_blocks.len()),
+        ("Decided delta", heads, dec.delta.len()),
+    ] {
+        if expected != got {
+            return Err(Error::BadLength {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    if dec.c.iter().any(|x| !x.is_finite()) {
+        return Err(Error::BadArgument("Decided c must be finite"));
+    }
+    for st in dec.start_blocks.chunks_exact(nqb.max(1)) {
+        if st
+            .iter()
+            .enumerate()
+            .any(|(qb, &s)| s as usize > grid.diag_block(qb))
+        {
+            return Err(Error::BadArgument(
+                "Decided start block after its query block's diagonal",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn norm<T: Storage>(x: &[T]) -> f64 {

@@ -4,7 +4,8 @@ mod common;
 use common::*;
 use foxedge_cpu::reference::prefill_f64;
 use foxedge_cpu::{
-    Acp, Error, Isa, Layout, PrefillArgs, PrefillOptions, Storage, prefill, prefill_with_isa,
+    Acp, Decisions, Error, Isa, Layout, PrefillArgs, PrefillOptions, Storage, prefill,
+    prefill_with_isa,
 };
 use half::{bf16, f16};
 
@@ -256,6 +257,67 @@ fn acp_threshold_and_observed_norms() {
     )
     .unwrap();
     assert_eq!(sc.kept_pairs(), sc.total_pairs());
+}
+
+/// Decisions made by the caller with core (`Acp::Decided`) give the very output and
+/// statistics of the kernel's own, and bad ones are errors.
+#[test]
+fn decided_equals_bound_and_bad_decisions_are_errors() {
+    let (len, d) = (300, 16);
+    let p = bounded_problem(8, len, d, 2.0, 0.5);
+    let a = args(&p, &p.q, &p.k, &p.v, None);
+    let u = [1.0f64, 1.0];
+    let bound = PrefillOptions {
+        acp: Acp::Bound {
+            u: &u,
+            ln_eps: -10.0,
+        },
+        ..Default::default()
+    };
+    let mut want = vec![0.0f32; p.shape.q_len()];
+    let sw = prefill(&a, &bound, &mut want, None).unwrap();
+    assert!(sw.kept_pairs() < sw.total_pairs(), "pruning is exercised");
+    let grid = foxedge_core::boundary::BlockGrid::new(64, 64, len, len).unwrap();
+    let nqb = grid.q_blocks();
+    let mut c = vec![0.0; 2 * len];
+    let mut starts = vec![0u32; 2 * nqb];
+    let mut delta = vec![None; 2];
+    for h in 0..2 {
+        let ch = &mut c[h * len..(h + 1) * len];
+        foxedge_core::gate::cumsum_strided(&p.g[h * len..], 1, 0.0, ch).unwrap();
+        delta[h] = Some(foxedge_core::threshold::threshold(u[h], len, -10.0).unwrap());
+        let st = &mut starts[h * nqb..(h + 1) * nqb];
+        foxedge_core::boundary::start_blocks(&grid, ch, delta[h], 0, st).unwrap();
+    }
+    let run = |c: &[f64], starts: &[u32], delta: &[Option<f64>]| {
+        let opts = PrefillOptions {
+            acp: Acp::Decided(Decisions {
+                c,
+                start_blocks: starts,
+                delta,
+            }),
+            ..Default::default()
+        };
+        let mut out = vec![0.0f32; p.shape.q_len()];
+        prefill(&a, &opts, &mut out, None).map(|st| (out, st))
+    };
+    let (got, sg) = run(&c, &starts, &delta).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(sg, sw);
+    // Lengths, a non-finite c, a start after the diagonal.
+    let short = run(&c[1..], &starts, &delta).unwrap_err();
+    assert!(matches!(short, Error::BadLength { .. }), "{short:?}");
+    let short = run(&c, &starts, &delta[1..]).unwrap_err();
+    assert!(matches!(short, Error::BadLength { .. }), "{short:?}");
+    let mut bad_c = c.clone();
+    bad_c[7] = f64::NAN;
+    assert!(matches!(
+        run(&bad_c, &starts, &delta),
+        Err(Error::BadArgument(_))
+    ));
+    let mut late = starts.clone();
+    late[1] = 2;
+    assert!(matches!(run(&c, &late, &delta), Err(Error::BadArgument(_))));
 }
 
 #[test]

@@ -304,6 +304,12 @@ pub(crate) fn validate_except_c<Q: Storage, T: Storage>(
             )
             .into());
         }
+        Acp::Decided(_) => {
+            return Err(foxedge_core::Error::BadArgument(
+                "Decided holds prefill decisions: pass Bound or Threshold to decode",
+            )
+            .into());
+        }
     }
     if args.heads.iter().any(|h| h.c.len() > u32::MAX as usize / 4) {
         return Err(Error::Unsupported(

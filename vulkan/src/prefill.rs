@@ -367,6 +367,12 @@ fn head_delta<T: Storage>(
     let n_keys = sh.seq_k - key_start;
     Ok(match opts.acp {
         Acp::Off => None,
+        // The caller's thresholds; this backend forms c and the start blocks itself.
+        Acp::Decided(dec) => *dec.delta.get(bh).ok_or(foxedge_core::Error::BadLength {
+            what: "Decided delta (batch * heads_q)",
+            expected: sh.batch * sh.heads_q,
+            got: dec.delta.len(),
+        })?,
         Acp::Threshold(d) => {
             if d.len() != sh.batch * sh.heads_q {
                 return Err(foxedge_core::Error::BadLength {

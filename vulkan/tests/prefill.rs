@@ -80,6 +80,7 @@ fn run_case(
         Acp::Threshold(t) => foxedge_cpu::Acp::Threshold(t),
         Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },
         Acp::ObservedNorms { ln_eps } => foxedge_cpu::Acp::ObservedNorms { ln_eps },
+        Acp::Decided(d) => foxedge_cpu::Acp::Decided(d),
     };
     let copts = foxedge_cpu::PrefillOptions {
         sm_scale: opts.sm_scale,
