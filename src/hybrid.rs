@@ -616,9 +616,12 @@ fn fresh_cache_ids(count: usize) -> u64 {
 }
 
 /// Version bookkeeping of a cache that stands still between decode steps except that each
-/// step rewrites its newest row (what a session's step does: it appends the query's key).
-/// Row `j` was written at version `j + 1`; the step `s` (1, 2, ...) rewrites row `n - 1` at
-/// version `n + s`. Every head shares the rows' versions; ids are `base + head`.
+/// step rewrites one row, as a session's step writes its token's key. Row `j` was written at
+/// version `j + 1`; step `s` (1, 2, ...) rewrites row `n - 1 - (s - 1) mod n` at version
+/// `n + s`: a different row each step (newest first, cycling), so the rows written since any
+/// version are as many as the steps since (up to `n`), as in a session whose steps append
+/// (what the scheduler's model of rows to send assumes; rewriting one row over and over would
+/// make it over-count). Every head shares the rows' versions; ids are `base + head`.
 #[derive(Debug)]
 struct StepSync {
     heads: usize,
@@ -637,12 +640,15 @@ impl StepSync {
         }
     }
 
-    /// The next step: the newest row gets a fresh version.
+    /// The next step: the next row (see the type docs) gets a fresh version.
     fn step(&mut self) {
-        self.version += 1;
-        if let Some(last) = self.row_version.last_mut() {
-            *last = self.version;
+        let n = self.row_version.len() as u64;
+        if n == 0 {
+            return;
         }
+        let s = self.version - n;
+        self.version += 1;
+        self.row_version[(n - 1 - s % n) as usize] = self.version;
     }
 
     fn sync(&self, head: usize) -> CacheSync<'_> {
@@ -2882,6 +2888,23 @@ mod tests {
         cpu.decode(&d, acp, &mut b).unwrap();
         assert_eq!(a, b);
         assert!(e.last_split().unwrap().gpu_heads.is_empty());
+    }
+
+    #[test]
+    fn synthetic_steps_write_as_many_rows_as_steps() {
+        // The rows written since a version are as many as the steps since (up to n), the
+        // count the scheduler charges a resident GPU for; versions only grow.
+        let n = 5;
+        let mut st = StepSync::new(1, n);
+        let v0 = st.version;
+        for k in 1..=12u64 {
+            st.step();
+            let newer = st.row_version.iter().filter(|&&v| v > v0).count() as u64;
+            assert_eq!(newer, k.min(n as u64), "after {k} steps");
+            assert_eq!(st.sync(0).version - v0, k);
+            assert!(st.row_version.iter().all(|&v| v <= st.version));
+        }
+        assert_eq!(st.row_version[n - 1], v0 + 11, "newest first, cycling");
     }
 
     #[test]
