@@ -201,8 +201,9 @@ enum Mode {
 /// bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
 const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 
-/// `auto` tries a plan it has not run in a size class once, when its corrected prediction
-/// is within this factor of the chosen plan's.
+/// `auto` probes a plan it has not run in a size class (or has run once) when its corrected
+/// prediction is within this factor of the winner's and the probe budget allows
+/// ([`feedback`]).
 const EXPLORE: f64 = 1.25;
 
 /// [`EXPLORE`] for decode: a step is cheap and a session runs many, while the decode model
@@ -381,8 +382,8 @@ pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary
         delta: vec![None; nh],
         c: vec![0.0; nh * t],
     };
-    // Heads in parallel: `auto` and the split run this before every prefill they plan, on
-    // top of the kernels' own boundary pass.
+    // Heads in parallel: `auto` and the split run this before every prefill they plan (the
+    // CPU plan then reuses it through `PrefillCall::decided`).
     pb.c.par_chunks_mut(t.max(1))
         .zip(pb.start_blocks.par_chunks_mut(nqb.max(1)))
         .zip(pb.kept_pairs.par_iter_mut())

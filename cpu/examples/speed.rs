@@ -37,6 +37,19 @@ fn cpu_seconds() -> f64 {
         / 1e9
 }
 
+/// One sequence of `l` tokens attending to itself, `heads` heads of `d`, seq-first.
+fn self_attention(heads: usize, l: usize, d: usize) -> AttentionShape {
+    AttentionShape {
+        batch: 1,
+        heads_q: heads,
+        heads_kv: heads,
+        seq_q: l,
+        seq_k: l,
+        head_dim: d,
+        layout: Layout::SeqFirst,
+    }
+}
+
 /// Median of `reps` timings of `f`, seconds.
 fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
     f();
@@ -71,15 +84,7 @@ fn print_fractions(what: &str, mut fr: Vec<f64>) {
 fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
     let h = 8;
     let d = 64;
-    let shape = AttentionShape {
-        batch: 1,
-        heads_q: h,
-        heads_kv: h,
-        seq_q: l,
-        seq_k: l,
-        head_dim: d,
-        layout: Layout::SeqFirst,
-    };
+    let shape = self_attention(h, l, d);
     let mut s = 1;
     let q: Vec<T> = (0..shape.q_len())
         .map(|_| T::from_f32(lcg(&mut s)))
@@ -168,15 +173,7 @@ fn prefill_run<T: Storage>(l: usize, acp: bool, isa: Isa) {
 fn ratio_run(l: usize) {
     use fixture_gates::{HEADS, real_gates};
     let d = 64;
-    let shape = AttentionShape {
-        batch: 1,
-        heads_q: HEADS,
-        heads_kv: HEADS,
-        seq_q: l,
-        seq_k: l,
-        head_dim: d,
-        layout: Layout::SeqFirst,
-    };
+    let shape = self_attention(HEADS, l, d);
     let mut s = 1;
     let mut gen_t = |n| (0..n).map(|_| lcg(&mut s)).collect::<Vec<f32>>();
     let (q, k, v) = (
