@@ -691,50 +691,37 @@ fn decode_sample(
     } else {
         Acp::Off
     };
-    let pairs = {
-        let hs: Vec<CacheHead<'_>> = (0..heads)
-            .map(|_| CacheHead {
-                k: &k,
-                v: &v,
-                c: &c,
-                pos: None,
-                sync: None,
-            })
-            .collect();
-        let call = DecodeCall {
-            head_dim: d,
-            n_queries: 1,
-            q: &q,
-            q_c: &q_c,
-            q_pos: None,
-            heads: &hs,
-            acp,
-        };
-        decode_work(&call)?.iter().sum()
+    let base: Vec<CacheHead<'_>> = (0..heads)
+        .map(|_| CacheHead {
+            k: &k,
+            v: &v,
+            c: &c,
+            pos: None,
+            sync: None,
+        })
+        .collect();
+    let call = DecodeCall {
+        head_dim: d,
+        n_queries: 1,
+        q: &q,
+        q_c: &q_c,
+        q_pos: None,
+        heads: &base,
+        acp,
     };
+    let pairs = decode_work(&call)?.iter().sum();
     let mut sync = StepSync::new(heads, n);
     let mut out = vec![0.0f32; heads * d];
     let secs = time_min(|| {
         sync.step();
         let hs: Vec<CacheHead<'_>> = (0..heads)
             .map(|h| CacheHead {
-                k: &k,
-                v: &v,
-                c: &c,
-                pos: None,
                 sync: resident.then(|| sync.sync(h)),
+                ..base[h]
             })
             .collect();
-        let call = DecodeCall {
-            head_dim: d,
-            n_queries: 1,
-            q: &q,
-            q_c: &q_c,
-            q_pos: None,
-            heads: &hs,
-            acp,
-        };
-        b.decode(&call, &mut out).map(|_| ())
+        b.decode(&DecodeCall { heads: &hs, ..call }, &mut out)
+            .map(|_| ())
     })?;
     if resident {
         b.release_cache(&(0..heads as u64).map(|h| sync.base + h).collect::<Vec<_>>());

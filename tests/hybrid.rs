@@ -10,40 +10,27 @@
 //! by O(1e-2) or more). Kept-pair statistics must match exactly (both come from
 //! foxedge-core's boundary).
 
+mod common;
+
+use common::{fixture, input_ids, or_skip, tiny};
 use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
 use foxedge::{BackendKind, ErrorKind, Model, Session, SessionOptions};
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The engine `kind` on the default device, or None (printing why) when there is no Vulkan
 /// device and `CI` is unset.
 fn engine_or_skip(kind: BackendKind, test: &str) -> Option<Engine> {
-    match Engine::new(kind) {
-        Ok(e) => Some(e),
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("{test}: CI is set but the {kind} backend is unavailable: {e}")
-        }
-        Err(e) => {
-            eprintln!("{test}: SKIPPED (no Vulkan device, CI unset): {e}");
-            None
-        }
-    }
+    or_skip(Engine::new(kind), test, &kind.to_string())
 }
 
 fn model() -> Arc<Model> {
     static M: OnceLock<Arc<Model>> = OnceLock::new();
-    M.get_or_init(|| Arc::new(Model::open(root().join("models/fox-tiny-pro")).unwrap()))
-        .clone()
+    M.get_or_init(tiny).clone()
 }
 
 /// The model's 16 real heads (4 layers x 4) over the first `len` tokens of the long fixture.
 fn real(len: usize) -> Problem {
-    let rows =
-        read_token_rows(&root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy")).unwrap();
+    let rows = read_token_rows(&fixture("long_input_ids.npy")).unwrap();
     real_gate_problem(&model(), &rows, len).unwrap()
 }
 
@@ -185,14 +172,7 @@ fn session_on_hybrid_and_auto_matches_cpu_logits() {
         return;
     }
     let m = model();
-    let ids: Vec<u32> =
-        foxedge::npy::NpyArray::read(root().join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
-            .unwrap()
-            .to_i32()
-            .unwrap()
-            .iter()
-            .map(|&x| x as u32)
-            .collect();
+    let ids = input_ids();
     let v = m.info().vocab;
     let run = |backend: BackendKind| {
         let mut s = Session::new(
@@ -263,7 +243,7 @@ fn cli_auto_without_device_says_so_and_reports_cpu() {
             "--json",
         ])
         .env("FOXEDGE_VULKAN_DEVICE", "no-such-vulkan-device-xyz")
-        .current_dir(root())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -304,6 +304,26 @@ pub struct DecodeArgs<'a, Q: Storage, T: Storage> {
     pub heads: &'a [CacheHead<'a, T>],
 }
 
+impl<'a, Q: Storage, T: Storage> DecodeArgs<'a, Q, T> {
+    /// The usual step: one query per head (`q`: `[heads, head_dim]`, `q_c`: `[heads]`), no
+    /// positions.
+    pub fn one_query(
+        head_dim: usize,
+        q: &'a [Q],
+        q_c: &'a [f64],
+        heads: &'a [CacheHead<'a, T>],
+    ) -> Self {
+        DecodeArgs {
+            head_dim,
+            n_queries: 1,
+            q,
+            q_c,
+            q_pos: None,
+            heads,
+        }
+    }
+}
+
 /// Options of [`crate::decode`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeOptions<'a> {

@@ -36,6 +36,21 @@ pub fn input_ids() -> Vec<u32> {
     a.to_i32().unwrap().into_iter().map(|x| x as u32).collect()
 }
 
+/// `r`'s value, or None when the Vulkan-backed `what` is unavailable: with `CI` set that
+/// fails test `test`; without it the test says why it skips.
+pub fn or_skip<T, E: std::fmt::Display>(r: Result<T, E>, test: &str, what: &str) -> Option<T> {
+    match r {
+        Ok(x) => Some(x),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("{test}: CI is set but the {what} backend is unavailable: {e}")
+        }
+        Err(e) => {
+            eprintln!("{test}: SKIPPED (no Vulkan device, CI unset): {e}");
+            None
+        }
+    }
+}
+
 /// (max abs difference, relative L2 error ‖a − b‖ / ‖b‖).
 pub fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
     assert_eq!(a.len(), b.len());

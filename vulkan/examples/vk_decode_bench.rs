@@ -127,14 +127,7 @@ fn resident_step(
         })
         .collect();
     let q_c = cache.q_c();
-    let a = DecodeArgs {
-        head_dim: cache.d,
-        n_queries: 1,
-        q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &hs,
-    };
+    let a = DecodeArgs::one_query(cache.d, q, &q_c, &hs);
     let opts = DecodeOptions {
         split: foxedge_vulkan::auto_split(cache.heads * cache.n()),
         ..Default::default()
@@ -152,14 +145,7 @@ fn cpu_out(cache: &Cache, q: &[f32]) -> (Vec<f32>, f64) {
         })
         .collect();
     let q_c = cache.q_c();
-    let args = foxedge_cpu::DecodeArgs {
-        head_dim: cache.d,
-        n_queries: 1,
-        q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &hs,
-    };
+    let args = foxedge_cpu::DecodeArgs::one_query(cache.d, q, &q_c, &hs);
     let mut out = vec![0.0f32; cache.heads * cache.d];
     let _ = foxedge_cpu::decode(&args, &Default::default(), &mut out, None);
     let t0 = Instant::now();
@@ -259,25 +245,11 @@ fn main() {
                     };
                     let p = if half {
                         let hs = views(&k16, &v16, &cache.c);
-                        let a = DecodeArgs {
-                            head_dim: d,
-                            n_queries: 1,
-                            q: &q,
-                            q_c: &q_c,
-                            q_pos: None,
-                            heads: &hs,
-                        };
+                        let a = DecodeArgs::one_query(d, &q, &q_c, &hs);
                         vk.prepare_decode(&a, &opts)
                     } else {
                         let hs = views(&cache.k, &cache.v, &cache.c);
-                        let a = DecodeArgs {
-                            head_dim: d,
-                            n_queries: 1,
-                            q: &q,
-                            q_c: &q_c,
-                            q_pos: None,
-                            heads: &hs,
-                        };
+                        let a = DecodeArgs::one_query(d, &q, &q_c, &hs);
                         vk.prepare_decode(&a, &opts)
                     };
                     let p = match p {
@@ -378,14 +350,7 @@ fn main() {
             // The same step with a whole-cache upload.
             let hs = views(&cache.k, &cache.v, &cache.c);
             let q_c = cache.q_c();
-            let a = DecodeArgs {
-                head_dim: d,
-                n_queries: 1,
-                q: &q,
-                q_c: &q_c,
-                q_pos: None,
-                heads: &hs,
-            };
+            let a = DecodeArgs::one_query(d, &q, &q_c, &hs);
             let opts = DecodeOptions {
                 split: foxedge_vulkan::auto_split(heads * cache.n()),
                 ..Default::default()

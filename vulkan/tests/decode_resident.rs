@@ -98,14 +98,7 @@ fn cpu_decode(heads: &[Head], d: usize, q: &[f32], q_c: &[f64]) -> Vec<f32> {
             pos: None,
         })
         .collect();
-    let args = foxedge_cpu::DecodeArgs {
-        head_dim: d,
-        n_queries: 1,
-        q,
-        q_c,
-        q_pos: None,
-        heads: &hs,
-    };
+    let args = foxedge_cpu::DecodeArgs::one_query(d, q, q_c, &hs);
     let mut out = vec![0.0f32; heads.len() * d];
     foxedge_cpu::decode(&args, &Default::default(), &mut out, None).expect("cpu decode");
     out
@@ -147,14 +140,7 @@ fn many_chunks_and_launch_shapes_match_cpu() {
     let q_c: Vec<f64> = heads.iter().map(|h| h.c[h.c.len() - 1]).collect();
     let want = cpu_decode(&heads, d, &q, &q_c);
     let views: Vec<_> = heads.iter().map(Head::view).collect();
-    let args = DecodeArgs {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &views,
-    };
+    let args = DecodeArgs::one_query(d, &q, &q_c, &views);
     for (tuning, split) in [
         (DecodeTuning::default(), 64),
         (DecodeTuning::default(), 2048),
@@ -204,14 +190,7 @@ fn non_finite_logits_are_an_error() {
     let mut q = randn(&mut r, 2 * d, 1.0);
     q[0] = 1.0e30;
     let views: Vec<_> = heads.iter().map(Head::view).collect();
-    let args = DecodeArgs {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &views,
-    };
+    let args = DecodeArgs::one_query(d, &q, &q_c, &views);
     let opts = DecodeOptions {
         split: 64,
         ..Default::default()
@@ -243,14 +222,7 @@ fn non_finite_logits_are_an_error() {
             pos: None,
         })
         .collect();
-    let cargs = foxedge_cpu::DecodeArgs {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &hs,
-    };
+    let cargs = foxedge_cpu::DecodeArgs::one_query(d, &q, &q_c, &hs);
     assert!(foxedge_cpu::decode(&cargs, &Default::default(), &mut out, None).is_err());
 }
 
@@ -308,14 +280,7 @@ fn resident_cache_follows_edits_with_few_uploads() {
             let want = cpu_decode(&shown, d, &q, &q_c);
             let views: Vec<_> = heads.iter().map(Head::view).collect();
             let sync: Vec<_> = heads.iter().map(Head::sync).collect();
-            let args = DecodeArgs {
-                head_dim: d,
-                n_queries: 1,
-                q: &q,
-                q_c: &q_c,
-                q_pos: None,
-                heads: &views,
-            };
+            let args = DecodeArgs::one_query(d, &q, &q_c, &views);
             let opts = DecodeOptions {
                 split: 128,
                 ..Default::default()
@@ -369,14 +334,7 @@ fn resident_cache_budget_evicts_and_reports_oom() {
             let q_c: Vec<f64> = sel.iter().map(|h| h.c[199]).collect();
             let views: Vec<_> = sel.iter().map(Head::view).collect();
             let sync: Vec<_> = sel.iter().map(Head::sync).collect();
-            let args = DecodeArgs {
-                head_dim: d,
-                n_queries: 1,
-                q: &q,
-                q_c: &q_c,
-                q_pos: None,
-                heads: &views,
-            };
+            let args = DecodeArgs::one_query(d, &q, &q_c, &views);
             let mut out = vec![0.0f32; 2 * d];
             cache
                 .decode(&args, &sync, &DecodeOptions::default(), &mut out, None)
@@ -396,14 +354,8 @@ fn resident_cache_budget_evicts_and_reports_oom() {
     let q = randn(&mut r, d, 1.0);
     let views = [heads[3].view()];
     let sync = [heads[3].sync()];
-    let args = DecodeArgs {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &[heads[3].c[199]],
-        q_pos: None,
-        heads: &views,
-    };
+    let q_c = [heads[3].c[199]];
+    let args = DecodeArgs::one_query(d, &q, &q_c, &views);
     let mut out = vec![0.0f32; d];
     cache.forget(&[13]);
     let e = cache.decode(&args, &sync, &DecodeOptions::default(), &mut out, None);
