@@ -383,7 +383,7 @@ pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary
         c: vec![0.0; nh * t],
     };
     // Heads in parallel: `auto` and the split run this before every prefill they plan (the
-    // CPU plan then reuses it through `PrefillCall::decided`).
+    // CPU plan and both sides of a split then reuse it through `PrefillCall::decided`).
     pb.c.par_chunks_mut(t.max(1))
         .zip(pb.start_blocks.par_chunks_mut(nqb.max(1)))
         .zip(pb.kept_pairs.par_iter_mut())
@@ -440,7 +440,7 @@ fn head_boundary(
 }
 
 /// The ACP boundary of one prefill call (see [`prefill_boundary`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PrefillBoundary {
     /// Tile size (tokens, queries and keys) the decisions are for: [`BLOCK`].
     pub block: usize,
@@ -452,6 +452,31 @@ pub(crate) struct PrefillBoundary {
     pub delta: Vec<Option<f64>>,
     /// `[heads, t]`: cumulative log gates `c_i`.
     pub c: Vec<f64>,
+}
+
+impl PrefillBoundary {
+    /// The decisions of heads `idx` (in that order), as [`prefill_boundary`] of a call of
+    /// just those heads would make them: every field is per head.
+    fn gather(&self, idx: &[usize]) -> PrefillBoundary {
+        let (nqb, t) = (self.q_blocks, self.c.len() / self.delta.len().max(1));
+        let rows = |x: &[u32], w: usize| {
+            idx.iter()
+                .flat_map(|&h| x[h * w..][..w].iter().copied())
+                .collect()
+        };
+        PrefillBoundary {
+            block: self.block,
+            q_blocks: nqb,
+            start_blocks: rows(&self.start_blocks, nqb),
+            kept_pairs: idx.iter().map(|&h| self.kept_pairs[h]).collect(),
+            total_pairs: idx.iter().map(|&h| self.total_pairs[h]).collect(),
+            delta: idx.iter().map(|&h| self.delta[h]).collect(),
+            c: idx
+                .iter()
+                .flat_map(|&h| self.c[h * t..][..t].iter().copied())
+                .collect(),
+        }
+    }
 }
 
 /// Kept (query, entry) pairs of head `h` of a decode call: entries in `BLOCK`-entry blocks
@@ -1412,10 +1437,16 @@ struct PrefillPart {
     v: Vec<f32>,
     log_f: Vec<f32>,
     u: Vec<f64>,
+    /// The scheduler's decisions for these heads, when it made them.
+    decided: Option<PrefillBoundary>,
 }
 
 impl PrefillPart {
-    fn gather(call: &PrefillCall<'_>, idx: &[usize]) -> PrefillPart {
+    fn gather(
+        call: &PrefillCall<'_>,
+        idx: &[usize],
+        decided: Option<&PrefillBoundary>,
+    ) -> PrefillPart {
         let (t, nh, d) = (call.t, call.heads, call.head_dim);
         PrefillPart {
             q: gather_seq(call.q, t, nh, d, idx),
@@ -1429,6 +1460,7 @@ impl PrefillPart {
                     .collect(),
                 _ => Vec::new(),
             },
+            decided: decided.map(|b| b.gather(idx)),
         }
     }
 
@@ -1441,7 +1473,7 @@ impl PrefillPart {
             k: &self.k,
             v: &self.v,
             log_f: &self.log_f,
-            decided: None,
+            decided: self.decided.as_ref(),
             acp: match whole.acp {
                 Acp::Bound { ln_eps, .. } => Acp::Bound { u: &self.u, ln_eps },
                 Acp::Off => Acp::Off,
@@ -1557,7 +1589,7 @@ impl AttentionBackend for Scheduler {
             let r = self.gpu.backend.prefill(call, out);
             self.or_cpu(r, || self.cpu.prefill(call, out))
         } else {
-            self.prefill_split(call, split, out)
+            self.prefill_split(call, split, decided.as_ref(), out)
         };
         if r.is_ok() {
             self.learn(&choice, t0.elapsed().as_secs_f64());
@@ -1632,22 +1664,24 @@ impl Scheduler {
 
     /// A prefill split: the GPU heads are gathered and handed to the GPU thread first; the
     /// CPU side (gather, kernel, scatter of its heads) then runs in the split pool while
-    /// the GPU works; the GPU heads' output is scattered after the join.
+    /// the GPU works; the GPU heads' output is scattered after the join. Each side gets its
+    /// heads' share of `decided` (the plan's decisions), so neither decides again.
     fn prefill_split(
         &self,
         call: &PrefillCall<'_>,
         split: &Split,
+        decided: Option<&PrefillBoundary>,
         out: &mut [f32],
     ) -> Result<AttentionStats> {
         let (t, nh, d) = (call.t, call.heads, call.head_dim);
-        let gp = PrefillPart::gather(call, &split.gpu_heads);
+        let gp = PrefillPart::gather(call, &split.gpu_heads, decided);
         let gcall = gp.call(call);
         let mut g_out = vec![0.0f32; t * split.gpu_heads.len() * d];
         let gpu = self.gpu.backend.as_ref();
         let (gres, cres) = std::thread::scope(|s| {
             let h = s.spawn(|| gpu.prefill(&gcall, &mut g_out));
             let c = self.on_cpu_side(|| {
-                let cp = PrefillPart::gather(call, &split.cpu_heads);
+                let cp = PrefillPart::gather(call, &split.cpu_heads, decided);
                 let mut c_out = vec![0.0f32; t * split.cpu_heads.len() * d];
                 let st = self.cpu.prefill(&cp.call(call), &mut c_out)?;
                 scatter_seq(&c_out, t, nh, d, &split.cpu_heads, out);
@@ -2822,14 +2856,23 @@ mod tests {
     #[test]
     fn auto_reuses_its_decisions_and_matches_the_cpu() {
         // Whatever auto picks (the test GPU runs the CPU kernels), every call's output and
-        // statistics equal the CPU backend's: the CPU plan runs on the decisions the plan
-        // was made from (`Acp::Decided`), the others decide again.
+        // statistics equal the CPU backend's: the CPU plan and both sides of a split run on
+        // the decisions the plan was made from (`Acp::Decided`), the GPU plan decides again.
         let fail = Arc::new(AtomicBool::new(false));
         let s = scheduler(Mode::Auto, &fail);
         let p = problem(300, 4, 16);
         for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
             let mut want = vec![0.0; p.q.len()];
             let st_want = CpuBackend.prefill(&p.call(acp), &mut want).unwrap();
+            // The CPU backend on the scheduler's decisions: bit-identical.
+            let decided = prefill_boundary(&p.call(acp)).unwrap();
+            let call = PrefillCall {
+                decided: Some(&decided),
+                ..p.call(acp)
+            };
+            let mut got = vec![0.0; p.q.len()];
+            assert_eq!(CpuBackend.prefill(&call, &mut got).unwrap(), st_want);
+            assert_eq!(got, want);
             for _ in 0..6 {
                 let mut got = vec![0.0; p.q.len()];
                 let st = s.prefill(&p.call(acp), &mut got).unwrap();
@@ -2837,7 +2880,22 @@ mod tests {
                 assert_eq!(st, st_want);
             }
         }
-        assert!(s.plan_counts().cpu > 0, "{:?}", s.plan_counts());
+    }
+
+    #[test]
+    fn gathered_decisions_equal_deciding_the_gathered_heads() {
+        // A split's sides run on the scheduler's decisions gathered per side: they must be
+        // what deciding that side's heads alone gives.
+        let p = problem(300, 5, 16);
+        for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
+            let whole = p.call(acp);
+            let all = prefill_boundary(&whole).unwrap();
+            for idx in [vec![3usize, 0], vec![4], vec![1, 2, 4]] {
+                let part = PrefillPart::gather(&whole, &idx, None);
+                let alone = prefill_boundary(&part.call(&whole)).unwrap();
+                assert_eq!(all.gather(&idx), alone, "{idx:?}");
+            }
+        }
     }
 
     #[test]

@@ -90,7 +90,7 @@ certified eviction (default -10); --no-acp turns both off. --temperature 0 is gr
 bench: attention prefill/decode per backend, dense and ACP, on the model's real gates
 (quick: 1k and 4k tokens; --full: 1k-64k); table of time, GFLOP/s, % of the measured
 FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backend, then up
-to --reps rounds (default 15, --full 25) with the backends interleaved (random order), samples
+to --reps rounds (default 15, --full 80) with the backends interleaved (random order), samples
 of >= --batch-ms, at most --budget-s (default 3, --full 8) of timed calls per backend; medians,
 min, IQR and auto/best ratios; --control adds
 a second CPU engine (the noise floor). inspect: decay matrix D with the ACP boundary.

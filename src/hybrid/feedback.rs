@@ -22,7 +22,7 @@
 //!   one's expected excess included, stays within [`PROBE_BUDGET`] of all the time the class
 //!   has run. So probing never costs more than that fraction of a workload (plus one call),
 //!   however wrong the model is, and is spread over it: a plan 2x slower is first tried
-//!   after about 20 calls of the winner.
+//!   after about 1 / PROBE_BUDGET = 50 calls of the winner.
 
 use super::PlanKind;
 
@@ -37,8 +37,10 @@ pub(super) const HYSTERESIS: f64 = 1.03;
 /// factor of the best one.
 pub(super) const RECHECK: f64 = 1.3;
 
-/// Probes' time beyond the winner's prediction, as a fraction of the class's time.
-pub(super) const PROBE_BUDGET: f64 = 0.05;
+/// Probes' time beyond the winner's prediction, as a fraction of the class's time. Small
+/// beside the 5% that `auto` may lose to the best single backend: timing noise on a shared
+/// host takes the rest (2-6% between two identical CPU engines on the H100 host).
+pub(super) const PROBE_BUDGET: f64 = 0.02;
 
 /// Calls of the class between the re-checks of a plan that has run once; doubled with each
 /// further run of it (capped at 2^[`RECHECK_MAX_DOUBLINGS`] times).
@@ -280,7 +282,8 @@ mod tests {
     fn an_unlucky_first_call_is_rechecked() {
         // The split really takes 0.9 s but its first call took 2.0 s; the CPU takes 1.0 s.
         // Measured once, it is re-checked (within `explore` = 2.5) once the probe budget
-        // allows its expected excess of 1 s, i.e. after ~20 s of calls, and then stays.
+        // allows its expected excess of 1 s, i.e. after 1 / PROBE_BUDGET s of calls, and
+        // then stays.
         let raw = [(1.0, CPU), (1.0, SPLIT)];
         let mut r = ClassRecord::default();
         won(&mut r, CPU, 1.0);
@@ -289,7 +292,7 @@ mod tests {
             &mut r,
             &raw,
             2.5,
-            40,
+            80,
             |k| if k == SPLIT { 0.9 } else { 1.0 },
         );
         let first = picks
@@ -297,7 +300,8 @@ mod tests {
             .position(|p| p.kind == SPLIT)
             .expect("a recheck");
         assert_eq!(picks[first].reason, Reason::Recheck);
-        assert!((15..=20).contains(&first), "{first}");
+        let due = (1.0 / PROBE_BUDGET) as usize;
+        assert!((due - 5..=due).contains(&first), "{first}");
         assert!(
             picks[first + 1..].iter().all(|p| p.kind == SPLIT),
             "{picks:?}"
@@ -376,12 +380,16 @@ mod tests {
         let mut r = ClassRecord::default();
         let p = r.pick(&raw, prior, 1.25);
         assert_eq!((p.kind, p.reason), (SPLIT, Reason::Best));
-        // It measured 2.4x: the CPU (never run) becomes best; after it ran, the GPU
-        // (never run, within 1.25, its 10% excess within the budget) is explored once;
-        // then the measured best stays.
+        // It measured 2.4x: the CPU (never run) becomes best; once the class has run long
+        // enough for the GPU's expected excess (0.1 s) to fit the budget, the GPU (never
+        // run, within 1.25) is explored once; then the measured best stays.
         r.record(SPLIT, 0.5, 1.2, None);
         assert_eq!(r.pick(&raw, prior, 1.25).kind, CPU);
         r.record(CPU, 1.0, 1.0, None);
+        while PROBE_BUDGET * (r.spent + 1.0) < 0.1 {
+            assert_eq!(r.pick(&raw, prior, 1.25).kind, CPU);
+            r.record(CPU, 1.0, 1.0, None);
+        }
         let p = r.pick(&raw, prior, 1.25);
         assert_eq!((p.kind, p.reason), (GPU, Reason::Explore));
         r.record(GPU, 1.1, 1.43, p.probe_of());
