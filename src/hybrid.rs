@@ -2643,6 +2643,10 @@ mod tests {
             (PlanKind::Cpu, 0, 1.0)
         );
         rec.record(PlanKind::Cpu, 1.0, 1.0, None);
+        // (Predicted best and slower on its one call, the split has a second call.)
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        assert_eq!((p.kind, s.gpu_heads), (PlanKind::Split, vec![0]));
+        rec.record(PlanKind::Split, 0.5, 1.2, p.probe_of());
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
         assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
