@@ -264,10 +264,17 @@ struct Candidates {
 /// GPU) or `+` on shared cores (lavapipe), plus `split_cost` = (fixed seconds, seconds per
 /// row of the whole call) for a split. Split candidates: every prefix of the heads sorted
 /// heaviest first, lightest first and densest (pairs per GPU row) first.
+///
+/// `side` = (CPU, GPU) measured factors of the class's all-CPU and all-GPU plans (1 where
+/// not measured): a split's two sides are costed with them, so its heads are divided by
+/// what each side was seen to take (the all-GPU plan of an ACP decode ran 5x its model on
+/// the H100, and one split factor over 1- and 11-head splits could not express that). The
+/// split's own factor then measures only what the model still misses.
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
     gpu: LinearCost,
+    side: (f64, f64),
     concurrent: bool,
     split_cost: (f64, f64),
 ) -> Candidates {
@@ -275,16 +282,21 @@ fn candidates(
     let total = work.iter().fold(Work::default(), |a, &w| a + w);
     let combine = |c: f64, g: f64| if concurrent { c.max(g) } else { c + g };
     let cost = |g: Work, g_heads: usize| {
-        let extra = if g_heads == 0 || g_heads == n {
-            0.0
+        let split = g_heads != 0 && g_heads != n;
+        let (extra, fc, fg) = if split {
+            (
+                split_cost.0 + split_cost.1 * total.rows as f64,
+                side.0,
+                side.1,
+            )
         } else {
-            split_cost.0 + split_cost.1 * total.rows as f64
+            (0.0, 1.0, 1.0)
         };
         let c = total - g;
         extra
             + combine(
-                cpu.predict(c.pairs, c.rows, g_heads == n),
-                gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
+                fc * cpu.predict(c.pairs, c.rows, g_heads == n),
+                fg * gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
             )
     };
     let all: Vec<usize> = (0..n).collect();
@@ -1244,12 +1256,16 @@ impl Scheduler {
         let work = work()?;
         let work_s = t_work.elapsed().as_secs_f64();
         let total = work.iter().fold(Work::default(), |a, &w| a + w);
-        let cands = candidates(&work, cc, gc, c.concurrent, split_cost);
         let class = size_class(decode, total);
         let rec = lock(&self.feedback)?
             .get(&class)
             .copied()
             .unwrap_or_default();
+        let side = (
+            rec.factor(PlanKind::Cpu).unwrap_or(1.0),
+            rec.factor(PlanKind::Gpu).unwrap_or(1.0),
+        );
+        let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
         let (split, pick) = plan(heads, &cands, self.mode, &rec, explore);
         let (kind, why) = (pick.kind, pick.reason);
@@ -2520,7 +2536,7 @@ mod tests {
     ) -> Split {
         plan(
             work.len(),
-            &candidates(work, c, g, conc, split_cost),
+            &candidates(work, c, g, (1.0, 1.0), conc, split_cost),
             mode,
             &ClassRecord::default(),
             EXPLORE,
@@ -2537,6 +2553,22 @@ mod tests {
             g.predict(gw.pairs, gw.gpu_rows, gpu.is_empty()),
         );
         if conc { tc.max(tg) } else { tc + tg }
+    }
+
+    #[test]
+    fn measured_side_factors_divide_a_split() {
+        // 16 equal heads, CPU and GPU equally fast by the model: half each. Measured, the
+        // all-GPU plan ran 5x its model: the split gives the GPU 2 heads (max(5 g, 16 - g) is
+        // least there: 14 ms), and the plain plans keep their raw predictions.
+        let work = w(&[1_000_000; 16]);
+        let (c, g) = (cost(0.0, 1e-9), cost(0.0, 1e-9));
+        let even = candidates(&work, c, g, (1.0, 1.0), true, (0.0, 0.0));
+        assert_eq!(even.split.as_ref().map(|s| s.1.len()), Some(8));
+        let slow_gpu = candidates(&work, c, g, (1.0, 5.0), true, (0.0, 0.0));
+        let (t, heads) = slow_gpu.split.clone().unwrap();
+        assert_eq!(heads.len(), 2);
+        assert!((t - 14.0 * 1e-3).abs() < 1e-12, "{t}");
+        assert_eq!((slow_gpu.cpu, slow_gpu.gpu), (even.cpu, even.gpu));
     }
 
     #[test]
