@@ -15,7 +15,8 @@
 //!   each other do not alternate;
 //! - once the winner has run, one other plan may be probed instead: a plan never run whose
 //!   corrected prediction is within `explore` of the winner's; else a plan due for a
-//!   re-check (`RECHECK_GAP · 2^(runs - 1)` calls of the class since it last ran) and within
+//!   re-check (`RECHECK_GAP · 2^k` calls of the class since it last ran, `k` = its re-checks
+//!   since it last ran as the winner) and within
 //!   `explore` of the winner when it has run once, [`RECHECK`] after that. Re-checks thin out
 //!   geometrically, while a plan judged on one unlucky call gets a second call;
 //! - a plan that ran first as the winner (the model predicted it best) and lost on that one
@@ -47,8 +48,11 @@ pub(super) const RECHECK: f64 = 1.3;
 /// host takes the rest (2-6% between two identical CPU engines on the H100 host).
 pub(super) const PROBE_BUDGET: f64 = 0.02;
 
-/// Calls of the class between the re-checks of a plan that has run once; doubled with each
-/// further run of it (capped at 2^[`RECHECK_MAX_DOUBLINGS`] times).
+/// Calls of the class between the re-checks of a plan that has run once, or that has just
+/// lost the lead; doubled with each re-check since it last ran as the winner (capped at
+/// 2^[`RECHECK_MAX_DOUBLINGS`] times). A plan that led for long and then lost, maybe to a
+/// burst of slow calls, is re-checked soon (on the H100 host the CPU plan, 1.5x faster,
+/// lost a 1k prefill class for good when its gap was counted from its runs).
 pub(super) const RECHECK_GAP: u64 = 4;
 const RECHECK_MAX_DOUBLINGS: u64 = 8;
 
@@ -64,6 +68,8 @@ struct KindRecord {
     last_call: u64,
     /// Its first call ran as the winner (not as a probe): the plan was predicted best.
     first_won: bool,
+    /// Probes of it since it last ran as the winner: its re-check gaps double with these.
+    rechecks: u64,
 }
 
 impl KindRecord {
@@ -138,6 +144,11 @@ impl ClassRecord {
         if k.runs == 0 {
             k.first_won = probe_of.is_none();
         }
+        k.rechecks = if probe_of.is_none() {
+            0
+        } else {
+            k.rechecks + 1
+        };
         k.ratios[k.next] = ratio;
         k.next = (k.next + 1) % WINDOW;
         k.len = (k.len + 1).min(WINDOW);
@@ -200,7 +211,7 @@ impl ClassRecord {
             let gap = if second_chance {
                 1
             } else {
-                RECHECK_GAP << r.runs.saturating_sub(1).min(RECHECK_MAX_DOUBLINGS)
+                RECHECK_GAP << r.rechecks.min(RECHECK_MAX_DOUBLINGS)
             };
             let within = if r.runs == 1 { explore } else { RECHECK };
             r.runs > 0
@@ -318,8 +329,11 @@ mod tests {
         assert_eq!(picks[first].reason, Reason::Recheck);
         let due = (2.0 / PROBE_BUDGET) as usize;
         assert!((due - 5..=due).contains(&first), "{first}");
+        // (The CPU, the leader it replaced, has its own re-checks.)
         assert!(
-            picks[first + 1..].iter().all(|p| p.kind == SPLIT),
+            picks[first + 1..]
+                .iter()
+                .all(|p| p.kind == SPLIT || p.reason == Reason::Recheck),
             "{picks:?}"
         );
         // Measured twice far above the best (3x > RECHECK), a plan is never re-checked.
@@ -375,6 +389,36 @@ mod tests {
             |k| if k == SPLIT { 1.2 } else { 1.0 },
         );
         assert!(picks.iter().all(|p| p.kind == CPU), "{picks:?}");
+    }
+
+    #[test]
+    fn a_leader_that_lost_to_a_burst_is_rechecked_soon() {
+        // The CPU (1.0 s) leads for 200 calls; a burst of slow calls (1.5 s) fills its
+        // window and the GPU (1.2 s) takes over. The CPU's re-checks start again at
+        // RECHECK_GAP: two re-checks (the factor is the second fastest) bring it back within
+        // 4 + 8 calls, not after 2^8 of them.
+        let raw = [(1.0, CPU), (1.0, GPU)];
+        let mut r = ClassRecord::default();
+        r.record(GPU, 1.0, 1.2, Some(1.0));
+        for _ in 0..200 {
+            won(&mut r, CPU, 1.0);
+        }
+        for _ in 0..WINDOW {
+            won(&mut r, CPU, 1.5);
+        }
+        assert_eq!(r.pick(&raw, one, 1.25).kind, GPU);
+        let picks = simulate(&mut r, &raw, 1.25, 40, |k| if k == CPU { 1.0 } else { 1.2 });
+        let back = picks
+            .iter()
+            .position(|p| (p.kind, p.reason) == (CPU, Reason::Best))
+            .expect("back");
+        assert!(back <= 3 * RECHECK_GAP as usize + 2, "{back}: {picks:?}");
+        assert!(
+            picks[back..]
+                .iter()
+                .all(|p| p.kind == CPU || p.reason == Reason::Recheck),
+            "{picks:?}"
+        );
     }
 
     #[test]
