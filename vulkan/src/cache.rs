@@ -106,9 +106,12 @@ impl std::fmt::Debug for ResidentCache {
     }
 }
 
+/// Row ranges `[a, b)`.
+type Runs = Vec<(usize, usize)>;
+
 /// Rows `j < n` with `row_version[j] > synced`, as runs `[a, b)`; `None` when a row is
 /// newer than `version` (the caller broke the [`HeadSync`] invariant).
-fn dirty_runs(row_version: &[u64], synced: u64, version: u64) -> Option<Vec<(usize, usize)>> {
+fn dirty_runs(row_version: &[u64], synced: u64, version: u64) -> Option<Runs> {
     let mut runs: Vec<(usize, usize)> = Vec::new();
     for (j, &v) in row_version.iter().enumerate() {
         if v > synced {
@@ -290,6 +293,21 @@ impl ResidentCache {
         let mut full = 0u64;
         let mut grows = 0u64;
         let mut extra = 0u64;
+        // Rows written since each mirror's version (an O(n) scan of the row versions per
+        // head and step), heads in parallel; None where no usable mirror exists.
+        let mut dirty: Vec<Option<Option<Runs>>> = {
+            use rayon::prelude::*;
+            let mirrors = &self.mirrors;
+            sync.par_iter()
+                .map(|s| {
+                    let s = s.as_ref()?;
+                    let m = mirrors
+                        .get(&s.id)
+                        .filter(|m| m.d == d && m.synced <= s.version)?;
+                    Some(dirty_runs(s.row_version, m.synced, s.version))
+                })
+                .collect()
+        };
         for (h, hc) in args.heads.iter().enumerate() {
             let n = hc.c.len();
             let Some(s) = sync[h] else {
@@ -369,7 +387,10 @@ impl ResidentCache {
                 }
             };
             let runs = match synced {
-                Some(v) => dirty_runs(s.row_version, v, s.version).ok_or_else(broken)?,
+                Some(v) => match dirty[h].take() {
+                    Some(r) => r.ok_or_else(broken)?,
+                    None => dirty_runs(s.row_version, v, s.version).ok_or_else(broken)?,
+                },
                 // Nothing on the device yet: every row is uploaded.
                 None => vec![(0, n)],
             };
@@ -469,6 +490,38 @@ impl ResidentCache {
 #[cfg(test)]
 mod tests {
     use super::dirty_runs;
+    use proptest::prelude::*;
+
+    /// The definition: maximal runs of rows newer than `synced`; None if one is newer than
+    /// `version`.
+    fn dirty_runs_ref(rv: &[u64], synced: u64, version: u64) -> Option<Vec<(usize, usize)>> {
+        if rv.iter().any(|&v| v > version) {
+            return None;
+        }
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (j, &v) in rv.iter().enumerate() {
+            if v > synced {
+                match runs.last_mut() {
+                    Some(r) if r.1 == j => r.1 = j + 1,
+                    _ => runs.push((j, j + 1)),
+                }
+            }
+        }
+        Some(runs)
+    }
+
+    proptest! {
+        #[test]
+        fn dirty_runs_match_the_definition(
+            rv in proptest::collection::vec(0u64..12, 0..300),
+            synced in 0u64..12,
+            ahead in 0u64..3,
+        ) {
+            // (The caller's invariant: a mirror's version is never ahead of its head's.)
+            let version = synced + ahead;
+            prop_assert_eq!(dirty_runs(&rv, synced, version), dirty_runs_ref(&rv, synced, version));
+        }
+    }
 
     #[test]
     fn dirty_rows_come_as_runs() {
