@@ -16,9 +16,9 @@
 //! - once the winner has run, one other plan may be probed instead: a plan never run whose
 //!   corrected prediction is within `explore` of the winner's; else a plan due for a
 //!   re-check (`RECHECK_GAP · 2^k` calls of the class since it last ran, `k` = its re-checks
-//!   since it last ran as the winner) and within
-//!   `explore` of the winner when it has run once, [`RECHECK`] after that. Re-checks thin out
-//!   geometrically, while a plan judged on one unlucky call gets a second call;
+//!   since it last ran as the winner) and within `explore` of the winner when it has run
+//!   once, [`RECHECK`] after that. Re-checks thin out geometrically, while a plan judged on
+//!   one unlucky call gets a second call;
 //! - a plan that ran first as the winner (the model predicted it best) and lost on that one
 //!   call (measured slower than its prior allowed) gets its second call right after the new
 //!   winner's first, outside the budget (within `explore` of the winner, as above): a
