@@ -32,11 +32,30 @@ pub(crate) fn open(selection: Option<&str>) -> Result<VulkanBackend> {
     let vk = foxedge_vulkan::Vulkan::with_selection(&sel)
         .map_err(|e| Error::BackendUnavailable(format!("vulkan: {e}")))?;
     let resident = Mutex::new(vk.resident_cache(foxedge_vulkan::ResidentOptions::default()));
+    let f16_prefill = f16_prefill_from_env()? && vk.info().storage_16bit;
     Ok(VulkanBackend {
         vk,
         lost: AtomicBool::new(false),
         resident,
+        f16_prefill,
     })
+}
+
+/// `FOXEDGE_VULKAN_F16_PREFILL`: `1` stores prefill q, k, v as f16 on the device (where it
+/// has 16-bit storage), which lets a device with NV cooperative matrices run the
+/// tensor-core flash kernel; unset or `0`: f32 (the default). Other values are an error.
+fn f16_prefill_from_env() -> Result<bool> {
+    f16_flag(std::env::var("FOXEDGE_VULKAN_F16_PREFILL").ok().as_deref())
+}
+
+fn f16_flag(v: Option<&str>) -> Result<bool> {
+    match v.map(str::trim) {
+        None | Some("" | "0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "FOXEDGE_VULKAN_F16_PREFILL: `{other}` (expected 0 or 1)"
+        ))),
+    }
 }
 
 /// Attention on one Vulkan device.
@@ -47,6 +66,9 @@ pub(crate) struct VulkanBackend {
     lost: AtomicBool,
     /// Device mirrors of the cache heads decode calls carried sync for.
     resident: Mutex<foxedge_vulkan::ResidentCache>,
+    /// Prefill q, k, v go to the device as f16 (see [`f16_prefill_from_env`]): relative
+    /// error about 2^-11 per input element instead of 2^-24.
+    f16_prefill: bool,
 }
 
 impl VulkanBackend {
@@ -101,6 +123,20 @@ impl VulkanBackend {
     }
 }
 
+/// `x` rounded to f16 (round to nearest even), in parallel.
+fn to_f16(x: &[f32]) -> Vec<half::f16> {
+    use rayon::prelude::*;
+    let mut y = vec![half::f16::ZERO; x.len()];
+    y.par_chunks_mut(1 << 16)
+        .zip(x.par_chunks(1 << 16))
+        .for_each(|(y, x)| {
+            for (a, &b) in y.iter_mut().zip(x) {
+                *a = half::f16::from_f32(b);
+            }
+        });
+    y
+}
+
 fn vk_acp(a: Acp<'_>) -> foxedge_vulkan::Acp<'_> {
     match a {
         Acp::Off => foxedge_vulkan::Acp::Off,
@@ -132,22 +168,33 @@ impl AttentionBackend for VulkanBackend {
             head_dim: call.head_dim,
             layout: foxedge_core::Layout::SeqFirst,
         };
-        let args = foxedge_vulkan::PrefillArgs {
-            shape,
-            q: call.q,
-            k: call.k,
-            v: call.v,
-            log_fgate: call.log_f,
-            seq_start: None,
-        };
         let opts = foxedge_vulkan::PrefillOptions {
             acp: vk_acp(call.acp),
             ..Default::default()
         };
-        let st = self
-            .vk
-            .prefill(&args, &opts, out, None)
-            .map_err(|e| self.map_err(e))?;
+        let st = if self.f16_prefill {
+            let (q, k, v) = (to_f16(call.q), to_f16(call.k), to_f16(call.v));
+            let args = foxedge_vulkan::PrefillArgs {
+                shape,
+                q: &q,
+                k: &k,
+                v: &v,
+                log_fgate: call.log_f,
+                seq_start: None,
+            };
+            self.vk.prefill(&args, &opts, out, None)
+        } else {
+            let args = foxedge_vulkan::PrefillArgs {
+                shape,
+                q: call.q,
+                k: call.k,
+                v: call.v,
+                log_fgate: call.log_f,
+                seq_start: None,
+            };
+            self.vk.prefill(&args, &opts, out, None)
+        }
+        .map_err(|e| self.map_err(e))?;
         Ok(convert(&st))
     }
 
@@ -260,6 +307,85 @@ mod tests {
                 0.0,
                 |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
             )
+    }
+
+    #[test]
+    fn f16_flag_values() {
+        assert!(!f16_flag(None).unwrap());
+        assert!(!f16_flag(Some(" 0")).unwrap());
+        assert!(f16_flag(Some("1")).unwrap());
+        assert!(f16_flag(Some("yes")).is_err());
+    }
+
+    #[test]
+    fn f16_prefill_storage_matches_the_cpu_within_f16_rounding() {
+        let Some(vb) = backend_or_skip() else { return };
+        if !vb.vk.info().storage_16bit {
+            eprintln!("SKIPPED: the device has no 16-bit storage");
+            return;
+        }
+        let (t, nh, d) = (200usize, 3usize, 64usize);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |n: usize, scale: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+                })
+                .collect()
+        };
+        let (q, k, v) = (
+            rnd(t * nh * d, 2.0),
+            rnd(t * nh * d, 2.0),
+            rnd(t * nh * d, 2.0),
+        );
+        let log_f: Vec<f32> = rnd(t * nh, 1.0).iter().map(|x| -0.3 * x.abs()).collect();
+        let u = vec![2.0f64; nh];
+        let call = PrefillCall {
+            t,
+            heads: nh,
+            head_dim: d,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_f: &log_f,
+            acp: Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            },
+            decided: None,
+        };
+        let mut want = vec![0.0f32; q.len()];
+        let st_want = crate::backend::CpuBackend
+            .prefill(&call, &mut want)
+            .unwrap();
+        let rel = |x: &[f32]| {
+            let (mut e, mut n) = (0.0f64, 0.0f64);
+            for (a, b) in x.iter().zip(&want) {
+                e += f64::from(a - b).powi(2);
+                n += f64::from(*b).powi(2);
+            }
+            (e / n).sqrt()
+        };
+        let f16 = VulkanBackend {
+            vk: vb.vk.clone(),
+            lost: AtomicBool::new(false),
+            resident: Mutex::new(vb.vk.resident_cache(Default::default())),
+            f16_prefill: true,
+        };
+        let (mut a, mut b) = (vec![0.0f32; q.len()], vec![0.0f32; q.len()]);
+        let st32 = vb.prefill(&call, &mut a).unwrap();
+        let st16 = f16.prefill(&call, &mut b).unwrap();
+        // Decisions come from the gates (f32 either way): the same pairs are kept.
+        assert_eq!(st32, st_want);
+        assert_eq!(st16, st_want);
+        // f16 inputs: 2^-11 relative rounding per element; 5e-3 in rel. L2 is the f16
+        // tolerance of the Vulkan tests. The f32 path is far closer, so f16 really ran.
+        let (e32, e16) = (rel(&a), rel(&b));
+        assert!(e16 <= 5e-3, "f16 rel L2 {e16}");
+        assert!(e32 < e16 && e32 <= 1e-4, "f32 rel L2 {e32}, f16 {e16}");
     }
 
     #[test]
