@@ -122,6 +122,34 @@ pub(crate) struct PrefillCall<'a> {
     pub decided: Option<&'a PrefillBoundary>,
 }
 
+impl<'a> PrefillCall<'a> {
+    /// The kernels' arguments for this call (one batch row, seq-first, keys from 0), with
+    /// `q`, `k`, `v` in storage `T`: the call's own slices, or a copy of them rounded to `T`.
+    pub(crate) fn kernel_args<'b, T: foxedge_cpu::Storage>(
+        &'b self,
+        q: &'b [T],
+        k: &'b [T],
+        v: &'b [T],
+    ) -> foxedge_cpu::PrefillArgs<'b, T> {
+        foxedge_cpu::PrefillArgs {
+            shape: foxedge_core::AttentionShape {
+                batch: 1,
+                heads_q: self.heads,
+                heads_kv: self.heads,
+                seq_q: self.t,
+                seq_k: self.t,
+                head_dim: self.head_dim,
+                layout: foxedge_core::Layout::SeqFirst,
+            },
+            q,
+            k,
+            v,
+            log_fgate: self.log_f,
+            seq_start: None,
+        }
+    }
+}
+
 /// Queries of one step against the retained cache (which already holds their own keys).
 ///
 /// `q`, `out`: `[heads, n_queries, head_dim]`; `q_c`: `[heads, n_queries]`; `q_pos`:
@@ -158,23 +186,7 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let shape = foxedge_core::AttentionShape {
-            batch: 1,
-            heads_q: call.heads,
-            heads_kv: call.heads,
-            seq_q: call.t,
-            seq_k: call.t,
-            head_dim: call.head_dim,
-            layout: foxedge_core::Layout::SeqFirst,
-        };
-        let args = foxedge_cpu::PrefillArgs {
-            shape,
-            q: call.q,
-            k: call.k,
-            v: call.v,
-            log_fgate: call.log_f,
-            seq_start: None,
-        };
+        let args = call.kernel_args(call.q, call.k, call.v);
         // Decisions made by the caller (the scheduler planned the call from them) on the
         // kernel's own tile grid are reused: at 1k tokens x 16 heads they cost ~80 us, 5% of
         // an ACP prefill on the H100 host's CPU.

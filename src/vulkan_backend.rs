@@ -125,15 +125,12 @@ impl VulkanBackend {
 
 /// `x` rounded to f16 (round to nearest even), in parallel.
 fn to_f16(x: &[f32]) -> Vec<half::f16> {
+    use foxedge_cpu::Storage;
     use rayon::prelude::*;
     let mut y = vec![half::f16::ZERO; x.len()];
     y.par_chunks_mut(1 << 16)
         .zip(x.par_chunks(1 << 16))
-        .for_each(|(y, x)| {
-            for (a, &b) in y.iter_mut().zip(x) {
-                *a = half::f16::from_f32(b);
-            }
-        });
+        .for_each(|(y, x)| half::f16::from_f32_slice(x, y));
     y
 }
 
@@ -159,39 +156,16 @@ impl AttentionBackend for VulkanBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
-        let shape = foxedge_core::AttentionShape {
-            batch: 1,
-            heads_q: call.heads,
-            heads_kv: call.heads,
-            seq_q: call.t,
-            seq_k: call.t,
-            head_dim: call.head_dim,
-            layout: foxedge_core::Layout::SeqFirst,
-        };
         let opts = foxedge_vulkan::PrefillOptions {
             acp: vk_acp(call.acp),
             ..Default::default()
         };
         let st = if self.f16_prefill {
             let (q, k, v) = (to_f16(call.q), to_f16(call.k), to_f16(call.v));
-            let args = foxedge_vulkan::PrefillArgs {
-                shape,
-                q: &q,
-                k: &k,
-                v: &v,
-                log_fgate: call.log_f,
-                seq_start: None,
-            };
-            self.vk.prefill(&args, &opts, out, None)
+            self.vk
+                .prefill(&call.kernel_args(&q, &k, &v), &opts, out, None)
         } else {
-            let args = foxedge_vulkan::PrefillArgs {
-                shape,
-                q: call.q,
-                k: call.k,
-                v: call.v,
-                log_fgate: call.log_f,
-                seq_start: None,
-            };
+            let args = call.kernel_args(call.q, call.k, call.v);
             self.vk.prefill(&args, &opts, out, None)
         }
         .map_err(|e| self.map_err(e))?;

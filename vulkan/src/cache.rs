@@ -294,7 +294,9 @@ impl ResidentCache {
         let mut grows = 0u64;
         let mut extra = 0u64;
         // Rows written since each mirror's version (an O(n) scan of the row versions per
-        // head and step), heads in parallel; None where no usable mirror exists.
+        // head and step), heads in parallel; None where no usable mirror exists (the same
+        // test as `old` below: this step's mirrors are in `keep`, so none is dropped before
+        // its head is reached).
         let mut dirty: Vec<Option<Option<Runs>>> = {
             use rayon::prelude::*;
             let mirrors = &self.mirrors;
@@ -340,11 +342,10 @@ impl ResidentCache {
                 .mirrors
                 .get(&s.id)
                 .filter(|m| m.d == d && m.synced <= s.version);
-            let (buf, cap, synced) = match old {
-                Some(m) if m.cap >= n => (m.buf.clone(), m.cap, Some(m.synced)),
+            let (buf, cap) = match old {
+                Some(m) if m.cap >= n => (m.buf.clone(), m.cap),
                 Some(m) => {
-                    let (old_buf, old_cap, keep_rows, synced) =
-                        (m.buf.clone(), m.cap, m.n.min(n), m.synced);
+                    let (old_buf, old_cap, keep_rows) = (m.buf.clone(), m.cap, m.n.min(n));
                     let cap = want_cap.max(2 * old_cap);
                     let words = decode::head_words(cap, d, f16);
                     self.check_limit(words, limit)?;
@@ -372,7 +373,7 @@ impl ResidentCache {
                         grow_copies.push((old_buf, buf.clone(), regions));
                     }
                     grows += 1;
-                    (buf, cap, Some(synced))
+                    (buf, cap)
                 }
                 None => {
                     if s.row_version.iter().any(|&v| v > s.version) {
@@ -383,14 +384,11 @@ impl ResidentCache {
                     let buf = self.alloc(words, &keep, extra)?;
                     extra += words as u64 * 4;
                     full += 1;
-                    (buf, want_cap, None)
+                    (buf, want_cap)
                 }
             };
-            let runs = match synced {
-                Some(v) => match dirty[h].take() {
-                    Some(r) => r.ok_or_else(broken)?,
-                    None => dirty_runs(s.row_version, v, s.version).ok_or_else(broken)?,
-                },
+            let runs = match dirty[h].take() {
+                Some(r) => r.ok_or_else(broken)?,
                 // Nothing on the device yet: every row is uploaded.
                 None => vec![(0, n)],
             };
