@@ -126,6 +126,8 @@ pub(crate) struct Context {
     /// output, probed once; empty without cooperative matrices): `prefill.rs` decides from
     /// it whether and how `prefill_fa.glsl` runs.
     pub fa_layout: std::sync::OnceLock<Vec<u32>>,
+    /// Prefill's reusable buffers (`arena.rs`): `None` while a prefill call holds them.
+    pub prefill_arena: Mutex<Option<crate::arena::Arena>>,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
 }
 
@@ -337,6 +339,7 @@ impl Context {
             flash_cfg: 0.into(),
             fa_layout: std::sync::OnceLock::new(),
             decode_no_subgroups: false.into(),
+            prefill_arena: Mutex::new(Some(crate::arena::Arena::new(true))),
             pipelines: Mutex::new(HashMap::new()),
         })
     }

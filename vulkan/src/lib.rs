@@ -23,6 +23,7 @@
 //! device lost, limits the call exceeds, bad input.
 
 mod api;
+mod arena;
 mod cache;
 mod decode;
 mod device;
@@ -41,7 +42,17 @@ pub use error::{Error, Result};
 pub use foxedge_core::{AttentionShape, Layout};
 pub use prefill::{FlashConfig, PrefillKernel, PrefillTile, PreparedPrefill};
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+/// Environment variable: `1` makes [`Vulkan::prefill`] print one line per call on stderr
+/// with the milliseconds of each phase (decisions, setup, pack, upload, kernel, download,
+/// unpack) and the kernel that ran. Read once.
+pub const PROFILE_ENV: &str = "FOXEDGE_VULKAN_PROFILE";
+
+fn profile() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1"))
+}
 
 /// A Vulkan compute device with this crate's pipelines. Cheap to share (`Arc` inside);
 /// calls on one `Vulkan` run one after another on its queue.
@@ -150,13 +161,53 @@ impl Vulkan {
             .into());
         }
         let p = self.prepare_prefill(args, opts)?;
-        p.run(1)?;
-        p.read(out, lse)?;
+        let kernel = p.run(1)?;
+        let (download, unpack) = p.read_timed(out, lse)?;
+        if profile() {
+            let ph = p.phases();
+            let (pooled, bytes) = p.arena_use();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            eprintln!(
+                "foxedge-vulkan prefill {}x{}x{}x{} ({:?} -> {:?}) {}: decisions {:.2} setup {:.2} \
+                 pack {:.2} upload {:.2} kernel {:.2} download {:.2} unpack {:.2} ms; {} buffers {} MiB",
+                sh.batch,
+                sh.heads_q,
+                sh.seq_q,
+                sh.head_dim,
+                T::DTYPE,
+                O::DTYPE,
+                p.kernel_name(),
+                ms(ph.decisions),
+                ms(ph.setup),
+                ms(ph.pack),
+                ms(ph.upload),
+                ms(kernel),
+                ms(download),
+                ms(unpack),
+                if pooled { "pooled" } else { "fresh" },
+                bytes >> 20,
+            );
+        }
         Ok(p.stats().clone())
     }
 
+    /// Frees the device and staging buffers that prefill calls keep for reuse (they grow
+    /// to the largest call so far and stay allocated); later calls allocate them again.
+    /// A prefill call alive at the time keeps its buffers until it is dropped.
+    pub fn release_prefill_buffers(&self) {
+        let mut g = self
+            .ctx
+            .prefill_arena
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.is_some() {
+            *g = Some(arena::Arena::new(true));
+        }
+    }
+
     /// Uploads a prefill call and decides its blocks, without running it (benchmarks run
-    /// it many times on device-resident inputs).
+    /// it many times on device-resident inputs). While it lives it holds this device's
+    /// reusable prefill buffers; prefill calls made meanwhile allocate their own.
     pub fn prepare_prefill<T: Storage>(
         &self,
         args: &PrefillArgs<'_, T>,

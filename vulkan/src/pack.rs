@@ -1,7 +1,101 @@
 //! Host-side packing between the caller's layouts and the device's head-first slabs.
+//!
+//! [`pack_rows`] is the plain serial packer (decode and the resident cache use it; it is
+//! also the reference the parallel packers are tested against). Prefill packs with
+//! [`pack_f32_into`] / [`pack_f16_into`] straight into mapped staging memory, rows in
+//! parallel, and unpacks with [`unpack_rows`] straight from mapped readback memory.
 
 use crate::api::Storage;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+use std::any::TypeId;
+
+/// Below this many elements the parallel packers run on the calling thread (a rayon
+/// dispatch from outside the pool costs a cross-thread wake-up, some microseconds).
+const PAR_MIN_ELEMS: usize = 1 << 15;
+
+/// Rows per rayon task: about 16 Ki elements.
+fn rows_per_task(d: usize) -> usize {
+    (1usize << 14).div_ceil(d.max(1))
+}
+
+/// `f(row index, row)` over the `d`-element rows of `dst`, in parallel when large.
+fn for_rows<E: Send>(dst: &mut [E], d: usize, f: impl Fn(usize, &mut [E]) + Sync + Send) {
+    if dst.len() < PAR_MIN_ELEMS {
+        dst.chunks_exact_mut(d)
+            .enumerate()
+            .for_each(|(r, x)| f(r, x));
+    } else {
+        dst.par_chunks_exact_mut(d)
+            .with_min_len(rows_per_task(d))
+            .enumerate()
+            .for_each(|(r, x)| f(r, x));
+    }
+}
+
+/// `src` as `&[f16]` when `T` is `f16`.
+fn as_f16<T: Storage>(src: &[T]) -> Option<&[f16]> {
+    if TypeId::of::<T>() != TypeId::of::<f16>() {
+        return None;
+    }
+    // SAFETY: `T` is `f16` (same TypeId), so this reinterprets a slice as its own type:
+    // same pointer, length, alignment and lifetime.
+    Some(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), src.len()) })
+}
+
+/// Packs `dst.len() / d` rows of `d` elements as f32, row `r` from `src[at(r)..][..d]`
+/// (rows in parallel when large). Same values as [`pack_rows`] with `f16 = false`
+/// (widening f16 or bf16 is exact; only NaN payloads may differ).
+pub(crate) fn pack_f32_into<T: Storage>(
+    src: &[T],
+    dst: &mut [f32],
+    d: usize,
+    at: impl Fn(usize) -> usize + Sync + Send,
+) {
+    for_rows(dst, d, |r, row| T::to_f32_slice(&src[at(r)..][..d], row));
+}
+
+/// Packs `dst.len() / d` rows of `d` elements as f16, row `r` from `src[at(r)..][..d]`
+/// (rows in parallel when large): f16 input is copied bit for bit, f32 rounds to nearest
+/// even through `half`'s slice conversion (F16C where the CPU has it, detected at run
+/// time; the same rounding as `f16::from_f32`), other types widen to f32 first. Same
+/// bits as [`pack_rows`] with `f16 = true`, except NaN payloads (the serial packer's
+/// f16 -> f32 -> f16 round trip quiets signalling NaNs).
+pub(crate) fn pack_f16_into<T: Storage>(
+    src: &[T],
+    dst: &mut [f16],
+    d: usize,
+    at: impl Fn(usize) -> usize + Sync + Send,
+) {
+    if let Some(s) = as_f16(src) {
+        for_rows(dst, d, |r, row| row.copy_from_slice(&s[at(r)..][..d]));
+    } else if let Some(s) = T::as_f32(src) {
+        for_rows(dst, d, |r, row| {
+            row.convert_from_f32_slice(&s[at(r)..][..d]);
+        });
+    } else {
+        for_rows(dst, d, |r, row| {
+            let mut buf = [0.0f32; 64];
+            let s = &src[at(r)..][..d];
+            for (i, o) in s.chunks(64).zip(row.chunks_mut(64)) {
+                let b = &mut buf[..i.len()];
+                T::to_f32_slice(i, b);
+                o.convert_from_f32_slice(b);
+            }
+        });
+    }
+}
+
+/// Scatters f32 rows back into `dst` (rows of `d` elements), rounding to `O`: destination
+/// row `i` (elements `i * d ..`) comes from `row(i)` (rows in parallel when large).
+pub(crate) fn unpack_rows<'a, O: Storage>(
+    dst: &mut [O],
+    d: usize,
+    row: impl Fn(usize) -> &'a [f32] + Sync + Send,
+) {
+    for_rows(dst, d, |i, x| O::from_f32_slice(&row(i)[..d], x));
+}
 
 /// Rows packed as u32 words: f32 bits, or two f16 per word (low half first).
 pub(crate) struct Packed {
@@ -33,22 +127,6 @@ pub(crate) fn pack_rows<T: Storage>(
     Packed { words }
 }
 
-/// Scatters `rows` rows of `d` f32 words back into `dst` at `at(r)`, rounding to `O`.
-pub(crate) fn unpack_rows<O: Storage>(
-    words: &[u32],
-    dst: &mut [O],
-    rows: usize,
-    d: usize,
-    at: impl Fn(usize) -> usize,
-) {
-    for r in 0..rows {
-        let o = at(r);
-        for (x, &w) in dst[o..o + d].iter_mut().zip(&words[r * d..(r + 1) * d]) {
-            *x = O::from_f32(f32::from_bits(w));
-        }
-    }
-}
-
 /// Double-float split of f64 values: `out[2i] = hi = f32(x)`, `out[2i+1] = f32(x - hi)`
 /// (as f32 bits), so that `hi + lo` carries about 48 bits of `x`.
 pub(crate) fn split_f64(c: &[f64], out: &mut [u32]) {
@@ -63,6 +141,115 @@ pub(crate) fn split_f64(c: &[f64], out: &mut [u32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    /// Equal bits, or both NaN (the serial packer's round trip may quiet a NaN).
+    fn same16(a: u16, b: u16) -> bool {
+        a == b || (f16::from_bits(a).is_nan() && f16::from_bits(b).is_nan())
+    }
+
+    fn same32(a: u32, b: u32) -> bool {
+        a == b || (f32::from_bits(a).is_nan() && f32::from_bits(b).is_nan())
+    }
+
+    /// Both parallel packers against `pack_rows` on one source and row map.
+    fn check<T: Storage>(src: &[T], rows: usize, d: usize, at: &(dyn Fn(usize) -> usize + Sync)) {
+        let want32 = pack_rows(src, false, rows, d, at).words;
+        let mut got32 = vec![f32::NAN; rows * d];
+        pack_f32_into(src, &mut got32, d, at);
+        for (i, (g, w)) in got32.iter().zip(&want32).enumerate() {
+            assert!(same32(g.to_bits(), *w), "f32 {:?} element {i}", T::DTYPE);
+        }
+        let want16 = pack_rows(src, true, rows, d, at).words;
+        let mut got16 = vec![f16::NAN; rows * d];
+        pack_f16_into(src, &mut got16, d, at);
+        for (i, pair) in got16.chunks_exact(2).enumerate() {
+            let w = want16[i];
+            assert!(
+                same16(pair[0].to_bits(), w as u16) && same16(pair[1].to_bits(), (w >> 16) as u16),
+                "f16 {:?} word {i}",
+                T::DTYPE
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        /// The parallel packers write what the serial reference packs, for f32, f16 and bf16
+        /// input, any bit pattern (NaN, inf, subnormals, values that round to a tie), rows
+        /// gathered at any stride, offset and order, sizes on both sides of the serial cutoff.
+        #[test]
+        fn parallel_packing_equals_the_serial_reference(
+            rows in 1usize..800,
+            d8 in 1usize..17,
+            gap in 0usize..70,
+            off in 0usize..100,
+            order in 0u8..3,
+            seed in any::<u64>(),
+        ) {
+            let d = 8 * d8;
+            let stride = d + gap;
+            let n = off + rows * stride;
+            let mut r = StdRng::seed_from_u64(seed);
+            let perm = |i: usize| match order {
+                0 => i,
+                1 => rows - 1 - i,
+                // A bijection when rows is odd; a gather with repeats otherwise (allowed).
+                _ => (i * 7 + 3) % rows,
+            };
+            let at = move |i: usize| off + perm(i) * stride;
+            let mix = |r: &mut StdRng| -> u32 {
+                // Half random bits, half values near 1 (ties and ordinary roundings).
+                if r.r#gen::<bool>() { r.r#gen() } else { (r.r#gen::<f32>() * 4.0 - 2.0).to_bits() }
+            };
+            let s32: Vec<f32> = (0..n).map(|_| f32::from_bits(mix(&mut r))).collect();
+            check(&s32, rows, d, &at);
+            let s16: Vec<f16> = (0..n).map(|_| f16::from_bits(r.r#gen())).collect();
+            check(&s16, rows, d, &at);
+            let sb: Vec<bf16> = (0..n).map(|_| bf16::from_bits(r.r#gen())).collect();
+            check(&sb, rows, d, &at);
+        }
+    }
+
+    #[test]
+    fn f16_packing_rounds_ties_to_even() {
+        // 1 + 2^-11 lies halfway between 1 and 1 + 2^-10: ties go to the even mantissa (1);
+        // 1 + 3 * 2^-11 goes up to 1 + 2^-9.
+        let x = [
+            1.0 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            65520.0,
+            -0.0,
+            1e-8,
+            0.0,
+            0.0,
+            0.0,
+        ];
+        let mut got = [f16::ZERO; 8];
+        pack_f16_into(&x, &mut got, 8, |_| 0);
+        assert_eq!(got[0], f16::ONE);
+        assert_eq!(got[1].to_f32(), 1.0 + 2f32.powi(-9));
+        assert!(got[2].is_infinite());
+        assert_eq!(got[3].to_bits(), 0x8000);
+        assert_eq!(got[4].to_bits(), 0);
+    }
+
+    #[test]
+    fn unpack_scatters_rows_in_parallel() {
+        let d = 8;
+        let rows = 2 * PAR_MIN_ELEMS / d + 3;
+        let src: Vec<f32> = (0..rows * d).map(|i| i as f32 + 0.25).collect();
+        let mut out = vec![f16::ZERO; rows * d];
+        unpack_rows(&mut out, d, |i| &src[(rows - 1 - i) * d..][..d]);
+        for i in 0..rows {
+            for e in 0..d {
+                let want = f16::from_f32(src[(rows - 1 - i) * d + e]);
+                assert_eq!(out[i * d + e].to_bits(), want.to_bits());
+            }
+        }
+    }
 
     #[test]
     fn double_float_keeps_small_differences_of_large_values() {

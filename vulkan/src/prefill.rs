@@ -13,6 +13,12 @@
 //! pairs, first keys `[slab][acp query block]` (tokens). Slabs are grouped into chunks whose
 //! every binding fits `maxStorageBufferRange`, one dispatch per chunk.
 //!
+//! Host path: decisions per slab in parallel; q, k and v packed in parallel straight into
+//! mapped staging buffers; one submit for every upload; one for every readback, unpacked in
+//! parallel straight from mapped memory. Every buffer comes from the context's arena
+//! (`arena.rs`): reused from call to call, exclusively owned by one live call.
+//! `FOXEDGE_VULKAN_PROFILE=1` prints the time of each phase per `Vulkan::prefill` call.
+//!
 //! Why c is a double-float pair: the kernel needs `D_ij = c_i - c_j` in f32, but `|c|`
 //! grows without bound with the position (at |c| = 1e6 the f32 spacing is 0.06). With
 //! `hi = f32(c)`, `lo = f32(c - hi)` the kernel forms `(hi_i - hi_j) + (lo_i - lo_j)`: when
@@ -20,16 +26,21 @@
 //! is a rounding of D itself, on any sequence length, without per-tile re-uploads.
 
 use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
+use crate::arena::{Kind, Lease};
 use crate::device::Context;
 use crate::error::{Error, Result};
-use crate::pack::{pack_rows, split_f64, unpack_rows};
+use crate::pack::{pack_f16_into, pack_f32_into, split_f64, unpack_rows};
 use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{AttentionShape, gate, threshold};
-use std::sync::Arc;
+use foxedge_core::{AttentionShape, Layout, gate, threshold};
+use half::slice::HalfBitsSliceExt;
+use rayon::prelude::*;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::command_buffer::CopyBufferInfo;
 use vulkano::descriptor_set::{DescriptorSet, WriteDescriptorSet};
 use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
+use vulkano::sync::HostAccessError;
 
 static PREFILL_F32: &[u8] = include_bytes!("../shaders/prefill_f32.spv");
 static PREFILL_F16: &[u8] = include_bytes!("../shaders/prefill_f16.spv");
@@ -319,8 +330,24 @@ struct Chunk {
     items: u32,
     out: Subbuffer<[u32]>,
     lse: Subbuffer<[u32]>,
+    /// Readback staging of `out` and `lse`.
+    out_host: Subbuffer<[u32]>,
+    lse_host: Subbuffer<[u32]>,
     slab0: usize,
     slabs: usize,
+}
+
+/// Host-side time of one prefill call by phase (`FOXEDGE_VULKAN_PROFILE`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Phases {
+    /// c, thresholds, start blocks and pair counts (foxedge-core), all slabs.
+    pub decisions: Duration,
+    /// Kernel choice, buffers from the arena, work lists, descriptor sets.
+    pub setup: Duration,
+    /// q, k, v (and the small inputs) into the mapped staging buffers.
+    pub pack: Duration,
+    /// Staging-to-device copies, submit and wait.
+    pub upload: Duration,
 }
 
 /// A prefill call whose inputs are on the device: run it (repeatedly, for timing) and read
@@ -334,10 +361,18 @@ pub struct PreparedPrefill {
     stats: AttentionStats,
     tile: PrefillTile,
     f16: bool,
-    coopmat: bool,
+    /// The kernel that runs (never `Auto`).
+    kernel: PrefillKernel,
     flash: Option<FlashConfig>,
     /// One word, set by the kernel when a softmax row is not finite.
     flag: Subbuffer<[u32]>,
+    flag_host: Subbuffer<[u32]>,
+    phases: Phases,
+    /// Serialises `read`s of this call (they share the readback staging).
+    read_lock: Mutex<()>,
+    /// The buffers above belong to this arena; the context's pooled arena goes back to
+    /// the context when this call is dropped.
+    lease: Lease,
 }
 
 impl std::fmt::Debug for PreparedPrefill {
@@ -346,7 +381,8 @@ impl std::fmt::Debug for PreparedPrefill {
             .field("shape", &self.shape)
             .field("tile", &self.tile)
             .field("f16_storage", &self.f16)
-            .field("coopmat", &self.coopmat)
+            .field("kernel", &self.kernel)
+            .field("pooled_buffers", &self.lease.arena.pooled())
             .field("flash", &self.flash)
             .field("chunks", &self.chunks.len())
             .finish()
@@ -480,42 +516,56 @@ pub(crate) fn prepare<T: Storage>(
     let nqb = grid.q_blocks();
     let slabs = sh.batch * sh.heads_q;
 
-    // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts.
+    // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts;
+    // slabs in parallel, each writing its own parts of c_pairs and first_key. Statistics
+    // stay in slab order and the first failing slab's error is returned, as serially.
+    let t_dec = Instant::now();
     gate::validate_log_gates(args.log_fgate)?;
     let key_start: Vec<usize> = args
         .seq_start
         .map_or_else(|| vec![0; sh.batch], <[usize]>::to_vec);
-    let mut c = vec![0.0f64; sh.seq_k];
-    let mut starts = vec![0u32; nqb];
     let mut c_pairs = vec![0u32; slabs * sh.seq_k * 2];
     let mut first_key = vec![0u32; slabs * nqb];
-    let mut stats = AttentionStats {
-        heads: Vec::with_capacity(slabs),
+    let heads: Vec<Result<HeadStats>> = c_pairs
+        .par_chunks_mut(sh.seq_k * 2)
+        .zip(first_key.par_chunks_mut(nqb))
+        .enumerate()
+        .map_init(
+            || (vec![0.0f64; sh.seq_k], vec![0u32; nqb]),
+            |(c, starts), (bh, (cw, fk))| -> Result<HeadStats> {
+                let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+                gate::cumsum_strided(
+                    &args.log_fgate[sh.gate_at(b, 0, h)..],
+                    sh.gate_stride(),
+                    0.0,
+                    c,
+                )?;
+                let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
+                boundary::start_blocks(&grid, c, delta, key_start[b], starts)?;
+                let pc = boundary::count_pairs(&grid, starts, key_start[b]);
+                for (f, &s) in fk.iter_mut().zip(starts.iter()) {
+                    let tok = (s as usize * opts.block_k).max(key_start[b]);
+                    *f = u32::try_from(tok).unwrap_or(u32::MAX);
+                }
+                split_f64(c, cw);
+                Ok(HeadStats {
+                    kept_pairs: pc.kept_pairs,
+                    total_pairs: pc.total_pairs,
+                    kept_blocks: pc.kept_blocks,
+                    total_blocks: pc.total_blocks,
+                    delta,
+                })
+            },
+        )
+        .collect();
+    let stats = AttentionStats {
+        heads: heads.into_iter().collect::<Result<Vec<_>>>()?,
     };
-    for bh in 0..slabs {
-        let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-        gate::cumsum_strided(
-            &args.log_fgate[sh.gate_at(b, 0, h)..],
-            sh.gate_stride(),
-            0.0,
-            &mut c,
-        )?;
-        let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-        boundary::start_blocks(&grid, &c, delta, key_start[b], &mut starts)?;
-        let pc = boundary::count_pairs(&grid, &starts, key_start[b]);
-        stats.heads.push(HeadStats {
-            kept_pairs: pc.kept_pairs,
-            total_pairs: pc.total_pairs,
-            kept_blocks: pc.kept_blocks,
-            total_blocks: pc.total_blocks,
-            delta,
-        });
-        for (qb, &s) in starts.iter().enumerate() {
-            let tok = (s as usize * opts.block_k).max(key_start[b]);
-            first_key[bh * nqb + qb] = u32::try_from(tok).unwrap_or(u32::MAX);
-        }
-        split_f64(&c, &mut c_pairs[bh * sh.seq_k * 2..(bh + 1) * sh.seq_k * 2]);
-    }
+    let mut phases = Phases {
+        decisions: t_dec.elapsed(),
+        ..Phases::default()
+    };
+    let t_setup = Instant::now();
 
     let f16 = T::DTYPE == crate::api::DType::F16 && ctx.info.storage_16bit;
     let esize = if f16 { 2 } else { 4 };
@@ -655,29 +705,30 @@ pub(crate) fn prepare<T: Storage>(
     }
     let kv_slabs = sh.batch * sh.heads_kv;
     let per_chunk = (limit / worst).clamp(1, 65_535 / g.max(1)).min(kv_slabs);
-    let flag = ctx.upload(&[&[0u32]])?.remove(0);
+    let mut lease = Lease::take(ctx);
+    let ar = &mut lease.arena;
+    let flag = ar.get(ctx, Kind::Device, 0, 1)?;
+    let flag_host = ar.get(ctx, Kind::Download, 0, 1)?;
+    let layout = pipe
+        .layout()
+        .set_layouts()
+        .first()
+        .cloned()
+        .ok_or_else(|| Error::Vulkan("prefill pipeline has no descriptor set".into()))?;
 
+    // Buffers and descriptor sets of every chunk: arena slot 1 + SLOTS * chunk + tensor.
+    const SLOTS: usize = 9;
     let mut chunks = Vec::new();
+    // Per chunk: (first kv slab, kv slabs, work items, staging and device buffers of the
+    // seven inputs q, k, v, c, first keys, work items, lane table).
+    let mut staged = Vec::new();
     let mut kv0 = 0;
     while kv0 < kv_slabs {
+        let ci = chunks.len();
+        let slot = |t: usize| 1 + SLOTS * ci + t;
         let nkv = per_chunk.min(kv_slabs - kv0);
         let s0 = kv0 * g;
         let ns = nkv * g;
-        // Device slabs in (b, kv head, group member) order = (b, q head) order.
-        let mut q = pack_rows(args.q, f16, ns * sh.seq_q, d, |r| {
-            let (s, t) = (s0 + r / sh.seq_q, r % sh.seq_q);
-            sh.q_at(s / sh.heads_q, t, s % sh.heads_q)
-        });
-        let kv_row = |r: usize| {
-            let (s, t) = (kv0 + r / sh.seq_k, r % sh.seq_k);
-            sh.kv_at(s / sh.heads_kv, t, s % sh.heads_kv)
-        };
-        let mut k = pack_rows(args.k, f16, nkv * sh.seq_k, d, kv_row);
-        let mut v = pack_rows(args.v, f16, nkv * sh.seq_k, d, kv_row);
-        for p in [&mut q, &mut k, &mut v] {
-            p.words.resize(p.words.len() + slack, 0);
-        }
-        let cw = &c_pairs[s0 * sh.seq_k * 2..(s0 + ns) * sh.seq_k * 2];
         let fk = &first_key[s0 * nqb..(s0 + ns) * nqb];
         let items = if flash.is_some() {
             work_items(
@@ -694,30 +745,41 @@ pub(crate) fn prepare<T: Storage>(
             vec![0u32; 2]
         };
         let n_items = (items.len() / 2) as u32;
-        let bufs = ctx.upload(&[&q.words, &k.words, &v.words, cw, fk, &items, &lay_table])?;
-        let out = ctx.device_buffer(ns * sh.seq_q * d)?;
-        let lse = ctx.device_buffer(ns * sh.seq_q)?;
-        let layout = pipe
-            .layout()
-            .set_layouts()
-            .first()
-            .cloned()
-            .ok_or_else(|| Error::Vulkan("prefill pipeline has no descriptor set".into()))?;
+        let words = |elems: usize| if f16 { elems / 2 } else { elems } + slack;
+        let sizes = [
+            words(ns * sh.seq_q * d),
+            words(nkv * sh.seq_k * d),
+            words(nkv * sh.seq_k * d),
+            ns * sh.seq_k * 2,
+            ns * nqb,
+            items.len(),
+            lay_table.len(),
+        ];
+        let mut up = Vec::with_capacity(sizes.len());
+        let mut dev = Vec::with_capacity(sizes.len());
+        for (t, &n) in sizes.iter().enumerate() {
+            up.push(ar.get(ctx, Kind::Upload, slot(t), n)?);
+            dev.push(ar.get(ctx, Kind::Device, slot(t), n)?);
+        }
+        let out = ar.get(ctx, Kind::Device, slot(7), ns * sh.seq_q * d)?;
+        let lse = ar.get(ctx, Kind::Device, slot(8), ns * sh.seq_q)?;
+        let out_host = ar.get(ctx, Kind::Download, slot(7), ns * sh.seq_q * d)?;
+        let lse_host = ar.get(ctx, Kind::Download, slot(8), ns * sh.seq_q)?;
         let mut writes = vec![
-            WriteDescriptorSet::buffer(0, bufs[0].clone()),
-            WriteDescriptorSet::buffer(1, bufs[1].clone()),
-            WriteDescriptorSet::buffer(2, bufs[2].clone()),
-            WriteDescriptorSet::buffer(3, bufs[3].clone()),
-            WriteDescriptorSet::buffer(4, bufs[4].clone()),
+            WriteDescriptorSet::buffer(0, dev[0].clone()),
+            WriteDescriptorSet::buffer(1, dev[1].clone()),
+            WriteDescriptorSet::buffer(2, dev[2].clone()),
+            WriteDescriptorSet::buffer(3, dev[3].clone()),
+            WriteDescriptorSet::buffer(4, dev[4].clone()),
             WriteDescriptorSet::buffer(5, out.clone()),
             WriteDescriptorSet::buffer(6, lse.clone()),
             WriteDescriptorSet::buffer(7, flag.clone()),
         ];
         if flash.is_some() {
-            writes.push(WriteDescriptorSet::buffer(8, bufs[5].clone()));
-            writes.push(WriteDescriptorSet::buffer(9, bufs[6].clone()));
+            writes.push(WriteDescriptorSet::buffer(8, dev[5].clone()));
+            writes.push(WriteDescriptorSet::buffer(9, dev[6].clone()));
         }
-        let set = DescriptorSet::new(ctx.desc.clone(), layout, writes, [])?;
+        let set = DescriptorSet::new(ctx.desc.clone(), layout.clone(), writes, [])?;
         let groups = if flash.is_some() {
             let gx = n_items.clamp(1, 65_535);
             [gx, n_items.div_ceil(gx).max(1), 1]
@@ -730,11 +792,62 @@ pub(crate) fn prepare<T: Storage>(
             items: n_items,
             out,
             lse,
+            out_host,
+            lse_host,
             slab0: s0,
             slabs: ns,
         });
+        staged.push((kv0, nkv, items, up, dev));
         kv0 += nkv;
     }
+    phases.setup = t_setup.elapsed();
+
+    // Packing straight into the mapped staging buffers (rows in parallel). Device slabs
+    // are in (b, kv head, group member) order = (b, q head) order. The tensor-core kernels'
+    // slack after q, k and v is zeroed: stale words there could be NaN, and 0 * NaN is NaN.
+    let t_pack = Instant::now();
+    for (kv0, nkv, items, up, _) in &staged {
+        let (kv0, nkv) = (*kv0, *nkv);
+        let (s0, ns) = (kv0 * g, nkv * g);
+        let q_row = |r: usize| {
+            let (s, t) = (s0 + r / sh.seq_q, r % sh.seq_q);
+            sh.q_at(s / sh.heads_q, t, s % sh.heads_q)
+        };
+        let kv_row = |r: usize| {
+            let (s, t) = (kv0 + r / sh.seq_k, r % sh.seq_k);
+            sh.kv_at(s / sh.heads_kv, t, s % sh.heads_kv)
+        };
+        stage_rows(&up[0], args.q, f16, ns * sh.seq_q * d, d, q_row)?;
+        stage_rows(&up[1], args.k, f16, nkv * sh.seq_k * d, d, kv_row)?;
+        stage_rows(&up[2], args.v, f16, nkv * sh.seq_k * d, d, kv_row)?;
+        let small: [&[u32]; 4] = [
+            &c_pairs[s0 * sh.seq_k * 2..(s0 + ns) * sh.seq_k * 2],
+            &first_key[s0 * nqb..(s0 + ns) * nqb],
+            items,
+            &lay_table,
+        ];
+        for (buf, src) in up[3..].iter().zip(small) {
+            buf.write().map_err(host_err)?.copy_from_slice(src);
+        }
+    }
+    phases.pack = t_pack.elapsed();
+
+    // One submit: clear the flag, copy every staged input to its device buffer.
+    let t_up = Instant::now();
+    let mut b = ctx.builder()?;
+    b.fill_buffer(flag.clone(), 0)?;
+    for (_, _, _, up, dev) in &staged {
+        for (src, dst) in up.iter().zip(dev) {
+            b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
+        }
+    }
+    ctx.submit(b)?;
+    drop(staged);
+    if !lease.arena.pooled() {
+        lease.arena.free_uploads();
+    }
+    phases.upload = t_up.elapsed();
+
     let push = Push {
         seq_q: sh.seq_q as u32,
         seq_k: sh.seq_k as u32,
@@ -754,10 +867,44 @@ pub(crate) fn prepare<T: Storage>(
         stats,
         tile,
         f16,
-        coopmat,
+        kernel,
         flash,
         flag,
+        flag_host,
+        phases,
+        read_lock: Mutex::new(()),
+        lease,
     })
+}
+
+fn host_err(e: HostAccessError) -> Error {
+    Error::Vulkan(e.to_string())
+}
+
+/// Packs `elems` elements (rows of `d`, row `r` at `src[at(r)..]`) into the staging words
+/// `buf` as f16 or f32, and zeroes the words after them.
+fn stage_rows<T: Storage>(
+    buf: &Subbuffer<[u32]>,
+    src: &[T],
+    f16: bool,
+    elems: usize,
+    d: usize,
+    at: impl Fn(usize) -> usize + Sync + Send,
+) -> Result<()> {
+    if f16 {
+        let b = buf.clone().reinterpret::<[u16]>();
+        let mut w = b.write().map_err(host_err)?;
+        let (data, slack) = w.split_at_mut(elems);
+        pack_f16_into(src, data.reinterpret_cast_mut::<half::f16>(), d, at);
+        slack.fill(0);
+    } else {
+        let b = buf.clone().reinterpret::<[f32]>();
+        let mut w = b.write().map_err(host_err)?;
+        let (data, slack) = w.split_at_mut(elems);
+        pack_f32_into(src, data, d, at);
+        slack.fill(0.0);
+    }
+    Ok(())
 }
 
 /// The flash kernel's work list for one chunk: `(local slab, query tile)` pairs, flattened,
@@ -846,7 +993,7 @@ impl PreparedPrefill {
 
     /// Whether the tensor-core kernel runs.
     pub fn coopmat(&self) -> bool {
-        self.coopmat
+        self.kernel != PrefillKernel::Scalar
     }
 
     /// The register-softmax kernel's settings, when that kernel runs.
@@ -864,6 +1011,16 @@ impl PreparedPrefill {
     /// Fails with [`Error::Input`] (`BadArgument`) when a row that attended keys had a
     /// non-finite softmax in any run so far (the flag is sticky), as the CPU backend does.
     pub fn read<O: Storage>(&self, out: &mut [O], lse: Option<&mut [f32]>) -> Result<()> {
+        self.read_timed(out, lse).map(|_| ())
+    }
+
+    /// [`Self::read`], returning the time of the download (copies, submit and wait) and of
+    /// the unpacking.
+    pub(crate) fn read_timed<O: Storage>(
+        &self,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<(Duration, Duration)> {
         let sh = &self.shape;
         let d = sh.head_dim;
         if out.len() != sh.q_len() {
@@ -885,31 +1042,117 @@ impl PreparedPrefill {
                 .into());
             }
         }
-        let flag = self.ctx.download(&[&self.flag])?;
-        if flag[0].first().is_some_and(|&f| f != 0) {
-            return Err(NON_FINITE.into());
-        }
-        let mut lse = lse;
+        let _one_reader = self
+            .read_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let t0 = Instant::now();
+        let mut b = self.ctx.builder()?;
+        b.copy_buffer(CopyBufferInfo::buffers(
+            self.flag.clone(),
+            self.flag_host.clone(),
+        ))?;
         for ch in &self.chunks {
-            let got = self.ctx.download(&[&ch.out, &ch.lse])?;
-            unpack_rows(&got[0], out, ch.slabs * sh.seq_q, d, |r| {
-                let (s, t) = (ch.slab0 + r / sh.seq_q, r % sh.seq_q);
-                sh.q_at(s / sh.heads_q, t, s % sh.heads_q)
-            });
-            if let Some(l) = lse.as_deref_mut() {
-                let dst = &mut l[ch.slab0 * sh.seq_q..(ch.slab0 + ch.slabs) * sh.seq_q];
-                for (x, &w) in dst.iter_mut().zip(&got[1]) {
-                    *x = f32::from_bits(w);
-                }
+            b.copy_buffer(CopyBufferInfo::buffers(ch.out.clone(), ch.out_host.clone()))?;
+            if lse.is_some() {
+                b.copy_buffer(CopyBufferInfo::buffers(ch.lse.clone(), ch.lse_host.clone()))?;
             }
         }
-        Ok(())
+        self.ctx.submit(b)?;
+        let download = t0.elapsed();
+
+        let t1 = Instant::now();
+        if self.flag_host.read().map_err(host_err)?[0] != 0 {
+            return Err(NON_FINITE.into());
+        }
+        // Straight from the mapped readback buffers: destination rows in parallel, each
+        // from its chunk's slab row.
+        let outs = self
+            .chunks
+            .iter()
+            .map(|ch| ch.out_host.clone().reinterpret::<[f32]>())
+            .collect::<Vec<_>>();
+        let guards = outs
+            .iter()
+            .map(|o| o.read().map_err(host_err))
+            .collect::<Result<Vec<_>>>()?;
+        let srcs: Vec<&[f32]> = guards.iter().map(|g| &**g).collect();
+        let per_chunk = self.chunks[0].slabs;
+        unpack_rows(out, d, |i| {
+            let (s, t) = q_row_of(sh, i);
+            let c = s / per_chunk;
+            let r = (s - self.chunks[c].slab0) * sh.seq_q + t;
+            &srcs[c][r * d..(r + 1) * d]
+        });
+        if let Some(l) = lse {
+            for ch in &self.chunks {
+                let dst = &mut l[ch.slab0 * sh.seq_q..(ch.slab0 + ch.slabs) * sh.seq_q];
+                let src = ch.lse_host.clone().reinterpret::<[f32]>();
+                dst.copy_from_slice(&src.read().map_err(host_err)?);
+            }
+        }
+        Ok((download, t1.elapsed()))
+    }
+
+    /// Host-side phase times of `prepare` (for the profile line).
+    pub(crate) fn phases(&self) -> Phases {
+        self.phases
+    }
+
+    /// `scalar-f32`, `scalar-f16`, `coopmat-f16` or `flash-f16`.
+    pub(crate) fn kernel_name(&self) -> &'static str {
+        match (self.kernel, self.f16) {
+            (PrefillKernel::Flash, _) => "flash-f16",
+            (PrefillKernel::CoopMat, _) => "coopmat-f16",
+            (_, true) => "scalar-f16",
+            (_, false) => "scalar-f32",
+        }
+    }
+
+    /// Whether this call uses the context's pooled buffers, and the bytes its arena holds.
+    pub(crate) fn arena_use(&self) -> (bool, u64) {
+        (self.lease.arena.pooled(), self.lease.arena.bytes())
+    }
+}
+
+/// Slab (`b * heads_q + h`) and position of destination row `i` of q/out (the element
+/// offset `i * head_dim`): the inverse of `AttentionShape::q_at`.
+fn q_row_of(sh: &AttentionShape, i: usize) -> (usize, usize) {
+    match sh.layout {
+        Layout::SeqFirst => {
+            let (bt, h) = (i / sh.heads_q, i % sh.heads_q);
+            let (b, t) = (bt / sh.seq_q, bt % sh.seq_q);
+            (b * sh.heads_q + h, t)
+        }
+        Layout::HeadFirst => (i / sh.seq_q, i % sh.seq_q),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::flash_layout;
+    use super::{flash_layout, q_row_of};
+    use foxedge_core::{AttentionShape, Layout};
+
+    #[test]
+    fn q_row_of_inverts_q_at() {
+        for layout in [Layout::SeqFirst, Layout::HeadFirst] {
+            let sh = AttentionShape {
+                batch: 3,
+                heads_q: 4,
+                heads_kv: 2,
+                seq_q: 5,
+                seq_k: 7,
+                head_dim: 8,
+                layout,
+            };
+            for s in 0..sh.batch * sh.heads_q {
+                for t in 0..sh.seq_q {
+                    let i = sh.q_at(s / sh.heads_q, t, s % sh.heads_q) / sh.head_dim;
+                    assert_eq!(q_row_of(&sh, i), (s, t), "{layout:?}");
+                }
+            }
+        }
+    }
 
     fn map(slot: fn(u32) -> u32, col: fn(u32, u32) -> u32) -> Vec<(u32, u32)> {
         (0..32u32)

@@ -1,0 +1,219 @@
+//! Prefill's reusable buffers (the context's arena): calls of growing and shrinking sizes,
+//! f32 and f16, one and several chunks, equal the CPU backend; a `PreparedPrefill` kept
+//! alive while other calls run keeps its own buffers (the others get fresh ones) and reads
+//! back the same bits afterwards; concurrent calls from two threads stay correct.
+//!
+//! Tolerance vs `foxedge_cpu::prefill` on the same inputs (both compute in f32 from the same
+//! stored values, so f16 inputs are no coarser here): |err| <= 4e-5, twice the f32 bound of
+//! `tests/prefill.rs` (each backend within 2e-5 of the f64 reference); lse within 1e-4.
+mod common;
+
+use common::*;
+use foxedge_vulkan::{
+    AttentionShape, Layout, PrefillArgs, PrefillOptions, PreparedPrefill, Storage, Vulkan,
+};
+use half::f16;
+
+/// Random inputs of one call.
+struct Case<T> {
+    sh: AttentionShape,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    g: Vec<f32>,
+}
+
+impl<T: Storage> Case<T> {
+    fn new(sh: AttentionShape, seed: u64) -> Self {
+        let mut r = rng(seed);
+        let mut t =
+            |n: usize| -> Vec<T> { randn(&mut r, n, 1.0).into_iter().map(T::from_f32).collect() };
+        let (q, k, v) = (t(sh.q_len()), t(sh.kv_len()), t(sh.kv_len()));
+        let g = log_gates(&mut r, sh.gate_len(), 1.0);
+        Self { sh, q, k, v, g }
+    }
+
+    fn args(&self) -> PrefillArgs<'_, T> {
+        PrefillArgs {
+            shape: self.sh,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            log_fgate: &self.g,
+            seq_start: None,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.sh.batch * self.sh.heads_q * self.sh.seq_q
+    }
+
+    /// The CPU backend's output and lse.
+    fn cpu(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut out = vec![0.0f32; self.sh.q_len()];
+        let mut lse = vec![0.0f32; self.rows()];
+        foxedge_cpu::prefill(
+            &self.args(),
+            &PrefillOptions::default(),
+            &mut out,
+            Some(&mut lse),
+        )
+        .expect("cpu prefill");
+        (out, lse)
+    }
+
+    /// Asserts that `out` / `lse` match the CPU backend.
+    fn check(&self, out: &[f32], lse: &[f32], what: &str) {
+        let (co, cl) = self.cpu();
+        let worst = out
+            .iter()
+            .zip(&co)
+            .map(|(a, b)| (a - b).abs())
+            .fold(
+                0.0f32,
+                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+            );
+        let lworst = lse
+            .iter()
+            .zip(&cl)
+            .map(|(a, b)| (a - b).abs())
+            .fold(
+                0.0f32,
+                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+            );
+        eprintln!(
+            "{what}: {:?} {:?}: max |vulkan - cpu| {worst:.2e}, lse {lworst:.2e}",
+            T::DTYPE,
+            self.sh
+        );
+        assert!(worst <= 4e-5, "{what}: {worst}");
+        assert!(lworst <= 1e-4, "{what}: lse {lworst}");
+    }
+
+    /// One `Vulkan::prefill` call, checked against the CPU.
+    fn run(&self, vk: &Vulkan, what: &str) {
+        let mut out = vec![f32::NAN; self.sh.q_len()];
+        let mut lse = vec![f32::NAN; self.rows()];
+        vk.prefill(
+            &self.args(),
+            &PrefillOptions::default(),
+            &mut out,
+            Some(&mut lse),
+        )
+        .expect("vulkan prefill");
+        self.check(&out, &lse, what);
+    }
+
+    /// Output and lse of a prepared call.
+    fn read(&self, p: &PreparedPrefill) -> (Vec<f32>, Vec<f32>) {
+        let mut out = vec![f32::NAN; self.sh.q_len()];
+        let mut lse = vec![f32::NAN; self.rows()];
+        p.read(&mut out, Some(&mut lse)).expect("read");
+        (out, lse)
+    }
+}
+
+fn pooled(p: &PreparedPrefill) -> bool {
+    format!("{p:?}").contains("pooled_buffers: true")
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn prefill_buffer_reuse_growing_shrinking_f16_f32_and_kept_calls() {
+    let Some(vk) = device() else { return };
+    vk.release_prefill_buffers();
+    // Growing, shrinking, f32 and f16, both layouts, GQA: each call reuses (and grows) the
+    // pooled buffers of the previous one.
+    let sizes = [
+        (1, 2, 2, 40, 64, Layout::HeadFirst),
+        (1, 4, 2, 130, 64, Layout::SeqFirst),
+        (2, 4, 4, 300, 64, Layout::HeadFirst),
+        (1, 2, 1, 64, 32, Layout::SeqFirst),
+        (1, 4, 4, 200, 64, Layout::SeqFirst),
+        (1, 1, 1, 17, 64, Layout::HeadFirst),
+        (2, 4, 2, 310, 64, Layout::SeqFirst),
+    ];
+    for (i, &(b, hq, hk, l, d, lay)) in sizes.iter().enumerate() {
+        let sh = shape(b, hq, hk, l, l, d, lay);
+        let what = format!("sequence call {i}");
+        Case::<f32>::new(sh, 100 + i as u64).run(&vk, &what);
+        Case::<f16>::new(sh, 200 + i as u64).run(&vk, &what);
+    }
+    // Several chunks per call (binding limit lowered) in the same arena, then one again.
+    vk.set_binding_limit(80_000); // 2 heads of q (38,400 bytes each) per chunk: 4 chunks
+    let sh = shape(2, 4, 4, 150, 150, 64, Layout::SeqFirst);
+    Case::<f32>::new(sh, 300).run(&vk, "chunked f32");
+    Case::<f16>::new(sh, 301).run(&vk, "chunked f16");
+    vk.set_binding_limit(u64::MAX);
+    Case::<f32>::new(sh, 302).run(&vk, "unchunked after chunked");
+
+    // A prepared call kept alive holds the pooled buffers; calls meanwhile get fresh ones
+    // and must not disturb it.
+    let kept = Case::<f32>::new(shape(1, 4, 2, 180, 180, 64, Layout::SeqFirst), 400);
+    let p = vk
+        .prepare_prefill(&kept.args(), &PrefillOptions::default())
+        .expect("prepare");
+    assert!(pooled(&p), "first live call takes the pooled buffers");
+    p.run(1).expect("run");
+    let (o1, l1) = kept.read(&p);
+    kept.check(&o1, &l1, "kept call");
+    for (i, l) in [(0u64, 250usize), (1, 60), (2, 180)] {
+        let sh = shape(1, 4, 2, l, l, 64, Layout::SeqFirst);
+        let other = Case::<f32>::new(sh, 500 + i);
+        let q = vk
+            .prepare_prefill(&other.args(), &PrefillOptions::default())
+            .expect("prepare other");
+        assert!(!pooled(&q), "a second live call allocates its own buffers");
+        q.run(1).expect("run other");
+        let (o, l) = other.read(&q);
+        other.check(&o, &l, "call beside the kept one");
+        drop(q);
+        Case::<f16>::new(sh, 600 + i).run(&vk, "prefill beside the kept one");
+        // The kept call still reads its own result, bit for bit, and runs again the same.
+        let (o2, l2) = kept.read(&p);
+        assert_eq!(bits(&o1), bits(&o2), "kept output changed");
+        assert_eq!(bits(&l1), bits(&l2), "kept lse changed");
+    }
+    p.run(1).expect("rerun");
+    let (o3, _) = kept.read(&p);
+    assert_eq!(bits(&o1), bits(&o3), "kept output after a rerun");
+    drop(p);
+    // Given back: the next call uses the pooled buffers again.
+    let next = Case::<f32>::new(shape(1, 2, 2, 90, 90, 64, Layout::HeadFirst), 700);
+    let p = vk
+        .prepare_prefill(&next.args(), &PrefillOptions::default())
+        .expect("prepare");
+    assert!(pooled(&p), "buffers given back on drop");
+    p.run(1).expect("run");
+    let (o, l) = next.read(&p);
+    next.check(&o, &l, "after give-back");
+    drop(p);
+    vk.release_prefill_buffers();
+    next.run(&vk, "after release");
+}
+
+#[test]
+fn prefill_concurrent_calls_share_no_buffers() {
+    let Some(vk) = device() else { return };
+    let cases: Vec<Case<f32>> = (0..2)
+        .map(|i| {
+            Case::new(
+                shape(1, 4, 4, 120 + 50 * i, 120 + 50 * i, 64, Layout::SeqFirst),
+                800 + i as u64,
+            )
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (i, c) in cases.iter().enumerate() {
+            let vk = vk.clone();
+            s.spawn(move || {
+                for rep in 0..3 {
+                    c.run(&vk, &format!("thread {i} call {rep}"));
+                }
+            });
+        }
+    });
+}
