@@ -32,7 +32,9 @@ pub(crate) fn open(selection: Option<&str>) -> Result<VulkanBackend> {
     let vk = foxedge_vulkan::Vulkan::with_selection(&sel)
         .map_err(|e| Error::BackendUnavailable(format!("vulkan: {e}")))?;
     let resident = Mutex::new(vk.resident_cache(foxedge_vulkan::ResidentOptions::default()));
-    let f16_prefill = f16_prefill_from_env()? && vk.info().storage_16bit;
+    let f16_prefill = vk.info().storage_16bit
+        && f16_prefill_from_env()?
+            .unwrap_or_else(|| vk.supports(foxedge_vulkan::PrefillKernel::Flash));
     Ok(VulkanBackend {
         vk,
         lost: AtomicBool::new(false),
@@ -42,16 +44,18 @@ pub(crate) fn open(selection: Option<&str>) -> Result<VulkanBackend> {
 }
 
 /// `FOXEDGE_VULKAN_F16_PREFILL`: `1` stores prefill q, k, v as f16 on the device (where it
-/// has 16-bit storage), which lets a device with NV cooperative matrices run the
-/// tensor-core flash kernel; unset or `0`: f32 (the default). Other values are an error.
-fn f16_prefill_from_env() -> Result<bool> {
+/// has 16-bit storage), `0` as f32; unset: f16 exactly where the device runs the
+/// tensor-core flash kernel (which needs f16 inputs), f32 elsewhere (lavapipe, devices
+/// without NV cooperative matrices). Other values are an error.
+fn f16_prefill_from_env() -> Result<Option<bool>> {
     f16_flag(std::env::var("FOXEDGE_VULKAN_F16_PREFILL").ok().as_deref())
 }
 
-fn f16_flag(v: Option<&str>) -> Result<bool> {
+fn f16_flag(v: Option<&str>) -> Result<Option<bool>> {
     match v.map(str::trim) {
-        None | Some("" | "0") => Ok(false),
-        Some("1") => Ok(true),
+        None | Some("") => Ok(None),
+        Some("0") => Ok(Some(false)),
+        Some("1") => Ok(Some(true)),
         Some(other) => Err(Error::InvalidArgument(format!(
             "FOXEDGE_VULKAN_F16_PREFILL: `{other}` (expected 0 or 1)"
         ))),
@@ -285,9 +289,10 @@ mod tests {
 
     #[test]
     fn f16_flag_values() {
-        assert!(!f16_flag(None).unwrap());
-        assert!(!f16_flag(Some(" 0")).unwrap());
-        assert!(f16_flag(Some("1")).unwrap());
+        assert_eq!(f16_flag(None).unwrap(), None);
+        assert_eq!(f16_flag(Some("")).unwrap(), None);
+        assert_eq!(f16_flag(Some(" 0")).unwrap(), Some(false));
+        assert_eq!(f16_flag(Some("1")).unwrap(), Some(true));
         assert!(f16_flag(Some("yes")).is_err());
     }
 
