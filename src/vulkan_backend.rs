@@ -127,17 +127,6 @@ impl VulkanBackend {
     }
 }
 
-/// `x` rounded to f16 (round to nearest even), in parallel.
-fn to_f16(x: &[f32]) -> Vec<half::f16> {
-    use foxedge_cpu::Storage;
-    use rayon::prelude::*;
-    let mut y = vec![half::f16::ZERO; x.len()];
-    y.par_chunks_mut(1 << 16)
-        .zip(x.par_chunks(1 << 16))
-        .for_each(|(y, x)| half::f16::from_f32_slice(x, y));
-    y
-}
-
 fn vk_acp(a: Acp<'_>) -> foxedge_vulkan::Acp<'_> {
     match a {
         Acp::Off => foxedge_vulkan::Acp::Off,
@@ -164,12 +153,10 @@ impl AttentionBackend for VulkanBackend {
             acp: vk_acp(call.acp),
             ..Default::default()
         };
+        let args = call.kernel_args(call.q, call.k, call.v);
         let st = if self.f16_prefill {
-            let (q, k, v) = (to_f16(call.q), to_f16(call.k), to_f16(call.v));
-            self.vk
-                .prefill(&call.kernel_args(&q, &k, &v), &opts, out, None)
+            self.vk.prefill_f16_storage(&args, &opts, out, None)
         } else {
-            let args = call.kernel_args(call.q, call.k, call.v);
             self.vk.prefill(&args, &opts, out, None)
         }
         .map_err(|e| self.map_err(e))?;

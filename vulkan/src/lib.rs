@@ -150,6 +150,31 @@ impl Vulkan {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<AttentionStats> {
+        self.prefill_stored(args, opts, out, lse, false)
+    }
+
+    /// [`Vulkan::prefill`] with q, k, v stored on the device as f16 whatever `T` is (where
+    /// the device has 16-bit storage; else as `prefill`), rounded to nearest even while
+    /// they are packed: f32 callers reach the tensor-core kernels without converting their
+    /// tensors first. Error: about 2^-11 relative per input element.
+    pub fn prefill_f16_storage<T: Storage, O: Storage>(
+        &self,
+        args: &PrefillArgs<'_, T>,
+        opts: &PrefillOptions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<AttentionStats> {
+        self.prefill_stored(args, opts, out, lse, true)
+    }
+
+    fn prefill_stored<T: Storage, O: Storage>(
+        &self,
+        args: &PrefillArgs<'_, T>,
+        opts: &PrefillOptions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        half: bool,
+    ) -> Result<AttentionStats> {
         let sh = &args.shape;
         sh.validate()?;
         if out.len() != sh.q_len() {
@@ -160,7 +185,7 @@ impl Vulkan {
             }
             .into());
         }
-        let p = self.prepare_prefill(args, opts)?;
+        let p = prefill::prepare(&self.ctx, args, opts, half)?;
         let kernel = p.run(1)?;
         let (download, unpack) = p.read_timed(out, lse)?;
         if profile() {
@@ -213,7 +238,7 @@ impl Vulkan {
         args: &PrefillArgs<'_, T>,
         opts: &PrefillOptions<'_>,
     ) -> Result<PreparedPrefill> {
-        prefill::prepare(&self.ctx, args, opts)
+        prefill::prepare(&self.ctx, args, opts, false)
     }
 
     /// One decode step: same arguments, results and statistics as `foxedge_cpu::decode`.

@@ -502,10 +502,13 @@ fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) ->
     Ok(())
 }
 
+/// `half`: q, k, v go to the device as f16 whatever `T` is (where the device has 16-bit
+/// storage), rounded to nearest even while they are packed.
 pub(crate) fn prepare<T: Storage>(
     ctx: &Arc<Context>,
     args: &PrefillArgs<'_, T>,
     opts: &PrefillOptions<'_>,
+    half: bool,
 ) -> Result<PreparedPrefill> {
     validate(args, opts)?;
     let sh = args.shape;
@@ -567,7 +570,7 @@ pub(crate) fn prepare<T: Storage>(
     };
     let t_setup = Instant::now();
 
-    let f16 = T::DTYPE == crate::api::DType::F16 && ctx.info.storage_16bit;
+    let f16 = (half || T::DTYPE == crate::api::DType::F16) && ctx.info.storage_16bit;
     let esize = if f16 { 2 } else { 4 };
     let cm_ok = ctx.info.coopmat_prefill && f16 && d == 64;
     let want = ctx

@@ -217,3 +217,51 @@ fn prefill_concurrent_calls_share_no_buffers() {
         }
     });
 }
+
+#[test]
+fn f32_inputs_stored_as_f16_equal_f16_inputs_bit_for_bit() {
+    let Some(vk) = device() else { return };
+    if !vk.info().storage_16bit {
+        eprintln!("SKIPPED: the device has no 16-bit storage");
+        return;
+    }
+    // `prefill_f16_storage` rounds f32 q, k, v to f16 (nearest even) while packing: the
+    // result is the one of the same call given f16 inputs, on every kernel the device runs.
+    for (i, &(b, hq, hk, l, lay)) in [
+        (1, 4, 2, 130, Layout::SeqFirst),
+        (2, 2, 2, 200, Layout::HeadFirst),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let sh = shape(b, hq, hk, l, l, 64, lay);
+        let c32 = Case::<f32>::new(sh, 800 + i as u64);
+        let c16 = Case::<f16> {
+            sh,
+            q: c32.q.iter().map(|&x| f16::from_f32(x)).collect(),
+            k: c32.k.iter().map(|&x| f16::from_f32(x)).collect(),
+            v: c32.v.iter().map(|&x| f16::from_f32(x)).collect(),
+            g: c32.g.clone(),
+        };
+        let run = |f: &dyn Fn(&mut [f32], &mut [f32])| {
+            let mut out = vec![f32::NAN; sh.q_len()];
+            let mut lse = vec![f32::NAN; c32.rows()];
+            f(&mut out, &mut lse);
+            (out, lse)
+        };
+        let opts = PrefillOptions::default();
+        let (o32, l32) = run(&|o, l| {
+            vk.prefill_f16_storage(&c32.args(), &opts, o, Some(l))
+                .map(drop)
+                .expect("f32 stored as f16")
+        });
+        let (o16, l16) = run(&|o, l| {
+            vk.prefill(&c16.args(), &opts, o, Some(l))
+                .map(drop)
+                .expect("f16 inputs")
+        });
+        assert_eq!(bits(&o32), bits(&o16), "call {i}: output");
+        assert_eq!(bits(&l32), bits(&l16), "call {i}: lse");
+        c16.check(&o16, &l16, "f16 inputs");
+    }
+}
