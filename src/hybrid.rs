@@ -1578,6 +1578,15 @@ impl AttentionBackend for Scheduler {
         };
         let mut decided = None;
         let choice = self.choose(nh, d, false, upper, || {
+            // Dense: every head keeps every causal pair; the kernels form their own c.
+            if matches!(call.acp, Acp::Off) {
+                let w = Work {
+                    pairs: (t * (t + 1) / 2) as u64,
+                    rows: t as u64,
+                    gpu_rows: t as u64,
+                };
+                return Ok(vec![w; nh]);
+            }
             let b = prefill_boundary(call)?;
             let w = b
                 .kept_pairs
