@@ -1603,13 +1603,13 @@ impl AttentionBackend for Scheduler {
         let split = &choice.split;
         self.record(split)?;
         let t0 = Instant::now();
+        // The kernels reuse the decisions the plan was made from.
+        let call = &PrefillCall {
+            decided: decided.as_ref(),
+            ..*call
+        };
         let r = if split.gpu_heads.is_empty() {
-            // The kernel reuses the decisions the plan was made from.
-            let call = PrefillCall {
-                decided: decided.as_ref(),
-                ..*call
-            };
-            self.cpu.prefill(&call, out)
+            self.cpu.prefill(call, out)
         } else if split.cpu_heads.is_empty() {
             let r = self.gpu.backend.prefill(call, out);
             self.or_cpu(r, || self.cpu.prefill(call, out))

@@ -149,8 +149,20 @@ impl AttentionBackend for VulkanBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
+        // The scheduler's decisions, on the kernels' tile grid, are reused (as the CPU
+        // backend does): the device path then reads no gates and forms no boundary.
+        let acp = match call.decided {
+            Some(b) if b.block == foxedge_vulkan::PrefillOptions::default().block_q => {
+                foxedge_vulkan::Acp::Decided(foxedge_vulkan::Decisions {
+                    c: &b.c,
+                    start_blocks: &b.start_blocks,
+                    delta: &b.delta,
+                })
+            }
+            _ => vk_acp(call.acp),
+        };
         let opts = foxedge_vulkan::PrefillOptions {
-            acp: vk_acp(call.acp),
+            acp,
             ..Default::default()
         };
         let args = call.kernel_args(call.q, call.k, call.v);

@@ -16,6 +16,6 @@
 //! excluded) and, under ACP, not inside a pruned key block.
 
 pub use foxedge_cpu::{
-    Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
-    PrefillOptions, Storage,
+    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
+    PrefillArgs, PrefillOptions, Storage,
 };

@@ -32,8 +32,8 @@ mod pack;
 mod prefill;
 
 pub use api::{
-    Acp, AttentionStats, CacheHead, DType, DecodeArgs, DecodeOptions, HeadStats, PrefillArgs,
-    PrefillOptions, Storage,
+    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
+    PrefillArgs, PrefillOptions, Storage,
 };
 pub use cache::{CacheCounters, HeadSync, ResidentCache, ResidentOptions};
 pub use decode::{DecodeTuning, PreparedDecode, auto_split};

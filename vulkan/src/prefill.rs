@@ -462,6 +462,46 @@ fn head_delta<T: Storage>(
     })
 }
 
+/// Checks [`Acp::Decided`] as the CPU backend does: lengths, finite `c`, and no query
+/// block starting after its diagonal block (what the kernels' tile loops rely on).
+fn check_decisions(
+    dec: &crate::api::Decisions<'_>,
+    grid: &BlockGrid,
+    slabs: usize,
+    seq_k: usize,
+) -> Result<()> {
+    let nqb = grid.q_blocks();
+    for (what, expected, got) in [
+        ("Decided c", slabs * seq_k, dec.c.len()),
+        ("Decided start_blocks", slabs * nqb, dec.start_blocks.len()),
+        ("Decided delta", slabs, dec.delta.len()),
+    ] {
+        if expected != got {
+            return Err(foxedge_core::Error::BadLength {
+                what,
+                expected,
+                got,
+            }
+            .into());
+        }
+    }
+    if dec.c.iter().any(|x| !x.is_finite()) {
+        return Err(foxedge_core::Error::BadArgument("Decided c must be finite").into());
+    }
+    let late = dec.start_blocks.chunks_exact(nqb.max(1)).any(|st| {
+        st.iter()
+            .enumerate()
+            .any(|(qb, &s)| s as usize > grid.diag_block(qb))
+    });
+    if late {
+        return Err(foxedge_core::Error::BadArgument(
+            "Decided start block after its query block's diagonal",
+        )
+        .into());
+    }
+    Ok(())
+}
+
 fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) -> Result<()> {
     let sh = &args.shape;
     sh.validate()?;
@@ -523,7 +563,16 @@ pub(crate) fn prepare<T: Storage>(
     // slabs in parallel, each writing its own parts of c_pairs and first_key. Statistics
     // stay in slab order and the first failing slab's error is returned, as serially.
     let t_dec = Instant::now();
-    gate::validate_log_gates(args.log_fgate)?;
+    let decided = match opts.acp {
+        Acp::Decided(dec) => {
+            check_decisions(&dec, &grid, slabs, sh.seq_k)?;
+            Some(dec)
+        }
+        _ => {
+            gate::validate_log_gates(args.log_fgate)?;
+            None
+        }
+    };
     let key_start: Vec<usize> = args
         .seq_start
         .map_or_else(|| vec![0; sh.batch], <[usize]>::to_vec);
@@ -537,14 +586,20 @@ pub(crate) fn prepare<T: Storage>(
             || (vec![0.0f64; sh.seq_k], vec![0u32; nqb]),
             |(c, starts), (bh, (cw, fk))| -> Result<HeadStats> {
                 let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-                gate::cumsum_strided(
-                    &args.log_fgate[sh.gate_at(b, 0, h)..],
-                    sh.gate_stride(),
-                    0.0,
-                    c,
-                )?;
                 let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-                boundary::start_blocks(&grid, c, delta, key_start[b], starts)?;
+                if let Some(dec) = decided {
+                    // The caller's decisions (checked above): no gates read, nothing formed.
+                    c.copy_from_slice(&dec.c[bh * sh.seq_k..][..sh.seq_k]);
+                    starts.copy_from_slice(&dec.start_blocks[bh * nqb..][..nqb]);
+                } else {
+                    gate::cumsum_strided(
+                        &args.log_fgate[sh.gate_at(b, 0, h)..],
+                        sh.gate_stride(),
+                        0.0,
+                        c,
+                    )?;
+                    boundary::start_blocks(&grid, c, delta, key_start[b], starts)?;
+                }
                 let pc = boundary::count_pairs(&grid, starts, key_start[b]);
                 for (f, &s) in fk.iter_mut().zip(starts.iter()) {
                     let tok = (s as usize * opts.block_k).max(key_start[b]);

@@ -265,3 +265,60 @@ fn f32_inputs_stored_as_f16_equal_f16_inputs_bit_for_bit() {
         c16.check(&o16, &l16, "f16 inputs");
     }
 }
+
+#[test]
+fn decided_prefill_equals_the_threshold_call_bit_for_bit() {
+    use foxedge_core::boundary::{BlockGrid, start_blocks};
+    use foxedge_vulkan::{Acp, Decisions};
+    let Some(vk) = device() else { return };
+    // Decisions formed by the caller with foxedge-core (c, start blocks, delta per head)
+    // give the call made from the thresholds, bit for bit; bad decisions are refused.
+    let sh = shape(1, 4, 4, 300, 300, 64, Layout::SeqFirst);
+    let case = Case::<f32>::new(sh, 900);
+    let delta: Vec<f64> = vec![-4.0, -8.0, -1.0e9, -2.0];
+    let grid = BlockGrid::new(64, 64, 300, 300).expect("grid");
+    let nqb = grid.q_blocks();
+    let mut c = vec![0.0f64; 4 * 300];
+    let mut st = vec![0u32; 4 * nqb];
+    for h in 0..4 {
+        let ch = &mut c[h * 300..(h + 1) * 300];
+        foxedge_core::gate::cumsum_strided(&case.g[h..], 4, 0.0, ch).expect("cumsum");
+        start_blocks(
+            &grid,
+            ch,
+            Some(delta[h]),
+            0,
+            &mut st[h * nqb..(h + 1) * nqb],
+        )
+        .expect("start blocks");
+    }
+    let opt_delta: Vec<Option<f64>> = delta.iter().copied().map(Some).collect();
+    let call = |acp: Acp<'_>| {
+        let mut out = vec![f32::NAN; sh.q_len()];
+        let opts = PrefillOptions {
+            acp,
+            ..Default::default()
+        };
+        vk.prefill(&case.args(), &opts, &mut out, None)
+            .map(|s| (out, s))
+    };
+    let (o1, s1) = call(Acp::Threshold(&delta)).expect("threshold call");
+    let dec = Decisions {
+        c: &c,
+        start_blocks: &st,
+        delta: &opt_delta,
+    };
+    let (o2, s2) = call(Acp::Decided(dec)).expect("decided call");
+    assert_eq!(bits(&o1), bits(&o2));
+    assert_eq!(s1, s2);
+    assert!(s1.kept_fraction() < 1.0, "some blocks pruned");
+    let short = Decisions { c: &c[1..], ..dec };
+    assert!(call(Acp::Decided(short)).is_err());
+    let mut late = st.clone();
+    late[0] = 3;
+    let late = Decisions {
+        start_blocks: &late,
+        ..dec
+    };
+    assert!(call(Acp::Decided(late)).is_err());
+}
