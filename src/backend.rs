@@ -123,6 +123,23 @@ pub(crate) struct PrefillCall<'a> {
 }
 
 impl<'a> PrefillCall<'a> {
+    /// The kernels' pruning mode for this call: the caller's decisions when it made them on
+    /// the kernels' tile grid (the scheduler planned the call from them; at 1k tokens x 16
+    /// heads they cost ~80 us, 5% of an ACP prefill on the H100 host's CPU, and the GPU
+    /// path then reads no gates either), else the call's own mode.
+    pub(crate) fn kernel_acp(&self) -> foxedge_cpu::Acp<'_> {
+        match self.decided {
+            Some(b) if b.block == foxedge_cpu::PrefillOptions::default().block_q => {
+                foxedge_cpu::Acp::Decided(foxedge_cpu::Decisions {
+                    c: &b.c,
+                    start_blocks: &b.start_blocks,
+                    delta: &b.delta,
+                })
+            }
+            _ => cpu_acp(self.acp),
+        }
+    }
+
     /// The kernels' arguments for this call (one batch row, seq-first, keys from 0), with
     /// `q`, `k`, `v` in storage `T`: the call's own slices, or a copy of them rounded to `T`.
     pub(crate) fn kernel_args<'b, T: foxedge_cpu::Storage>(
@@ -187,21 +204,8 @@ impl AttentionBackend for CpuBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         let args = call.kernel_args(call.q, call.k, call.v);
-        // Decisions made by the caller (the scheduler planned the call from them) on the
-        // kernel's own tile grid are reused: at 1k tokens x 16 heads they cost ~80 us, 5% of
-        // an ACP prefill on the H100 host's CPU.
-        let acp = match call.decided {
-            Some(b) if b.block == foxedge_cpu::PrefillOptions::default().block_q => {
-                foxedge_cpu::Acp::Decided(foxedge_cpu::Decisions {
-                    c: &b.c,
-                    start_blocks: &b.start_blocks,
-                    delta: &b.delta,
-                })
-            }
-            _ => cpu_acp(call.acp),
-        };
         let opts = foxedge_cpu::PrefillOptions {
-            acp,
+            acp: call.kernel_acp(),
             ..Default::default()
         };
         let st = foxedge_cpu::prefill(&args, &opts, out, None).map_err(kernel_error)?;
@@ -236,7 +240,7 @@ impl AttentionBackend for CpuBackend {
     }
 }
 
-fn cpu_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
+pub(crate) fn cpu_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
     match a {
         Acp::Off => foxedge_cpu::Acp::Off,
         Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },

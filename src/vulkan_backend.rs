@@ -14,7 +14,7 @@
 //! uploaded whole for the call. Mirrors are freed when their session releases them, and the
 //! least recently used ones are dropped when device memory runs short.
 
-use crate::backend::{Acp, AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall};
+use crate::backend::{AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall};
 use crate::error::{Error, Result};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -127,14 +127,6 @@ impl VulkanBackend {
     }
 }
 
-fn vk_acp(a: Acp<'_>) -> foxedge_vulkan::Acp<'_> {
-    match a {
-        Acp::Off => foxedge_vulkan::Acp::Off,
-        Acp::Bound { u, ln_eps } => foxedge_vulkan::Acp::Bound { u, ln_eps },
-        Acp::ObservedNorms { ln_eps } => foxedge_vulkan::Acp::ObservedNorms { ln_eps },
-    }
-}
-
 fn convert(st: &foxedge_vulkan::AttentionStats) -> AttentionStats {
     AttentionStats {
         kept_pairs: st.heads.iter().map(|h| h.kept_pairs).collect(),
@@ -149,20 +141,8 @@ impl AttentionBackend for VulkanBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
-        // The scheduler's decisions, on the kernels' tile grid, are reused (as the CPU
-        // backend does): the device path then reads no gates and forms no boundary.
-        let acp = match call.decided {
-            Some(b) if b.block == foxedge_vulkan::PrefillOptions::default().block_q => {
-                foxedge_vulkan::Acp::Decided(foxedge_vulkan::Decisions {
-                    c: &b.c,
-                    start_blocks: &b.start_blocks,
-                    delta: &b.delta,
-                })
-            }
-            _ => vk_acp(call.acp),
-        };
         let opts = foxedge_vulkan::PrefillOptions {
-            acp,
+            acp: call.kernel_acp(),
             ..Default::default()
         };
         let args = call.kernel_args(call.q, call.k, call.v);
@@ -197,7 +177,7 @@ impl AttentionBackend for VulkanBackend {
         };
         let entries: usize = call.heads.iter().map(|h| h.c.len()).sum();
         let opts = foxedge_vulkan::DecodeOptions {
-            acp: vk_acp(call.acp),
+            acp: crate::backend::cpu_acp(call.acp),
             split: foxedge_vulkan::auto_split(entries * call.n_queries),
             ..Default::default()
         };
@@ -239,7 +219,7 @@ mod tests {
     //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
-    use crate::backend::{AttentionBackend, DecodeCall, PrefillCall};
+    use crate::backend::{Acp, AttentionBackend, DecodeCall, PrefillCall};
     use crate::session::{Budget, Session, SessionOptions};
     use crate::{Model, npy::NpyArray};
     use std::sync::Arc;

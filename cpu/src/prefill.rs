@@ -260,9 +260,10 @@ fn head_stats(grid: &BlockGrid, starts: &[u32], key_start: usize, delta: Option<
     }
 }
 
-/// Checks [`Acp::Decided`]'s lengths, that `c` is finite and that every query block starts
-/// at or before its diagonal block (what the tile loop relies on).
-fn check_decisions(
+/// Checks [`Acp::Decided`]'s lengths (`heads` = batch x query heads), that `c` is finite
+/// and that every query block starts at or before its diagonal block (what the tile loops
+/// of every backend rely on).
+pub fn check_decisions(
     dec: &Decisions<'_>,
     grid: &BlockGrid,
     heads: usize,

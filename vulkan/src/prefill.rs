@@ -462,46 +462,6 @@ fn head_delta<T: Storage>(
     })
 }
 
-/// Checks [`Acp::Decided`] as the CPU backend does: lengths, finite `c`, and no query
-/// block starting after its diagonal block (what the kernels' tile loops rely on).
-fn check_decisions(
-    dec: &crate::api::Decisions<'_>,
-    grid: &BlockGrid,
-    slabs: usize,
-    seq_k: usize,
-) -> Result<()> {
-    let nqb = grid.q_blocks();
-    for (what, expected, got) in [
-        ("Decided c", slabs * seq_k, dec.c.len()),
-        ("Decided start_blocks", slabs * nqb, dec.start_blocks.len()),
-        ("Decided delta", slabs, dec.delta.len()),
-    ] {
-        if expected != got {
-            return Err(foxedge_core::Error::BadLength {
-                what,
-                expected,
-                got,
-            }
-            .into());
-        }
-    }
-    if dec.c.iter().any(|x| !x.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("Decided c must be finite").into());
-    }
-    let late = dec.start_blocks.chunks_exact(nqb.max(1)).any(|st| {
-        st.iter()
-            .enumerate()
-            .any(|(qb, &s)| s as usize > grid.diag_block(qb))
-    });
-    if late {
-        return Err(foxedge_core::Error::BadArgument(
-            "Decided start block after its query block's diagonal",
-        )
-        .into());
-    }
-    Ok(())
-}
-
 fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) -> Result<()> {
     let sh = &args.shape;
     sh.validate()?;
@@ -565,7 +525,7 @@ pub(crate) fn prepare<T: Storage>(
     let t_dec = Instant::now();
     let decided = match opts.acp {
         Acp::Decided(dec) => {
-            check_decisions(&dec, &grid, slabs, sh.seq_k)?;
+            foxedge_cpu::check_decisions(&dec, &grid, slabs, sh.seq_k)?;
             Some(dec)
         }
         _ => {
