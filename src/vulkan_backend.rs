@@ -327,14 +327,17 @@ mod tests {
             }
             (e / n).sqrt()
         };
-        let f16 = VulkanBackend {
+        // Both storages explicitly (the opened backend's default is f16 where the flash
+        // kernel runs).
+        let with = |f16_prefill| VulkanBackend {
             vk: vb.vk.clone(),
             lost: AtomicBool::new(false),
             resident: Mutex::new(vb.vk.resident_cache(Default::default())),
-            f16_prefill: true,
+            f16_prefill,
         };
+        let (f32b, f16) = (with(false), with(true));
         let (mut a, mut b) = (vec![0.0f32; q.len()], vec![0.0f32; q.len()]);
-        let st32 = vb.prefill(&call, &mut a).unwrap();
+        let st32 = f32b.prefill(&call, &mut a).unwrap();
         let st16 = f16.prefill(&call, &mut b).unwrap();
         // Decisions come from the gates (f32 either way): the same pairs are kept.
         assert_eq!(st32, st_want);

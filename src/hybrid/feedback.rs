@@ -8,9 +8,8 @@
 //! sized, pool threads woken) do not move it, and every kind is judged by the same
 //! statistic whatever the spread of its times. On the H100 host, a low quantile (the second
 //! fastest of five) favoured the plan whose times spread wider (an 11-head split, 8% slower
-//! than the all-GPU plan at decode 64k, kept winning on its fast tail), and a mean without
-//! the slowest followed two slow GPU calls in five (1k prefill: auto ran the CPU plan, 1.3x
-//! slower, for 305 of 960 calls).
+//! than the all-GPU plan at decode 64k, kept winning on its fast tail); a mean without the
+//! slowest, tried next, moves with any second slow call.
 //!
 //! Choice, given the raw predictions of the candidate plans:
 //! - the smallest corrected prediction wins; the incumbent (the plan last run as the

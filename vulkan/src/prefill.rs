@@ -544,22 +544,27 @@ pub(crate) fn prepare<T: Storage>(
         .enumerate()
         .map_init(
             || (vec![0.0f64; sh.seq_k], vec![0u32; nqb]),
-            |(c, starts), (bh, (cw, fk))| -> Result<HeadStats> {
+            |(c_buf, st_buf), (bh, (cw, fk))| -> Result<HeadStats> {
                 let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
                 let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-                if let Some(dec) = decided {
-                    // The caller's decisions (checked above): no gates read, nothing formed.
-                    c.copy_from_slice(&dec.c[bh * sh.seq_k..][..sh.seq_k]);
-                    starts.copy_from_slice(&dec.start_blocks[bh * nqb..][..nqb]);
-                } else {
-                    gate::cumsum_strided(
-                        &args.log_fgate[sh.gate_at(b, 0, h)..],
-                        sh.gate_stride(),
-                        0.0,
-                        c,
-                    )?;
-                    boundary::start_blocks(&grid, c, delta, key_start[b], starts)?;
-                }
+                // The caller's decisions (checked above) are read in place: no gates read,
+                // nothing formed.
+                let (c, starts): (&[f64], &[u32]) = match decided {
+                    Some(dec) => (
+                        &dec.c[bh * sh.seq_k..][..sh.seq_k],
+                        &dec.start_blocks[bh * nqb..][..nqb],
+                    ),
+                    None => {
+                        gate::cumsum_strided(
+                            &args.log_fgate[sh.gate_at(b, 0, h)..],
+                            sh.gate_stride(),
+                            0.0,
+                            c_buf,
+                        )?;
+                        boundary::start_blocks(&grid, c_buf, delta, key_start[b], st_buf)?;
+                        (c_buf, st_buf)
+                    }
+                };
                 let pc = boundary::count_pairs(&grid, starts, key_start[b]);
                 for (f, &s) in fk.iter_mut().zip(starts.iter()) {
                     let tok = (s as usize * opts.block_k).max(key_start[b]);
