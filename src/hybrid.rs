@@ -913,17 +913,30 @@ const RECOUNT_FRACTION: u64 = 32;
 /// A resident cache head's first send (the whole cache) is charged to one step as
 /// `1 / AMORTIZE_STEPS` of it: it is paid once and the mirror serves every later step of
 /// the session (otherwise a head the GPU does not hold yet would never be moved to it).
+/// Likewise the catch-up of a mirror that fell behind while the CPU ran.
 const AMORTIZE_STEPS: u64 = 256;
 
-/// Rows of `head` the GPU must be sent for a decode step: with a resident GPU and change
-/// tracking, the rows written since the version the GPU last received (all of them, charged
-/// `1 / AMORTIZE_STEPS`, when it holds none); otherwise every row.
-fn rows_to_send(head: &CacheHead<'_>, resident: bool, synced: &HashMap<u64, u64>) -> u64 {
+/// Rows of `head` the GPU must be sent for a decode step that writes `per_step` rows per
+/// head: with a resident GPU and change tracking, the rows written since the version the
+/// GPU last received, those beyond one step's charged `1 / AMORTIZE_STEPS` (a catch-up, or
+/// the whole cache when it holds none, is paid once; on the H100 host, charged whole it
+/// made every split look worse the longer the CPU plan ran, until auto no longer probed a
+/// split 1.2x faster than the CPU); otherwise every row.
+fn rows_to_send(
+    head: &CacheHead<'_>,
+    resident: bool,
+    synced: &HashMap<u64, u64>,
+    per_step: u64,
+) -> u64 {
     let n = head.c.len() as u64;
     match head.sync {
-        Some(s) if resident => synced.get(&s.id).map_or(n.div_ceil(AMORTIZE_STEPS), |&v0| {
-            s.version.saturating_sub(v0).min(n)
-        }),
+        Some(s) if resident => {
+            let behind = synced
+                .get(&s.id)
+                .map_or(n, |&v0| s.version.saturating_sub(v0).min(n));
+            let step = behind.min(per_step);
+            step + (behind - step).div_ceil(AMORTIZE_STEPS)
+        }
         _ => n,
     }
 }
@@ -1344,7 +1357,7 @@ impl Scheduler {
             .zip(kept)
             .map(|(head, k)| {
                 let n = head.c.len() as u64;
-                let gpu_rows = rows_to_send(head, resident, &synced);
+                let gpu_rows = rows_to_send(head, resident, &synced, call.n_queries as u64);
                 Work {
                     pairs: k.unwrap_or(n),
                     rows: n,
@@ -1361,7 +1374,7 @@ impl Scheduler {
         let nq = call.n_queries as u64;
         Ok(call.heads.iter().fold(Work::default(), |a, head| {
             let n = head.c.len() as u64;
-            let gpu_rows = rows_to_send(head, resident, &synced);
+            let gpu_rows = rows_to_send(head, resident, &synced, nq);
             a + Work {
                 pairs: n * nq,
                 rows: n,
@@ -2675,8 +2688,11 @@ mod tests {
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
         assert_eq!((p.kind, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
-        // ... but it measured 2.4x its prediction: the CPU (never run) is next, and its
-        // split has no GPU heads.
+        // ... but it measured 2.4x its prediction (its first call is cold, the second is
+        // the sample): the CPU (never run) is next, and its split has no GPU heads.
+        rec.record(PlanKind::Split, 0.5, 5.0, None);
+        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        assert_eq!(p.kind, PlanKind::Split);
         rec.record(PlanKind::Split, 0.5, 1.2, None);
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
         assert_eq!(
@@ -2684,10 +2700,9 @@ mod tests {
             (PlanKind::Cpu, 0, 1.0)
         );
         rec.record(PlanKind::Cpu, 1.0, 1.0, None);
-        // (Predicted best and slower on its one call, the split has a second call.)
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
-        assert_eq!((p.kind, s.gpu_heads), (PlanKind::Split, vec![0]));
-        rec.record(PlanKind::Split, 0.5, 1.2, p.probe_of());
+        rec.record(PlanKind::Cpu, 1.0, 1.0, None);
+        // The GPU, probed (two calls), measured 1.3x: the CPU stays.
+        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
         assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
@@ -3019,11 +3034,29 @@ mod tests {
         // 1 has sync but was never sent; head 2 has no sync.
         let w = call_of(&steps, &[0, 1]);
         assert_eq!(w[0].gpu_rows, 0);
+        let nq = {
+            let heads = d.cache_heads(|_| None);
+            d.call(&heads, Acp::Off).n_queries as u64
+        };
         assert_eq!(
             w[1].gpu_rows,
-            (n as u64).div_ceil(AMORTIZE_STEPS),
+            nq + (n as u64 - nq).div_ceil(AMORTIZE_STEPS),
             "first send"
         );
+        {
+            // 40 steps behind: one step's rows, the other 39 charged as a catch-up.
+            let mut behind = StepSync::new(3, n);
+            behind.step();
+            let heads = d.cache_heads(|h| (h == 0).then(|| behind.sync(h)));
+            s.note_gpu_synced(&d.call(&heads, acp_bound(&d)), &[0]);
+            for _ in 0..40 {
+                behind.step();
+            }
+            let heads = d.cache_heads(|h| (h == 0).then(|| behind.sync(h)));
+            let call = d.call(&heads, acp_bound(&d));
+            let w = s.decode_work(&call, true).unwrap();
+            assert_eq!(w[0].gpu_rows, nq + (40 - nq).div_ceil(AMORTIZE_STEPS));
+        }
         assert_eq!(w[2].gpu_rows, n as u64);
         steps.step();
         steps.step();
