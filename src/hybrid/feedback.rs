@@ -112,7 +112,10 @@ impl KindRecord {
     /// The window's fastest ratio: with the prior, what a plan re-checked against its
     /// factor (stale, or promising) is expected to take (a burst may fill a window).
     fn fastest(&self) -> Option<f64> {
-        self.ratios[..self.len].iter().copied().min_by(f64::total_cmp)
+        self.ratios[..self.len]
+            .iter()
+            .copied()
+            .min_by(f64::total_cmp)
     }
 }
 
@@ -499,9 +502,15 @@ mod tests {
         sampled(&mut r, CPU, 1.0);
         r.record(SPLIT, 1.0, 1.0, Some(1.0));
         r.record(SPLIT, 1.0, 2.0, Some(1.0));
-        let picks = simulate(&mut r, &raw, 2.5, 200, |k, _| {
-            if k == SPLIT { 0.9 } else { 1.0 }
-        });
+        let picks = simulate(
+            &mut r,
+            &raw,
+            2.5,
+            200,
+            |k, _| {
+                if k == SPLIT { 0.9 } else { 1.0 }
+            },
+        );
         let first = picks
             .iter()
             .position(|p| p.kind == SPLIT)
@@ -540,9 +549,15 @@ mod tests {
         let p = r.pick(&raw, one, 1.25);
         assert_eq!((p.kind, p.reason), (GPU, Reason::Best));
         r.record(GPU, 0.9, 3.6, None);
-        let picks = simulate(&mut r, &raw, 1.25, 12, |k, _| {
-            if k == GPU { 0.85 } else { 1.0 }
-        });
+        let picks = simulate(
+            &mut r,
+            &raw,
+            1.25,
+            12,
+            |k, _| {
+                if k == GPU { 0.85 } else { 1.0 }
+            },
+        );
         assert_eq!(picks[0].kind, GPU, "{picks:?}");
         assert!(
             picks
@@ -570,9 +585,15 @@ mod tests {
             won(&mut r, CPU, 1.5);
         }
         assert_eq!(r.pick(&raw, one, 1.25).kind, GPU);
-        let picks = simulate(&mut r, &raw, 1.25, 40, |k, _| {
-            if k == CPU { 1.0 } else { 1.2 }
-        });
+        let picks = simulate(
+            &mut r,
+            &raw,
+            1.25,
+            40,
+            |k, _| {
+                if k == CPU { 1.0 } else { 1.2 }
+            },
+        );
         let back = picks
             .iter()
             .position(|p| (p.kind, p.reason) == (CPU, Reason::Best))
@@ -593,9 +614,15 @@ mod tests {
         let mut r = ClassRecord::default();
         sampled(&mut r, GPU, 1.1);
         sampled(&mut r, CPU, 1.0);
-        let picks = simulate(&mut r, &raw, 1.25, 1000, |k, _| {
-            if k == GPU { 1.1 } else { 1.0 }
-        });
+        let picks = simulate(
+            &mut r,
+            &raw,
+            1.25,
+            1000,
+            |k, _| {
+                if k == GPU { 1.1 } else { 1.0 }
+            },
+        );
         let rechecks = picks.iter().filter(|p| p.reason == Reason::Recheck).count();
         // Two calls each, at gaps 4, 8, 16, ..., 512: about 2 (log2(1000 / 4) + 1).
         assert!((10..=20).contains(&rechecks), "{rechecks}");
@@ -607,9 +634,15 @@ mod tests {
         // beyond the CPU's time stay within PROBE_BUDGET of all the time (plus one probe).
         let raw = [(1.0, CPU), (1.0, GPU)];
         let mut r = ClassRecord::default();
-        let picks = simulate(&mut r, &raw, 2.5, 4000, |k, _| {
-            if k == GPU { 2.4 } else { 1.0 }
-        });
+        let picks = simulate(
+            &mut r,
+            &raw,
+            2.5,
+            4000,
+            |k, _| {
+                if k == GPU { 2.4 } else { 1.0 }
+            },
+        );
         let probes = count(&picks, GPU) as f64;
         let excess = 1.4 * probes;
         assert!(probes >= 2.0, "the GPU is tried");
