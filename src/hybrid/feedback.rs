@@ -25,7 +25,10 @@
 //! Choice, given the raw predictions of the candidate plans:
 //! - the smallest corrected prediction wins; the incumbent (the plan last run as the
 //!   winner) stays while it is within [`HYSTERESIS`] of that, so two plans within noise of
-//!   each other do not alternate;
+//!   each other do not alternate. A challenger whose last sample is [`STALE_CALLS`] calls
+//!   old is re-checked before it takes over, and a fresh sample replaces stale ones: plans
+//!   are compared on calls close in time (on the H100 host the noise comes in bursts of
+//!   seconds, and a plan measured before a burst looked best against one measured in it);
 //! - a call that switched to a kind not yet sampled, or to a probe, is followed by another
 //!   call of that kind (its sample);
 //! - once the winner has run, one other plan may be probed instead: a plan never run whose
@@ -95,6 +98,8 @@ struct KindRecord {
     /// Its last sample was a probe that beat the winner's prediction: it is re-checked at
     /// its next gap whatever its factor (a leader that lost to a burst wins back).
     promising: bool,
+    /// The class's call count at its last sample.
+    sampled_at: u64,
 }
 
 impl KindRecord {
@@ -219,6 +224,11 @@ impl ClassRecord {
                 k.rechecks += 1;
             }
         }
+        if self.calls - k.sampled_at > STALE_CALLS {
+            // Its samples are stale: the fresh one replaces them.
+            (k.len, k.next) = (0, 0);
+        }
+        k.sampled_at = self.calls;
         k.ratios[k.next] = ratio;
         k.next = (k.next + 1) % WINDOW;
         k.len = (k.len + 1).min(WINDOW);
@@ -256,6 +266,21 @@ impl ClassRecord {
         {
             (best, best_t) = (inc, t);
         }
+        let rec = |k: PlanKind| &self.kinds[k as usize];
+        // A challenger whose samples are stale does not take over on them: it is re-checked
+        // first, within the budget, and the incumbent runs meanwhile.
+        let mut confirm = None;
+        if let Some(inc) = self.incumbent
+            && best != inc
+            && rec(best).len > 0
+            && self.calls - rec(best).sampled_at >= STALE_CALLS
+            && let Some(&(t, _)) = corrected.iter().find(|(_, k)| *k == inc)
+        {
+            if self.probe_loss <= PROBE_BUDGET * (self.spent + PROBE_CALLS * t) {
+                confirm = Some(best);
+            }
+            (best, best_t) = (inc, t);
+        }
         let pick = |kind, reason| Pick {
             kind,
             reason,
@@ -272,7 +297,9 @@ impl ClassRecord {
             };
             return pick(k, reason);
         }
-        let rec = |k: PlanKind| &self.kinds[k as usize];
+        if let Some(k) = confirm {
+            return pick(k, Reason::Recheck);
+        }
         if rec(best).runs == 0 {
             return pick(best, Reason::Best);
         }
@@ -456,6 +483,44 @@ mod tests {
             "{back}"
         );
         assert!(count(&picks, GPU) >= 1700, "{}", count(&picks, GPU));
+    }
+
+    #[test]
+    fn a_stale_challenger_is_rechecked_before_it_takes_over() {
+        // The GPU was sampled at 1.2 s long ago; the CPU (1.0 s) has run since. A burst
+        // slows every plan by 1.5x: the CPU's factor rises to 1.5, above the GPU's stale
+        // 1.2. The GPU is re-checked first (the burst's 1.8 s replaces its stale samples),
+        // and the CPU stays.
+        let raw = [(1.0, CPU), (1.0, GPU)];
+        let mut r = ClassRecord::default();
+        sampled(&mut r, GPU, 1.2);
+        sampled(&mut r, CPU, 1.0);
+        for _ in 0..300 {
+            won(&mut r, CPU, 1.0);
+        }
+        for _ in 0..WINDOW {
+            won(&mut r, CPU, 1.5);
+        }
+        for _ in 0..2 {
+            let p = r.pick(&raw, one, 1.25);
+            assert_eq!((p.kind, p.reason, p.best_s), (GPU, Reason::Recheck, 1.5));
+            r.record(GPU, 1.0, 1.8, p.probe_of());
+        }
+        assert_eq!(r.factor(GPU), Some(1.8));
+        let p = r.pick(&raw, one, 1.25);
+        assert_eq!((p.kind, p.reason), (CPU, Reason::Best));
+        // Re-checked while fresh, a challenger takes over on its samples.
+        let picks = simulate(
+            &mut r,
+            &raw,
+            1.25,
+            40,
+            |k, _| if k == GPU { 1.1 } else { 1.5 },
+        );
+        assert_eq!(
+            picks.last().map(|p| (p.kind, p.reason)),
+            Some((GPU, Reason::Best))
+        );
     }
 
     #[test]
