@@ -201,9 +201,9 @@ enum Mode {
 /// bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
 const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 
-/// `auto` probes a plan it has not run in a size class (or has run once) when its corrected
-/// prediction is within this factor of the winner's and the probe budget allows
-/// ([`feedback`]).
+/// `auto` tries a plan it has not run in a size class when its corrected prediction is
+/// within this factor of the winner's, and re-checks one sampled once within it when the
+/// probe budget allows ([`feedback`]).
 const EXPLORE: f64 = 1.25;
 
 /// [`EXPLORE`] for decode: a step is cheap and a session runs many, while the decode model
@@ -329,7 +329,7 @@ fn candidates(
 /// Heads on the GPU under `mode`: `GpuOnly` all; `Hybrid` the best split (at least one
 /// head per side when there are two or more); `Auto` what `rec` picks among the three plans
 /// from their raw predictions (see [`feedback`]: measured corrections, [`SPLIT_PRIOR`] for a
-/// split not yet run, budgeted probes within `explore`). Returns the split, with the model's
+/// split not yet run, probes within `explore`). Returns the split, with the model's
 /// (uncorrected) prediction of it, and the pick.
 fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {

@@ -10,10 +10,10 @@
 //! sized, pool threads woken), a GPU left idle while the CPU plan ran, a decode mirror
 //! catching up with the steps the CPU took. It counts in the class's time, never in a
 //! factor. On the H100 host, with every call counted, a prefill ACP 1k class whose GPU
-//! plan was 1.29x faster ran the CPU plan for 811 of 960 calls: once a burst of slow calls
-//! handed the CPU the lead, each re-check of the GPU was one call after CPU calls, and the
-//! GPU plan's factor was made of such calls alone. So a probe runs twice in a row: a
-//! warm-up, then its sample.
+//! plan was 1.29x faster ran the CPU plan for 811 of 960 calls: once the CPU led, each
+//! re-check of the GPU was one call after CPU calls, and the GPU plan's factor was made of
+//! such calls alone. So a probe runs twice in a row, a warm-up, then its sample (with warm
+//! samples only, that cell read 0.955-0.989 of the best backend in 7 of 8 later runs).
 //!
 //! The median of five: two slow calls of five (a preempted call, a driver's hiccup) do not
 //! move it, and every kind is judged by the same statistic whatever the spread of its
@@ -36,21 +36,21 @@
 //!   per class: two calls of a plan at most `explore` times slower; on the H100 host a
 //!   decode dense 64k class, whose cells run 400 calls, never tried the all-GPU plan, 7%
 //!   faster than the split it ran, while the first send it predicted held it beyond the
-//!   budget); else a plan due for a
-//!   re-check (`RECHECK_GAP · 2^k` calls of the class since it last ran, `k` = its re-checks
-//!   since it last ran as the winner that did not beat the winner's prediction by more than
-//!   [`HYSTERESIS`]) and within `explore` of the winner when it has at most one sample,
-//!   [`RECHECK`] after that. A plan idle for [`STALE_CALLS`] calls, or whose last sample
-//!   beat the winner, is re-checked whatever its factor. Re-checks of a plan that keeps
-//!   losing, or ties, thin out geometrically; one that beats the winner is re-checked again
-//!   soon, so a leader that lost to a burst of slow calls wins back in a few calls;
+//!   budget); else a plan due for a re-check (`RECHECK_GAP · 2^k` calls of the class since
+//!   it last ran, `k` = its re-checks since it last ran as the winner that did not beat the
+//!   winner's prediction by more than [`HYSTERESIS`]) and within `explore` of the winner
+//!   when it has at most one sample, [`RECHECK`] after that. A plan idle for
+//!   [`STALE_CALLS`] calls, or whose last sample beat the winner, is re-checked whatever
+//!   its factor, expected at its fastest sample or its prior. Re-checks of a plan that
+//!   keeps losing, or ties, thin out geometrically; one that beats the winner is re-checked
+//!   again soon, so a leader that lost to a burst of slow calls wins back in a few calls;
 //! - a re-check must fit the budget: the time probing took beyond the winner's prediction
 //!   (the probes' calls and the winner's first call after each, cold in its turn), this
 //!   probe's expected excess over its two calls included, stays within [`PROBE_BUDGET`] of
 //!   all the time the class has run (a call's excess counted up to [`CHARGE_CAP`] times
-//!   the prediction). So probing costs about that fraction of a workload, however wrong the
-//!   model is, and is spread over it: a plan 2x slower is first tried after about
-//!   2 / PROBE_BUDGET = 200 calls of the winner.
+//!   the prediction). So beyond each plan's first try probing costs about that fraction of
+//!   a workload, however wrong the model is, spread over it: a plan measured 2x slower is
+//!   re-checked about once per 2 / PROBE_BUDGET = 200 calls of the winner.
 
 use super::PlanKind;
 
