@@ -396,6 +396,21 @@ mod tests {
             .collect()
     }
 
+    /// The GPU sampled at 1.2 s, then the CPU at 1.0 s for `calls` calls, then a burst of
+    /// slow CPU calls (1.5 s) filling its window.
+    fn burst_after_cpu_lead(calls: usize) -> ClassRecord {
+        let mut r = ClassRecord::default();
+        sampled(&mut r, GPU, 1.2);
+        sampled(&mut r, CPU, 1.0);
+        for _ in 0..calls {
+            won(&mut r, CPU, 1.0);
+        }
+        for _ in 0..WINDOW {
+            won(&mut r, CPU, 1.5);
+        }
+        r
+    }
+
     /// Picks of `kind`.
     fn count(picks: &[Pick], kind: PlanKind) -> usize {
         picks.iter().filter(|p| p.kind == kind).count()
@@ -504,15 +519,7 @@ mod tests {
         // 1.2. The GPU is re-checked first (the burst's 1.8 s replaces its stale samples),
         // and the CPU stays.
         let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        sampled(&mut r, GPU, 1.2);
-        sampled(&mut r, CPU, 1.0);
-        for _ in 0..300 {
-            won(&mut r, CPU, 1.0);
-        }
-        for _ in 0..WINDOW {
-            won(&mut r, CPU, 1.5);
-        }
+        let mut r = burst_after_cpu_lead(300);
         for _ in 0..2 {
             let p = r.pick(&raw, one, 1.25);
             assert_eq!((p.kind, p.reason, p.best_s), (GPU, Reason::Recheck, 1.5));
@@ -647,20 +654,12 @@ mod tests {
     #[test]
     fn a_leader_that_lost_to_a_burst_is_rechecked_soon() {
         // The CPU (1.0 s) leads for 200 calls; a burst of slow calls (1.5 s) fills its
-        // window and the GPU (1.2 s) takes over. The CPU's re-checks start again at
+        // window and the GPU (1.2 s), re-checked, takes over. The CPU's re-checks start again at
         // RECHECK_GAP and, as each beats the GPU, do not thin out: three samples (the
         // window's median is then 1.0) bring it back within 3 x (4 + 2) calls, not after
         // 2^8 x 4 of them.
         let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        sampled(&mut r, GPU, 1.2);
-        sampled(&mut r, CPU, 1.0);
-        for _ in 0..200 {
-            won(&mut r, CPU, 1.0);
-        }
-        for _ in 0..WINDOW {
-            won(&mut r, CPU, 1.5);
-        }
+        let mut r = burst_after_cpu_lead(200);
         assert_eq!(r.pick(&raw, one, 1.25).kind, GPU);
         let picks = simulate(
             &mut r,
