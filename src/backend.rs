@@ -136,7 +136,7 @@ impl<'a> PrefillCall<'a> {
                     delta: &b.delta,
                 })
             }
-            _ => cpu_acp(self.acp),
+            _ => kernels_acp(self.acp),
         }
     }
 
@@ -232,7 +232,7 @@ impl AttentionBackend for CpuBackend {
             heads: &heads,
         };
         let opts = foxedge_cpu::DecodeOptions {
-            acp: cpu_acp(call.acp),
+            acp: kernels_acp(call.acp),
             ..Default::default()
         };
         let st = foxedge_cpu::decode(&args, &opts, out, None).map_err(kernel_error)?;
@@ -240,7 +240,8 @@ impl AttentionBackend for CpuBackend {
     }
 }
 
-pub(crate) fn cpu_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
+/// The kernels' pruning mode for `a` (the CPU and Vulkan kernels share one `Acp` type).
+pub(crate) fn kernels_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
     match a {
         Acp::Off => foxedge_cpu::Acp::Off,
         Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },

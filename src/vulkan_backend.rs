@@ -177,7 +177,7 @@ impl AttentionBackend for VulkanBackend {
         };
         let entries: usize = call.heads.iter().map(|h| h.c.len()).sum();
         let opts = foxedge_vulkan::DecodeOptions {
-            acp: crate::backend::cpu_acp(call.acp),
+            acp: crate::backend::kernels_acp(call.acp),
             split: foxedge_vulkan::auto_split(entries * call.n_queries),
             ..Default::default()
         };

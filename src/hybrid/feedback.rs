@@ -287,15 +287,17 @@ impl ClassRecord {
             && self.calls - rec(best).sampled_at >= STALE_CALLS
             && let Some(&(t, _)) = corrected.iter().find(|(_, k)| *k == inc)
         {
-            if self.probe_loss <= PROBE_BUDGET * (self.spent + PROBE_CALLS * t) {
-                confirm = Some(best);
-            }
+            confirm = Some((best, best_t));
             (best, best_t) = (inc, t);
         }
         let pick = |kind, reason| Pick {
             kind,
             reason,
             best_s: best_t,
+        };
+        let affordable = |t: f64| {
+            self.probe_loss + PROBE_CALLS * (t - best_t).max(0.0)
+                <= PROBE_BUDGET * (self.spent + PROBE_CALLS * best_t)
         };
         if let Some((k, reason)) = self.follow_up
             && corrected.iter().any(|&(_, c)| c == k)
@@ -308,16 +310,14 @@ impl ClassRecord {
             };
             return pick(k, reason);
         }
-        if let Some(k) = confirm {
+        if let Some((k, t)) = confirm
+            && affordable(t)
+        {
             return pick(k, Reason::Recheck);
         }
         if rec(best).runs == 0 {
             return pick(best, Reason::Best);
         }
-        let affordable = |t: f64| {
-            self.probe_loss + PROBE_CALLS * (t - best_t).max(0.0)
-                <= PROBE_BUDGET * (self.spent + PROBE_CALLS * best_t)
-        };
         if let Some(&(_, k)) = corrected
             .iter()
             .find(|(t, k)| *k != best && rec(*k).runs == 0 && *t <= explore * best_t)

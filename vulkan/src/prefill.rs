@@ -403,7 +403,7 @@ fn head_delta<T: Storage>(
     let n_keys = sh.seq_k - key_start;
     Ok(match opts.acp {
         Acp::Off => None,
-        // The caller's thresholds; this backend forms c and the start blocks itself.
+        // The caller's thresholds (its c and start blocks are read in place).
         Acp::Decided(dec) => *dec.delta.get(bh).ok_or(foxedge_core::Error::BadLength {
             what: "Decided delta (batch * heads_q)",
             expected: sh.batch * sh.heads_q,
