@@ -265,11 +265,14 @@ struct Candidates {
 /// row of the whole call) for a split. Split candidates: every prefix of the heads sorted
 /// heaviest first, lightest first and densest (pairs per GPU row) first.
 ///
-/// `side` = (CPU, GPU) measured factors of the class's all-CPU and all-GPU plans (1 where
-/// not measured): a split's two sides are costed with them, so its heads are divided by
-/// what each side was seen to take (the all-GPU plan of an ACP decode ran 5x its model on
-/// the H100, and one split factor over 1- and 11-head splits could not express that). The
-/// split's own factor then measures only what the model still misses.
+/// `side` = (CPU, GPU) measured prospects of the class's all-CPU and all-GPU plans (1 where
+/// not measured; see [`feedback::LONG_WINDOW`]): a split's two sides are costed with them,
+/// so its heads are divided by what each side was seen to take (the all-GPU plan of an ACP
+/// decode ran 5x its model on the H100, and one split factor over 1- and 11-head splits
+/// could not express that). The split's own factor then measures only what the model still
+/// misses. Prospects, not factors: a factor moves with a burst of a few calls, and the
+/// split's heads with it (a decode ACP 64k class of the H100 host ran 1- to 14-head splits
+/// one after another, none faster than the CPU).
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
@@ -1275,8 +1278,8 @@ impl Scheduler {
             .copied()
             .unwrap_or_default();
         let side = (
-            rec.factor(PlanKind::Cpu).unwrap_or(1.0),
-            rec.factor(PlanKind::Gpu).unwrap_or(1.0),
+            rec.prospect(PlanKind::Cpu).unwrap_or(1.0),
+            rec.prospect(PlanKind::Gpu).unwrap_or(1.0),
         );
         let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };

@@ -41,9 +41,13 @@
 //!   winner's prediction by more than [`HYSTERESIS`]) and within `explore` of the winner
 //!   when it has at most one sample, [`RECHECK`] after that. A plan idle for
 //!   [`STALE_CALLS`] calls, or whose last sample beat the winner, is re-checked whatever
-//!   its factor, expected at its fastest sample or its prior. Re-checks of a plan that
-//!   keeps losing, or ties, thin out geometrically; one that beats the winner is re-checked
-//!   again soon, so a leader that lost to a burst of slow calls wins back in a few calls;
+//!   its factor, expected at its fastest recent sample or its prospect (the median of its
+//!   last [`LONG_WINDOW`] warm calls; its prior while it has one sample). A plan whose
+//!   prospect beats the winner, on the winner's factor and prospect alike, is re-checked
+//!   at its gap whatever its factor and the budget. Of the plans due, the one expected
+//!   fastest goes first. Re-checks of a plan that keeps losing, or ties, thin out
+//!   geometrically; one that beats the winner is re-checked again soon, so a leader that
+//!   lost to a burst of slow calls wins back in a few calls;
 //! - a re-check must fit the budget: the time probing took beyond the winner's prediction
 //!   (the probes' calls and the winner's first call after each, cold in its turn), this
 //!   probe's expected excess over its two calls included, stays within [`PROBE_BUDGET`] of
@@ -70,7 +74,7 @@ pub(super) const RECHECK: f64 = 1.3;
 /// host takes most of the rest (2-6% between two identical CPU engines on the H100 host).
 /// At 2%, with the switches back to the winner not charged, a decode dense 16k class of the
 /// H100 host ran 5% slower than the CPU plan it chose for 95% of its calls.
-pub(super) const PROBE_BUDGET: f64 = 0.01;
+pub(super) const PROBE_BUDGET: f64 = 0.015;
 
 /// Calls of the class between the re-checks of a plan that has run, or that has just lost
 /// the lead; doubled with each re-check since it last ran as the winner (capped at
@@ -79,6 +83,19 @@ pub(super) const PROBE_BUDGET: f64 = 0.01;
 /// lost a 1k prefill class for good when its gap was counted from its runs).
 pub(super) const RECHECK_GAP: u64 = 4;
 const RECHECK_MAX_DOUBLINGS: u64 = 8;
+
+/// Warm calls of one kind whose median is its prospect: what it takes outside a burst (a
+/// burst that fills [`WINDOW`] leaves it). A plan whose prospect beats the winner is
+/// re-checked at its gap whatever its factor, outside [`PROBE_BUDGET`]: on the H100 host
+/// three slow CPU calls (6-16x their prediction) of a decode ACP 16k class made its factor
+/// 8.9, the GPU plan (1.7 ms a call against the CPU's 0.6 ms) took over, and the spent
+/// budget held the CPU's re-check off for 220 calls.
+pub(super) const LONG_WINDOW: usize = 25;
+
+/// After its first [`LONG_WINDOW`], one warm call in this many joins the long window, so
+/// it spans 100 calls: on the H100 host a burst of 15-30 slow CPU calls filled a window of
+/// the last 25 and made the CPU's prospect 1.7x its model, against 1.2x outside it.
+const LONG_STRIDE: u64 = 4;
 
 /// A plan not run for this many calls of the class is re-checked whatever its factor says
 /// (within the budget): that factor may be a burst of slow calls long past.
@@ -111,6 +128,14 @@ struct KindRecord {
     promising: bool,
     /// The class's call count at its last sample.
     sampled_at: u64,
+    /// Warm calls recorded.
+    warm: u64,
+    /// Ring of [`LONG_WINDOW`] warm ratios, the first ones and then one in [`LONG_STRIDE`]
+    /// (never reset when stale): their median is the plan's prospect, what it takes outside
+    /// bursts; `long_len` are valid.
+    long: [f64; LONG_WINDOW],
+    long_len: usize,
+    long_next: usize,
 }
 
 impl KindRecord {
@@ -123,6 +148,17 @@ impl KindRecord {
         let r = &mut r[..self.len];
         r.sort_by(f64::total_cmp);
         Some(r[(self.len - 1) / 2])
+    }
+
+    /// The lower median of the long window: the prospect (see [`LONG_WINDOW`]).
+    fn prospect(&self) -> Option<f64> {
+        if self.long_len == 0 {
+            return None;
+        }
+        let mut r = self.long;
+        let r = &mut r[..self.long_len];
+        r.sort_by(f64::total_cmp);
+        Some(r[(self.long_len - 1) / 2])
     }
 
     /// The window's fastest ratio: with the prior, what a plan re-checked against its
@@ -148,7 +184,8 @@ pub(super) struct ClassRecord {
     /// The last call switched kind and needs its sample: the next pick repeats it, with
     /// the reason it was picked for.
     follow_up: Option<(PlanKind, Reason)>,
-    /// The last call was a probe: the winner's next call is its return, charged to probing.
+    /// The last call was a charged probe (not a first try): the winner's next call is its
+    /// return, charged to probing.
     last_probe: bool,
     /// Seconds of every recorded call, and of probing beyond the winner's prediction (the
     /// probes' calls and the winner's first call after them).
@@ -202,14 +239,19 @@ impl ClassRecord {
         }
         let warm = self.last == Some(kind);
         let back = !warm && self.last_probe && probe_of.is_none();
+        // A plan's first try (its two calls and the winner's return) is not charged: it is
+        // bounded by itself (once per plan and class), and the budget is for re-checks.
+        let first_try = probe_of.is_some()
+            && (self.kinds[kind as usize].runs == 0
+                || self.follow_up == Some((kind, Reason::Explore)));
         self.last = Some(kind);
-        self.last_probe = probe_of.is_some();
+        self.last_probe = probe_of.is_some() && !first_try;
         self.calls += 1;
         self.spent += secs;
         let expected = match probe_of {
-            Some(best_s) => Some(best_s),
+            Some(best_s) if !first_try => Some(best_s),
             None if back => self.factor(kind).map(|f| f * raw_s),
-            None => None,
+            _ => None,
         };
         if let Some(e) = expected {
             self.probe_loss += (secs - e).clamp(0.0, CHARGE_CAP * e);
@@ -235,19 +277,32 @@ impl ClassRecord {
                 k.rechecks += 1;
             }
         }
-        if self.calls - k.sampled_at > STALE_CALLS {
-            // Its samples are stale: the fresh one replaces them.
+        // Its samples are stale, or a probe beat the winner by more than noise does (by
+        // RECHECK: its window holds a burst that has ended): the fresh sample replaces them.
+        let clear_win = probe_of.is_some_and(|best_s| secs * RECHECK < best_s);
+        if self.calls - k.sampled_at > STALE_CALLS || clear_win {
             (k.len, k.next) = (0, 0);
         }
         k.sampled_at = self.calls;
         k.ratios[k.next] = ratio;
         k.next = (k.next + 1) % WINDOW;
         k.len = (k.len + 1).min(WINDOW);
+        k.warm += 1;
+        if k.long_len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
+            k.long[k.long_next] = ratio;
+            k.long_next = (k.long_next + 1) % LONG_WINDOW;
+            k.long_len = (k.long_len + 1).min(LONG_WINDOW);
+        }
     }
 
     /// The measured / predicted factor of `kind` (None before it has a warm call).
     pub(super) fn factor(&self, kind: PlanKind) -> Option<f64> {
         self.kinds[kind as usize].factor()
+    }
+
+    /// The prospect of `kind`: the median ratio of its last [`LONG_WINDOW`] warm calls.
+    pub(super) fn prospect(&self, kind: PlanKind) -> Option<f64> {
+        self.kinds[kind as usize].prospect()
     }
 
     /// The plan to run among `raw` (raw model predictions, seconds, of the candidate
@@ -324,24 +379,40 @@ impl ClassRecord {
         {
             return pick(k, Reason::Explore);
         }
-        let due = |k: PlanKind, raw_t: f64, t: f64| {
+        // A plan due for a re-check, and what it is expected to take (None: not due).
+        let due = |k: PlanKind, raw_t: f64, t: f64| -> Option<f64> {
             let r = rec(k);
-            let gap = RECHECK_GAP << r.rechecks.min(RECHECK_MAX_DOUBLINGS);
             let within = if r.len <= 1 { explore } else { RECHECK };
             let idle = self.calls.saturating_sub(r.last_call);
             let hopeful = r.promising || idle >= STALE_CALLS;
-            r.runs > 0
-                && idle >= gap
-                && (t <= within * best_t || hopeful)
-                && affordable(match r.fastest() {
-                    Some(f) if hopeful => raw_t * f.min(prior(k)),
-                    _ => t,
-                })
+            let prospect = r.prospect().map(|f| raw_t * f);
+            let gap = RECHECK_GAP << r.rechecks.min(RECHECK_MAX_DOUBLINGS);
+            // A hopeful plan is expected at its fastest recent sample or its prospect (a
+            // burst may fill its window), or its prior while it has one sample (maybe
+            // unlucky); not at the prior after that (a GPU plan 2-3x its model re-checked
+            // as if free spent the budget of a decode ACP 64k class on the H100 host).
+            let expected = match (r.fastest(), prospect) {
+                (Some(f), Some(p)) if hopeful => {
+                    let e = (raw_t * f).min(p);
+                    if r.long_len <= 1 {
+                        e.min(raw_t * prior(k))
+                    } else {
+                        e
+                    }
+                }
+                _ => t,
+            };
+            (r.runs > 0 && idle >= gap && (t <= within * best_t || hopeful) && affordable(expected))
+                .then_some(expected)
         };
-        if let Some((&(_, k), _)) = corrected
+        // The due plan expected fastest goes first: a cheap re-check of a near plan is not
+        // kept waiting behind a costly one of a far plan.
+        if let Some((_, k)) = corrected
             .iter()
             .zip(raw)
-            .find(|((t, k), (raw_t, _))| *k != best && due(*k, *raw_t, *t))
+            .filter(|((_, k), _)| *k != best)
+            .filter_map(|((t, k), (raw_t, _))| due(*k, *raw_t, *t).map(|e| (e, *k)))
+            .min_by(|x, y| x.0.total_cmp(&y.0))
         {
             return pick(k, Reason::Recheck);
         }
@@ -475,7 +546,8 @@ mod tests {
         assert_eq!(r.factor(GPU), Some(0.8));
         let p = r.pick(&raw, one, 1.25);
         assert_eq!((p.kind, p.reason), (GPU, Reason::Best));
-        assert!((r.probe_loss - 2.0).abs() < 1e-12, "{}", r.probe_loss);
+        // A first try is not charged to the probe budget.
+        assert_eq!(r.probe_loss, 0.0);
     }
 
     #[test]
@@ -577,10 +649,9 @@ mod tests {
 
     #[test]
     fn an_unlucky_first_sample_is_rechecked() {
-        // The split really takes 0.9 s but its first sample, a probe, took 2.0 s; the CPU
-        // takes 1.0 s. Idle for STALE_CALLS calls, it is re-checked, expected at its prior
-        // (1.0 s, no excess), once the budget holds that probe's excess (1 s), i.e. after
-        // about 1 / PROBE_BUDGET s of calls; then it stays.
+        // The split really takes 0.9 s but its first sample, its first try, took 2.0 s; the
+        // CPU takes 1.0 s. Idle for STALE_CALLS calls, it is re-checked, expected at its
+        // prior (1.0 s, no excess; the first try was not charged); then it stays.
         let raw = [(1.0, CPU), (1.0, SPLIT)];
         let mut r = ClassRecord::default();
         sampled(&mut r, CPU, 1.0);
@@ -600,8 +671,8 @@ mod tests {
             .position(|p| p.kind == SPLIT)
             .expect("a recheck");
         assert_eq!(picks[first].reason, Reason::Recheck);
-        let due = (1.0 / PROBE_BUDGET) as usize;
-        assert!((due - 10..=due).contains(&first), "{first}");
+        let due = STALE_CALLS as usize;
+        assert!((due - 4..=due).contains(&first), "{first}");
         // (The CPU, the leader it replaced, has its own re-checks.)
         assert!(
             picks[first + 1..]
@@ -610,16 +681,21 @@ mod tests {
             "{picks:?}"
         );
         // Sampled twice far above the best (3x > RECHECK), a plan is re-checked only when
-        // stale, and within the budget: once (two calls) in 200 calls.
+        // stale, and within the budget, expected at its samples (3 s, not its prior of
+        // 1 s): its two calls' 4 s of excess fit once the class has run 4 / PROBE_BUDGET
+        // s, the next two once it has run twice that. Twice (four calls) in 600 calls.
         let mut r = ClassRecord::default();
         sampled(&mut r, CPU, 1.0);
         sampled(&mut r, GPU, 3.0);
         won(&mut r, GPU, 3.0);
         won(&mut r, CPU, 1.0);
-        let picks = simulate(&mut r, &[(1.0, CPU), (1.0, GPU)], 2.5, 200, |k, _| {
+        let picks = simulate(&mut r, &[(1.0, CPU), (1.0, GPU)], 2.5, 600, |k, _| {
             if k == GPU { 3.0 } else { 1.0 }
         });
-        assert_eq!(count(&picks, GPU), 2, "{picks:?}");
+        assert_eq!(count(&picks, GPU), 4, "{picks:?}");
+        let first = picks.iter().position(|p| p.kind == GPU).unwrap_or(0);
+        let due = (4.0 / PROBE_BUDGET) as usize - 11;
+        assert!((due - 5..=due + 5).contains(&first), "{first} vs {due}");
         assert!(r.probe_loss <= PROBE_BUDGET * r.spent + 4.0);
     }
 
@@ -684,6 +760,65 @@ mod tests {
     }
 
     #[test]
+    fn a_burst_does_not_hand_the_lead_to_a_slow_plan_for_long() {
+        // The H100 trace: the CPU (1 s) leads, then three calls of a burst (10 s) make its
+        // factor 10 and the GPU (4 s) takes over. Stale after STALE_CALLS calls, the CPU is
+        // re-checked, expected at its prospect (1 s, which the burst did not reach); its
+        // sample beats the GPU by more than RECHECK, so it replaces the burst in its window,
+        // and the CPU leads again.
+        let raw = [(1.0, CPU), (1.0, GPU)];
+        let mut r = ClassRecord::default();
+        sampled(&mut r, GPU, 4.0);
+        sampled(&mut r, CPU, 1.0);
+        for _ in 0..300 {
+            won(&mut r, CPU, 1.0);
+        }
+        for _ in 0..3 {
+            won(&mut r, CPU, 10.0);
+        }
+        assert_eq!(r.factor(CPU), Some(10.0));
+        assert_eq!(r.prospect(CPU), Some(1.0));
+        let picks = simulate(
+            &mut r,
+            &raw,
+            2.5,
+            80,
+            |k, _| if k == CPU { 1.0 } else { 4.0 },
+        );
+        assert_eq!(picks[0].kind, GPU);
+        let back = picks
+            .iter()
+            .position(|p| (p.kind, p.reason) == (CPU, Reason::Best))
+            .expect("back");
+        assert!(back <= STALE_CALLS as usize + 4, "{back}: {picks:?}");
+        assert!(count(&picks[back..], GPU) <= 2, "{picks:?}");
+    }
+
+    #[test]
+    fn a_plan_whose_prospect_fails_is_rechecked_ever_more_rarely() {
+        // The CPU led at 1 s for 300 calls, then became 3 s for good (the GPU takes 2 s):
+        // its prospect still says 1 s, but its failed re-checks double their gaps, so over
+        // 2000 calls it runs about 2 (log2(2000 / 4) + 1) times, not every few calls.
+        let raw = [(1.0, CPU), (1.0, GPU)];
+        let mut r = ClassRecord::default();
+        sampled(&mut r, GPU, 2.0);
+        sampled(&mut r, CPU, 1.0);
+        for _ in 0..300 {
+            won(&mut r, CPU, 1.0);
+        }
+        let picks = simulate(
+            &mut r,
+            &raw,
+            2.5,
+            2000,
+            |k, _| if k == CPU { 3.0 } else { 2.0 },
+        );
+        let cpu = count(&picks, CPU);
+        assert!(cpu <= 40, "{cpu}");
+        assert!(count(&picks[1000..], CPU) <= 6, "{picks:?}");
+    }
+
+    #[test]
     fn rechecks_thin_out_geometrically() {
         // GPU 10% slower than the CPU, always: its re-checks over 1000 calls.
         let raw = [(1.0, CPU), (1.0, GPU)];
@@ -735,6 +870,7 @@ mod tests {
         // charged, and its sample (1.5 s) 0.5 s; the winner's return (1.2 s, its factor 1)
         // 0.2 s.
         let mut r = ClassRecord::default();
+        sampled(&mut r, GPU, 1.5);
         sampled(&mut r, CPU, 1.0);
         r.record(GPU, 1.0, 20.0, Some(1.0));
         assert_eq!(r.probe_loss, CHARGE_CAP);
@@ -793,6 +929,79 @@ mod tests {
         let mut r = ClassRecord::default();
         sampled(&mut r, CPU, 1.0);
         assert_eq!(r.pick(&[(1.0, CPU), (10.0, GPU)], prior, 1.25).kind, CPU);
+    }
+
+    /// One bursty workload (see `through_bursts_auto_stays_close_to_the_best_plan`): auto's
+    /// time over 3000 calls / the best single plan's under the same bursts.
+    fn bursty_ratio(seed: u64) -> f64 {
+        let mut rng = seed;
+        let mut uniform = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let kinds = [CPU, GPU, SPLIT];
+        let truth: Vec<f64> = (0..3).map(|_| 0.5 + 1.5 * uniform()).collect();
+        let raw: Vec<(f64, PlanKind)> = (0..3)
+            .map(|i| (truth[i] * (0.9 + 0.2 * uniform()), kinds[i]))
+            .collect();
+        let calls = 3000;
+        // The CPU's slowdown per call: 1, or 2-8x in bursts of 10-60 calls.
+        let mut slow = vec![1.0; calls];
+        let mut i = 0;
+        while i < calls {
+            if uniform() < 1.0 / 300.0 {
+                let len = 10 + (uniform() * 50.0) as usize;
+                let x = 2.0 + 6.0 * uniform();
+                for s in slow.iter_mut().skip(i).take(len) {
+                    *s = x;
+                }
+                i += len;
+            } else {
+                i += 1;
+            }
+        }
+        let noise: Vec<f64> = (0..calls).map(|_| 0.85 + 0.3 * uniform()).collect();
+        let time = |k: usize, c: usize| {
+            let s = match k {
+                0 => slow[c],
+                1 => 1.0,
+                _ => 1.0 + (slow[c] - 1.0) / 2.0,
+            };
+            truth[k] * s * noise[c]
+        };
+        let mut r = ClassRecord::default();
+        let mut total = 0.0;
+        for c in 0..calls {
+            let p = r.pick(&raw, one, 1.25);
+            let k = kinds.iter().position(|&x| x == p.kind).unwrap_or(0);
+            let cold = if r.last == Some(p.kind) { 1.0 } else { 1.5 };
+            let secs = time(k, c) * cold;
+            r.record(p.kind, raw[k].0, secs, p.probe_of());
+            total += secs;
+        }
+        let best = (0..3)
+            .map(|k| (0..calls).map(|c| time(k, c)).sum::<f64>())
+            .fold(f64::INFINITY, f64::min);
+        total / best
+    }
+
+    #[test]
+    fn through_bursts_auto_stays_close_to_the_best_plan() {
+        // As the property test below, with bursts as on the H100 host: from a random call
+        // on, for 10-60 calls, the CPU plan takes 2-8x its time (its cores are busy; the
+        // GPU plan is not slowed, the split by half as much), about 10 bursts in 3000
+        // calls. Auto's time / the best single plan's under the same bursts, over 400
+        // fixed workloads: median <= 1.02, 90th percentile <= 1.12 (measured 1.006, 1.097;
+        // on 2000 workloads 1.010, 1.097, and before prospects, clear wins and a 1.5%
+        // budget 1.018, 1.175).
+        let mut v: Vec<f64> = (1..=400u64)
+            .map(|s| bursty_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
+        assert!(median <= 1.02 && p90 <= 1.12, "median {median}, p90 {p90}");
     }
 
     proptest::proptest! {
