@@ -304,7 +304,8 @@ impl ClassRecord {
         self.kinds[kind as usize].factor()
     }
 
-    /// The prospect of `kind`: the median ratio of its last [`LONG_WINDOW`] warm calls.
+    /// The prospect of `kind`: the median ratio of about its last 100 warm calls (see
+    /// [`LONG_WINDOW`]).
     pub(super) fn prospect(&self, kind: PlanKind) -> Option<f64> {
         self.kinds[kind as usize].prospect()
     }
