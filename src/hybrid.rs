@@ -271,8 +271,8 @@ struct Candidates {
 /// decode ran 5x its model on the H100, and one split factor over 1- and 11-head splits
 /// could not express that). The split's own factor then measures only what the model still
 /// misses. Prospects, not factors: a factor moves with a burst of a few calls, and the
-/// split's heads with it (a decode ACP 64k class of the H100 host ran 1- to 14-head splits
-/// one after another, none faster than the CPU).
+/// split's heads with it (a decode ACP 16k class of the H100 host ran 1- to 15-head splits
+/// from call to call).
 fn candidates(
     work: &[Work],
     cpu: LinearCost,

@@ -97,8 +97,9 @@ const RECHECK_MAX_DOUBLINGS: u64 = 8;
 pub(super) const LONG_WINDOW: usize = 25;
 
 /// After its first [`LONG_WINDOW`], one warm call in this many joins the long window, so
-/// it spans 100 calls: on the H100 host a burst of 15-30 slow CPU calls filled a window of
-/// the last 25 and made the CPU's prospect 1.7x its model, against 1.2x outside it.
+/// it spans 100 calls: on the H100 host (decode dense 16k), with the last 25 warm CPU
+/// calls as the window, a burst made the CPU's prospect 1.7x its model, against 1.2x
+/// outside it.
 const LONG_STRIDE: u64 = 4;
 
 /// A plan not run for this many calls of the class is re-checked whatever its factor says
@@ -114,13 +115,53 @@ const CHARGE_CAP: f64 = 2.0;
 /// Calls a probe takes: a warm-up and its sample.
 const PROBE_CALLS: f64 = 2.0;
 
+/// The last `N` values pushed (a ring; the first `len` slots are valid).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Ring<const N: usize> {
+    vals: [f64; N],
+    len: usize,
+    next: usize,
+}
+
+impl<const N: usize> Default for Ring<N> {
+    fn default() -> Self {
+        Ring {
+            vals: [0.0; N],
+            len: 0,
+            next: 0,
+        }
+    }
+}
+
+impl<const N: usize> Ring<N> {
+    fn push(&mut self, x: f64) {
+        self.vals[self.next] = x;
+        self.next = (self.next + 1) % N;
+        self.len = (self.len + 1).min(N);
+    }
+
+    fn clear(&mut self) {
+        (self.len, self.next) = (0, 0);
+    }
+
+    fn values(&self) -> &[f64] {
+        &self.vals[..self.len]
+    }
+
+    /// The lower median (the faster of two middle values; None when empty).
+    fn lower_median(&self) -> Option<f64> {
+        let mut r = self.vals;
+        let r = &mut r[..self.len];
+        r.sort_by(f64::total_cmp);
+        r.get(self.len.checked_sub(1)? / 2).copied()
+    }
+}
+
 /// One plan kind's record in a size class.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct KindRecord {
-    /// Ring of the last [`WINDOW`] warm ratios (measured / predicted); `len` are valid.
-    ratios: [f64; WINDOW],
-    len: usize,
-    next: usize,
+    /// The last [`WINDOW`] warm ratios (measured / predicted).
+    window: Ring<WINDOW>,
     /// Calls of this kind recorded (warm or not), and the class's call count at the last.
     runs: u64,
     last_call: u64,
@@ -134,44 +175,26 @@ struct KindRecord {
     sampled_at: u64,
     /// Warm calls recorded.
     warm: u64,
-    /// Ring of [`LONG_WINDOW`] warm ratios, the first ones and then one in [`LONG_STRIDE`]
-    /// (never reset when stale): their median is the plan's prospect, what it takes outside
-    /// bursts; `long_len` are valid.
-    long: [f64; LONG_WINDOW],
-    long_len: usize,
-    long_next: usize,
+    /// [`LONG_WINDOW`] warm ratios, the first ones and then one in [`LONG_STRIDE`] (never
+    /// reset when stale): their median is the plan's prospect, what it takes outside bursts.
+    long: Ring<LONG_WINDOW>,
 }
 
 impl KindRecord {
     /// The lower median of the window's ratios (the faster of two; see the module docs).
     fn factor(&self) -> Option<f64> {
-        if self.len == 0 {
-            return None;
-        }
-        let mut r = self.ratios;
-        let r = &mut r[..self.len];
-        r.sort_by(f64::total_cmp);
-        Some(r[(self.len - 1) / 2])
+        self.window.lower_median()
     }
 
     /// The lower median of the long window: the prospect (see [`LONG_WINDOW`]).
     fn prospect(&self) -> Option<f64> {
-        if self.long_len == 0 {
-            return None;
-        }
-        let mut r = self.long;
-        let r = &mut r[..self.long_len];
-        r.sort_by(f64::total_cmp);
-        Some(r[(self.long_len - 1) / 2])
+        self.long.lower_median()
     }
 
-    /// The window's fastest ratio: with the prior, what a plan re-checked against its
+    /// The window's fastest ratio: with the prospect, what a plan re-checked against its
     /// factor (stale, or promising) is expected to take (a burst may fill a window).
     fn fastest(&self) -> Option<f64> {
-        self.ratios[..self.len]
-            .iter()
-            .copied()
-            .min_by(f64::total_cmp)
+        self.window.values().iter().copied().min_by(f64::total_cmp)
     }
 }
 
@@ -267,7 +290,7 @@ impl ClassRecord {
         let explored = k.runs == 0;
         k.runs += 1;
         k.last_call = self.calls;
-        self.follow_up = (!warm && (probe_of.is_some() || k.len == 0))
+        self.follow_up = (!warm && (probe_of.is_some() || k.window.len == 0))
             .then(|| (kind, Pick::reason_of(probe_of, explored)));
         if probe_of.is_none() {
             (k.rechecks, k.promising) = (0, false);
@@ -285,17 +308,13 @@ impl ClassRecord {
         // RECHECK: its window holds a burst that has ended): the fresh sample replaces them.
         let clear_win = probe_of.is_some_and(|best_s| secs * RECHECK < best_s);
         if self.calls - k.sampled_at > STALE_CALLS || clear_win {
-            (k.len, k.next) = (0, 0);
+            k.window.clear();
         }
         k.sampled_at = self.calls;
-        k.ratios[k.next] = ratio;
-        k.next = (k.next + 1) % WINDOW;
-        k.len = (k.len + 1).min(WINDOW);
+        k.window.push(ratio);
         k.warm += 1;
-        if k.long_len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
-            k.long[k.long_next] = ratio;
-            k.long_next = (k.long_next + 1) % LONG_WINDOW;
-            k.long_len = (k.long_len + 1).min(LONG_WINDOW);
+        if k.long.len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
+            k.long.push(ratio);
         }
     }
 
@@ -343,7 +362,7 @@ impl ClassRecord {
         let mut confirm = None;
         if let Some(inc) = self.incumbent
             && best != inc
-            && rec(best).len > 0
+            && rec(best).window.len > 0
             && self.calls - rec(best).sampled_at >= STALE_CALLS
             && let Some(&(t, _)) = corrected.iter().find(|(_, k)| *k == inc)
         {
@@ -387,7 +406,7 @@ impl ClassRecord {
         // A plan due for a re-check, and what it is expected to take (None: not due).
         let due = |k: PlanKind, raw_t: f64, t: f64| -> Option<f64> {
             let r = rec(k);
-            let within = if r.len <= 1 { explore } else { RECHECK };
+            let within = if r.window.len <= 1 { explore } else { RECHECK };
             let idle = self.calls.saturating_sub(r.last_call);
             let hopeful = r.promising || idle >= STALE_CALLS;
             let prospect = r.prospect().map(|f| raw_t * f);
@@ -399,7 +418,7 @@ impl ClassRecord {
             let expected = match (r.fastest(), prospect) {
                 (Some(f), Some(p)) if hopeful => {
                     let e = (raw_t * f).min(p);
-                    if r.long_len <= 1 {
+                    if r.long.len <= 1 {
                         e.min(raw_t * prior(k))
                     } else {
                         e
@@ -451,15 +470,15 @@ mod tests {
         won(r, k, secs);
     }
 
-    /// Runs `calls` picks over `raw` (predicted 1 s each), each plan taking
-    /// `truth(kind, warm)` seconds (warm: the class's last call ran the same kind); returns
-    /// the picks.
+    /// Runs `calls` picks over `raw`, each plan taking `truth(kind, warm)` seconds (warm:
+    /// the class's last call ran the same kind; called once per call, in order); returns
+    /// the picks (their total time is `r.spent`).
     fn simulate(
         r: &mut ClassRecord,
         raw: &[(f64, PlanKind)],
         explore: f64,
         calls: usize,
-        truth: impl Fn(PlanKind, bool) -> f64,
+        mut truth: impl FnMut(PlanKind, bool) -> f64,
     ) -> Vec<Pick> {
         (0..calls)
             .map(|_| {
@@ -977,15 +996,13 @@ mod tests {
             truth[k] * s * noise[c]
         };
         let mut r = ClassRecord::default();
-        let mut total = 0.0;
-        for c in 0..calls {
-            let p = r.pick(&raw, one, 1.25);
-            let k = kinds.iter().position(|&x| x == p.kind).unwrap_or(0);
-            let cold = if r.last == Some(p.kind) { 1.0 } else { 1.5 };
-            let secs = time(k, c) * cold;
-            r.record(p.kind, raw[k].0, secs, p.probe_of());
-            total += secs;
-        }
+        let mut c = 0;
+        simulate(&mut r, &raw, 1.25, calls, |kind, warm| {
+            let k = kinds.iter().position(|&x| x == kind).unwrap_or(0);
+            c += 1;
+            time(k, c - 1) * if warm { 1.0 } else { 1.5 }
+        });
+        let total = r.spent;
         let best = (0..3)
             .map(|k| (0..calls).map(|c| time(k, c)).sum::<f64>())
             .fold(f64::INFINITY, f64::min);
@@ -1032,15 +1049,11 @@ mod tests {
             };
             let mut r = ClassRecord::default();
             let calls = 3000;
-            let mut total = 0.0;
-            for _ in 0..calls {
-                let p = r.pick(&raw, one, 1.25);
-                let i = kinds.iter().position(|&k| k == p.kind).unwrap_or(0);
-                let cold = if r.last == Some(p.kind) { 1.0 } else { 1.5 };
-                let secs = truth[i] * noise() * cold;
-                r.record(p.kind, raw[i].0, secs, p.probe_of());
-                total += secs;
-            }
+            simulate(&mut r, &raw, 1.25, calls, |kind, warm| {
+                let i = kinds.iter().position(|&k| k == kind).unwrap_or(0);
+                truth[i] * noise() * if warm { 1.0 } else { 1.5 }
+            });
+            let total = r.spent;
             let best = truth.iter().copied().fold(f64::INFINITY, f64::min) * calls as f64;
             proptest::prop_assert!(total <= 1.05 * best, "{} vs {}", total, best);
         }
