@@ -52,6 +52,8 @@ pub struct CacheCounters {
     pub full_uploads: u64,
     /// Mirrors whose capacity doubled, and mirrors dropped to stay under the budget.
     pub grows: u64,
+    /// Mirrors copied into a fresh buffer of the same capacity (see [`REBUILD_RUNS`]).
+    pub rebuilds: u64,
     pub evictions: u64,
     /// Device bytes held by mirrors now, and how many mirrors.
     pub resident_bytes: u64,
@@ -77,7 +79,22 @@ struct Mirror {
     synced: u64,
     d: usize,
     last_use: u64,
+    /// Row runs uploaded into `buf` since it was made (see [`REBUILD_RUNS`]).
+    runs: usize,
 }
+
+/// A mirror that has taken this many row runs is copied into a fresh buffer of the same
+/// capacity on the device (a rebuild) before its next upload.
+///
+/// vulkano tracks each buffer's access state as a map of byte ranges: every copy into a
+/// range splits the map at its ends, nothing merges them again, and every submit that binds
+/// the buffer walks the whole map. Three copies per run (K, V, meta) at moving offsets made
+/// each step slower than the last: on the H100 host a 16-head 16k-entry decode step grew
+/// from 0.5 to 6 ms of submit and wait over 5000 steps. A fresh buffer has one range, and
+/// the rebuild is one device copy per part (K, V, meta), so the map stays under
+/// `6 * REBUILD_RUNS` ranges; the copy (the mirror's bytes, once per `REBUILD_RUNS` steps
+/// of one run each) costs little beside the walk it saves.
+const REBUILD_RUNS: usize = 32;
 
 impl Mirror {
     fn bytes(&self) -> u64 {
@@ -249,6 +266,7 @@ impl ResidentCache {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<AttentionStats> {
+        let t0 = std::time::Instant::now();
         decode::validate_except_c(args, opts, |h| sync.get(h).is_some_and(Option::is_some))?;
         let (d, nh) = (args.head_dim, args.heads.len());
         decode::check_out_len(nh * args.n_queries, d, out, lse.as_deref())?;
@@ -292,6 +310,7 @@ impl ResidentCache {
         let mut rows = 0u64;
         let mut full = 0u64;
         let mut grows = 0u64;
+        let mut rebuilds = 0u64;
         let mut extra = 0u64;
         // Rows written since each mirror's version (an O(n) scan of the row versions per
         // head and step), heads in parallel; None where no usable mirror exists (the same
@@ -342,11 +361,18 @@ impl ResidentCache {
                 .mirrors
                 .get(&s.id)
                 .filter(|m| m.d == d && m.synced <= s.version);
-            let (buf, cap) = match old {
-                Some(m) if m.cap >= n => (m.buf.clone(), m.cap),
+            let (buf, cap, runs0) = match old {
+                Some(m) if m.cap >= n && m.runs < REBUILD_RUNS => (m.buf.clone(), m.cap, m.runs),
                 Some(m) => {
+                    // Grown (doubled), or rebuilt at its capacity (see REBUILD_RUNS).
                     let (old_buf, old_cap, keep_rows) = (m.buf.clone(), m.cap, m.n.min(n));
-                    let cap = want_cap.max(2 * old_cap);
+                    let cap = if m.cap >= n {
+                        rebuilds += 1;
+                        old_cap
+                    } else {
+                        grows += 1;
+                        want_cap.max(2 * old_cap)
+                    };
                     let words = decode::head_words(cap, d, f16);
                     self.check_limit(words, limit)?;
                     let buf = self.alloc(words, &keep, extra)?;
@@ -372,8 +398,7 @@ impl ResidentCache {
                         ));
                         grow_copies.push((old_buf, buf.clone(), regions));
                     }
-                    grows += 1;
-                    (buf, cap)
+                    (buf, cap, 0)
                 }
                 None => {
                     if s.row_version.iter().any(|&v| v > s.version) {
@@ -384,7 +409,7 @@ impl ResidentCache {
                     let buf = self.alloc(words, &keep, extra)?;
                     extra += words as u64 * 4;
                     full += 1;
-                    (buf, want_cap)
+                    (buf, want_cap, 0)
                 }
             };
             let runs = match dirty[h].take() {
@@ -417,10 +442,12 @@ impl ResidentCache {
                     synced: s.version,
                     d,
                     last_use: self.clock,
+                    runs: runs0 + runs.len(),
                 },
             ));
         }
 
+        let t_prep = t0.elapsed();
         let step = decode::build_step(&self.ctx, &kernel, args, opts, &plans, &heads, &mut up)?;
         let mut b = self.ctx.builder()?;
         for (src, dst, regions) in grow_copies {
@@ -453,7 +480,9 @@ impl ResidentCache {
         for g in &step.groups {
             spans.push((copy_to_host(&g.out)?, copy_to_host(&g.lse)?));
         }
+        let t_build = t0.elapsed();
         self.ctx.submit(b)?;
+        let t_run = t0.elapsed();
         let words = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
         let slice = |(a, n): (usize, usize)| words[a..a + n].to_vec();
         let outs: Vec<(Vec<u32>, Vec<u32>)> =
@@ -470,7 +499,19 @@ impl ResidentCache {
         self.counters.bytes_uploaded += rows * row_bytes;
         self.counters.full_uploads += full;
         self.counters.grows += grows;
+        self.counters.rebuilds += rebuilds;
         step.scatter(&outs, flag, out, lse)?;
+        if crate::profile() {
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            eprintln!(
+                "foxedge-vulkan decode {nh} heads, {rows} rows sent: prep {:.0} us, build {:.0} \
+                 us, submit+wait {:.0} us, read {:.0} us",
+                us(t_prep),
+                us(t_build - t_prep),
+                us(t_run - t_build),
+                us(t0.elapsed() - t_run)
+            );
+        }
         Ok(stats)
     }
 
