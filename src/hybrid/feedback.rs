@@ -48,14 +48,22 @@
 //!   re-checked again soon, and one that beats it by more than [`RECHECK`] replaces its
 //!   window with that sample, so a leader that lost to a burst of slow calls wins back in
 //!   a few calls;
-//! - a re-check must fit the budget: the time probing took beyond the winner's prediction
-//!   (the probes' calls and the winner's first call after each, cold in its turn), this
-//!   probe's expected excess over its two calls included, stays within [`PROBE_BUDGET`] of
-//!   all the time the class has run (a call's excess counted up to [`CHARGE_CAP`] times
-//!   the prediction; a plan's first try is not charged). So beyond each plan's first try
-//!   probing costs about that fraction of a workload, however wrong the model is, spread
-//!   over it: a plan measured 2x slower is re-checked about once per 2 / PROBE_BUDGET =
-//!   133 calls of the winner.
+//! - a likely re-check is one of a plan whose prospect beats the winner's corrected
+//!   prediction by [`RECHECK`]: it is due at its gap whatever its factor, outside the
+//!   budget (its gaps still double while it keeps losing). On the H100 host a decode ACP 16k
+//!   class whose CPU plan (0.46 ms a call) met a burst (3.3 ms calls, factor 10.5) ran the
+//!   GPU plan (1.1 ms) for 323 calls while the burst's probes held the budget spent. Through
+//!   simulated bursts (`through_bursts_auto_stays_close_to_the_best_plan`'s workloads, 2000
+//!   of them) the 90th percentile of auto / the best plan fell from 1.097 to 1.031, and the
+//!   worst workload without bursts stayed at 1.040;
+//! - - any other re-check must fit the budget: the time probing took beyond the winner's
+//!   prediction (the probes' calls and the winner's first call after each, cold in its
+//!   turn), this probe's expected excess over its two calls included, stays within
+//!   [`PROBE_BUDGET`] of all the time the class has run (a call's excess counted up to
+//!   [`CHARGE_CAP`] times the prediction; a plan's first try is not charged). So beyond
+//!   each plan's first try probing costs about that fraction of a workload, however wrong
+//!   the model is, spread over it: a plan measured 2x slower is re-checked about once per 2
+//!   / PROBE_BUDGET = 133 calls of the winner.
 
 use super::PlanKind;
 
@@ -199,7 +207,7 @@ impl KindRecord {
 }
 
 /// The record of one size class (see the module docs).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(super) struct ClassRecord {
     kinds: [KindRecord; 3],
     /// Calls recorded in this class (all kinds).
@@ -218,6 +226,26 @@ pub(super) struct ClassRecord {
     /// probes' calls and the winner's first call after them).
     spent: f64,
     probe_loss: f64,
+    /// A split's sides as measured, per GPU head count (ascending); see
+    /// [`ClassRecord::side_factors`].
+    sides: Vec<Sides>,
+    /// The GPU heads of the class's last split call (ascending).
+    split_heads: Vec<usize>,
+}
+
+/// A split's two sides at one GPU head count: each side's seconds / its raw prediction, of
+/// the last [`WINDOW`] warm split calls with that many GPU heads.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Sides {
+    gpu_heads: usize,
+    cpu: Ring<WINDOW>,
+    gpu: Ring<WINDOW>,
+}
+
+impl Sides {
+    fn factors(&self) -> Option<(f64, f64)> {
+        Some((self.cpu.lower_median()?, self.gpu.lower_median()?))
+    }
 }
 
 /// Why [`ClassRecord::pick`] chose a plan.
@@ -316,6 +344,82 @@ impl ClassRecord {
         if k.long.len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
             k.long.push(ratio);
         }
+    }
+
+    /// Folds the sides of a split call with `gpu_heads` GPU heads, each side's measured /
+    /// raw predicted seconds (the CPU's heads on the split pool, the GPU thread's heads),
+    /// before [`ClassRecord::record`] folds the call itself; only a warm call's (the
+    /// class's last call was a split).
+    pub(super) fn record_sides(&mut self, gpu_heads: usize, cpu: f64, gpu: f64) {
+        let ok = |r: f64| r.is_finite() && r > 0.0;
+        if self.last != Some(PlanKind::Split) || !(ok(cpu) && ok(gpu)) {
+            return;
+        }
+        let i = match self.sides.binary_search_by_key(&gpu_heads, |s| s.gpu_heads) {
+            Ok(i) => i,
+            Err(i) => {
+                let fresh = Sides {
+                    gpu_heads,
+                    ..Sides::default()
+                };
+                self.sides.insert(i, fresh);
+                i
+            }
+        };
+        self.sides[i].cpu.push(cpu);
+        self.sides[i].gpu.push(gpu);
+    }
+
+    /// Notes the GPU heads (ascending) of a split call of the class.
+    pub(super) fn note_split(&mut self, gpu_heads: &[usize]) {
+        self.split_heads.clear();
+        self.split_heads.extend_from_slice(gpu_heads);
+    }
+
+    /// The GPU heads of the class's last split call (empty before one).
+    pub(super) fn split_heads(&self) -> &[usize] {
+        &self.split_heads
+    }
+
+    /// What the (CPU, GPU) sides of a split with `gpu_heads` GPU heads take over their raw
+    /// predictions (None before any warm split call): at a head count measured, the lower
+    /// medians of its window; between two, interpolated linearly; beyond them, the nearest.
+    ///
+    /// A split's heads are divided by these. Each side is measured as it runs in a split,
+    /// beside the other (the CPU on the split pool, the GPU thread's host work), at the
+    /// head count that ran: on the H100 host the all-GPU plan of a decode ACP 64k class
+    /// ran 2.7x its model, and costed at that, a split's GPU side was worth one head (1.36
+    /// ms a call against the CPU plan's 1.18), while a 6-head split ran 1.04 ms. The
+    /// model's excess there grows with the GPU's heads, so one ratio for every head count
+    /// would chase its own tail (measured at few heads, it sends many; at many, few); per
+    /// head count, the heads settle where the two sides' measured times meet.
+    pub(super) fn side_factors(&self, gpu_heads: usize) -> Option<(f64, f64)> {
+        let measured: Vec<(f64, (f64, f64))> = self
+            .sides
+            .iter()
+            .filter_map(|s| Some((s.gpu_heads as f64, s.factors()?)))
+            .collect();
+        let k = gpu_heads as f64;
+        let i = measured.partition_point(|m| m.0 < k);
+        match (
+            i.checked_sub(1).and_then(|j| measured.get(j)),
+            measured.get(i),
+        ) {
+            (_, Some(&(k1, f))) if k1 == k => Some(f),
+            (Some(&(k0, f0)), Some(&(k1, f1))) => {
+                let w = (k - k0) / (k1 - k0);
+                let lerp = |a: f64, b: f64| a + (b - a) * w;
+                Some((lerp(f0.0, f1.0), lerp(f0.1, f1.1)))
+            }
+            (Some(&(_, f)), None) | (None, Some(&(_, f))) => Some(f),
+            (None, None) => None,
+        }
+    }
+
+    /// Seconds of every call recorded.
+    #[cfg(test)]
+    pub(super) fn spent(&self) -> f64 {
+        self.spent
     }
 
     /// The measured / predicted factor of `kind` (None before it has a warm call).
@@ -426,7 +530,11 @@ impl ClassRecord {
                 }
                 _ => t,
             };
-            (r.runs > 0 && idle >= gap && (t <= within * best_t || hopeful) && affordable(expected))
+            let likely = prospect.is_some_and(|p| p * RECHECK <= best_t);
+            (r.runs > 0
+                && idle >= gap
+                && (t <= within * best_t || hopeful || likely)
+                && (affordable(expected) || likely))
                 .then_some(expected)
         };
         // The due plan expected fastest goes first: a cheap re-check of a near plan is not
@@ -1015,15 +1123,16 @@ mod tests {
         // on, for 10-60 calls, the CPU plan takes 2-8x its time (its cores are busy; the
         // GPU plan is not slowed, the split by half as much), about 10 bursts in 3000
         // calls. Auto's time / the best single plan's under the same bursts, over 400
-        // fixed workloads: median <= 1.02, 90th percentile <= 1.12 (measured 1.006, 1.097;
-        // on 2000 workloads 1.010, 1.097, and before prospects, clear wins and a 1.5%
-        // budget 1.018, 1.175).
+        // fixed workloads: median <= 1.0, 90th percentile <= 1.05 (measured 0.987, 1.030;
+        // on 2000 workloads 0.998, 1.031; without the likely re-checks 1.010, 1.097; before
+        // prospects, clear wins and a 1.5% budget 1.018, 1.175). Below 1: auto runs
+        // around the bursts, which no single plan does.
         let mut v: Vec<f64> = (1..=400u64)
             .map(|s| bursty_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
             .collect();
         v.sort_by(f64::total_cmp);
         let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
-        assert!(median <= 1.02 && p90 <= 1.12, "median {median}, p90 {p90}");
+        assert!(median <= 1.0 && p90 <= 1.05, "median {median}, p90 {p90}");
     }
 
     proptest::proptest! {
