@@ -273,12 +273,6 @@ struct Candidates {
 /// take (the all-GPU plan of an ACP decode ran 5x its model on the H100, and one split
 /// factor over 1- and 11-head splits could not express that). The split's own factor then
 /// measures only what the model still misses.
-///
-/// `sticky` = the GPU heads of the class's last split: they stay the split while their
-/// cost is within [`feedback::HYSTERESIS`] of the best found. On the H100 host, with the
-/// heads chosen afresh each call, a decode ACP 64k class ran 1- to 11-head splits from
-/// call to call (each change sends the GPU the rows of heads it did not hold), while the
-/// `hybrid` backend, whose heads its residency kept in place, was 14% faster.
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
@@ -286,7 +280,6 @@ fn candidates(
     side: impl Fn(usize) -> (f64, f64),
     concurrent: bool,
     split_cost: (f64, f64),
-    sticky: &[usize],
 ) -> Candidates {
     let n = work.len();
     let total = work.iter().fold(Work::default(), |a, &w| a + w);
@@ -327,17 +320,6 @@ fn candidates(
                 best = Some((t, order[..k].to_vec()));
                 split_sides = (tc, tg);
             }
-        }
-    }
-    if (1..n).contains(&sticky.len())
-        && sticky.iter().all(|&h| h < n)
-        && let Some((t_best, _)) = &best
-    {
-        let g = sticky.iter().fold(Work::default(), |a, &h| a + work[h]);
-        let (t, tc, tg) = cost(g, sticky.len());
-        if t <= feedback::HYSTERESIS * t_best {
-            best = Some((t, sticky.to_vec()));
-            split_sides = (tc, tg);
         }
     }
     Candidates {
@@ -1169,9 +1151,6 @@ impl Scheduler {
             if let Some((rc, rg)) = side_ratios {
                 rec.record_sides(choice.split.gpu_heads.len(), rc, rg);
             }
-            if choice.kind == PlanKind::Split {
-                rec.note_split(&choice.split.gpu_heads);
-            }
             rec.record(choice.kind, raw, secs, choice.probe_of);
         }
     }
@@ -1328,16 +1307,10 @@ impl Scheduler {
             .get(&class)
             .cloned()
             .unwrap_or_default();
-        let side = |k: usize| split_side_factors(&rec, k);
-        let cands = candidates(
-            &work,
-            cc,
-            gc,
-            side,
-            c.concurrent,
-            split_cost,
-            rec.split_heads(),
-        );
+        // Per GPU head count, once per call (the search costs 3 · heads splits).
+        let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(&rec, k)).collect();
+        let side = |k: usize| sides.get(k).copied().unwrap_or((1.0, 1.0));
+        let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
         let (split, pick) = plan(heads, &cands, self.mode, &rec, explore);
         let (kind, why) = (pick.kind, pick.reason);
@@ -2644,7 +2617,7 @@ mod tests {
     ) -> Split {
         plan(
             work.len(),
-            &candidates(work, c, g, |_| (1.0, 1.0), conc, split_cost, &[]),
+            &candidates(work, c, g, |_| (1.0, 1.0), conc, split_cost),
             mode,
             &ClassRecord::default(),
             EXPLORE,
@@ -2670,31 +2643,13 @@ mod tests {
         // least there: 14 ms), and the plain plans keep their raw predictions.
         let work = w(&[1_000_000; 16]);
         let (c, g) = (cost(0.0, 1e-9), cost(0.0, 1e-9));
-        let even = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0), &[]);
+        let even = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0));
         assert_eq!(even.split.as_ref().map(|s| s.1.len()), Some(8));
-        let slow_gpu = candidates(&work, c, g, |_| (1.0, 5.0), true, (0.0, 0.0), &[]);
+        let slow_gpu = candidates(&work, c, g, |_| (1.0, 5.0), true, (0.0, 0.0));
         let (t, heads) = slow_gpu.split.clone().unwrap();
         assert_eq!(heads.len(), 2);
         assert!((t - 14.0 * 1e-3).abs() < 1e-12, "{t}");
         assert_eq!((slow_gpu.cpu, slow_gpu.gpu), (even.cpu, even.gpu));
-    }
-
-    #[test]
-    fn a_split_keeps_its_heads_within_hysteresis() {
-        // 16 equal heads, CPU and GPU equally fast: 8 each is best. The last split's 8
-        // heads (not the ones the search finds first) cost the same: they stay. Its 7 heads
-        // cost 9/8 of the best: the search's 8 heads replace them.
-        let work = w(&[1_000_000; 16]);
-        let (c, g) = (cost(0.0, 1e-9), cost(0.0, 1e-9));
-        let last: Vec<usize> = (8..16).collect();
-        let s = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0), &last);
-        assert_eq!(s.split.map(|s| s.1), Some(last));
-        let seven: Vec<usize> = (9..16).collect();
-        let s = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0), &seven);
-        assert_eq!(s.split.map(|s| s.1.len()), Some(8));
-        // Heads that are not there are ignored.
-        let s = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0), &[3, 99]);
-        assert_eq!(s.split.map(|s| s.1.len()), Some(8));
     }
 
     #[test]
@@ -2793,23 +2748,12 @@ mod tests {
         let mut rec = ClassRecord::default();
         let mut last = 0;
         for _ in 0..calls {
-            let cands = candidates(
-                &work,
-                cpu,
-                gpu,
-                |k| side(&rec, k),
-                true,
-                (50e-6, 0.0),
-                rec.split_heads(),
-            );
+            let cands = candidates(&work, cpu, gpu, |k| side(&rec, k), true, (50e-6, 0.0));
             let (split, pick) = plan(16, &cands, Mode::Auto, &rec, EXPLORE_DECODE);
             let (secs, sides) = truth(split.gpu_heads.len());
             if let (PlanKind::Split, Some((c, g))) = (pick.kind, sides) {
                 let (rc, rg) = (c / cands.split_sides.0, g / cands.split_sides.1);
                 rec.record_sides(split.gpu_heads.len(), rc, rg);
-            }
-            if pick.kind == PlanKind::Split {
-                rec.note_split(&split.gpu_heads);
             }
             rec.record(pick.kind, split.predicted_seconds, secs, pick.probe_of());
             last = split.gpu_heads.len();

@@ -229,8 +229,6 @@ pub(super) struct ClassRecord {
     /// A split's sides as measured, per GPU head count (ascending); see
     /// [`ClassRecord::side_factors`].
     sides: Vec<Sides>,
-    /// The GPU heads of the class's last split call (ascending).
-    split_heads: Vec<usize>,
 }
 
 /// A split's two sides at one GPU head count: each side's seconds / its raw prediction, of
@@ -368,17 +366,6 @@ impl ClassRecord {
         };
         self.sides[i].cpu.push(cpu);
         self.sides[i].gpu.push(gpu);
-    }
-
-    /// Notes the GPU heads (ascending) of a split call of the class.
-    pub(super) fn note_split(&mut self, gpu_heads: &[usize]) {
-        self.split_heads.clear();
-        self.split_heads.extend_from_slice(gpu_heads);
-    }
-
-    /// The GPU heads of the class's last split call (empty before one).
-    pub(super) fn split_heads(&self) -> &[usize] {
-        &self.split_heads
     }
 
     /// What the (CPU, GPU) sides of a split with `gpu_heads` GPU heads take over their raw
