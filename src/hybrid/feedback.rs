@@ -56,14 +56,14 @@
 //!   simulated bursts (`through_bursts_auto_stays_close_to_the_best_plan`'s workloads, 2000
 //!   of them) the 90th percentile of auto / the best plan fell from 1.097 to 1.031, and the
 //!   worst workload without bursts stayed at 1.040;
-//! - - any other re-check must fit the budget: the time probing took beyond the winner's
+//! - any other re-check must fit the budget: the time probing took beyond the winner's
 //!   prediction (the probes' calls and the winner's first call after each, cold in its
 //!   turn), this probe's expected excess over its two calls included, stays within
 //!   [`PROBE_BUDGET`] of all the time the class has run (a call's excess counted up to
 //!   [`CHARGE_CAP`] times the prediction; a plan's first try is not charged). So beyond
 //!   each plan's first try probing costs about that fraction of a workload, however wrong
-//!   the model is, spread over it: a plan measured 2x slower is re-checked about once per 2
-//!   / PROBE_BUDGET = 133 calls of the winner.
+//!   the model is, spread over it: a plan measured 2x slower is re-checked about once
+//!   per 2 / PROBE_BUDGET = 133 calls of the winner.
 
 use super::PlanKind;
 
