@@ -53,7 +53,7 @@
 //!   its gap whatever its factor, outside the budget (its gaps still double while it keeps
 //!   losing). On the H100 host a decode ACP 16k
 //!   class whose CPU plan (0.46 ms a call) met a burst (3.3 ms calls, factor 10.5) ran the
-//!   GPU plan (1.1 ms) for 323 calls while the burst's probes held the budget spent. Through
+//!   GPU plan (1.1 ms) for 323 calls before the CPU was re-checked within the budget. Through
 //!   simulated bursts (`through_bursts_auto_stays_close_to_the_best_plan`'s workloads, 2000
 //!   of them) the 90th percentile of auto / the best plan fell from 1.097 to 1.032, and the
 //!   worst workload without bursts stayed at 1.040;

@@ -92,8 +92,8 @@ struct Mirror {
 /// each step slower than the last: on the H100 host a 16-head 16k-entry decode step grew
 /// from 0.5 to 6 ms of submit and wait over 5000 steps. A fresh buffer has one range, and
 /// the rebuild is one device copy per part (K, V, meta), so the map stays under
-/// `6 * REBUILD_RUNS` ranges; the copy (the mirror's bytes, once per `REBUILD_RUNS` steps
-/// of one run each) costs little beside the walk it saves.
+/// `6 * REBUILD_RUNS` ranges; the copy is the mirror's bytes once per `REBUILD_RUNS` steps
+/// of one run each. With it, the same 16k step took 1.0-1.4 ms over 3600 steps.
 const REBUILD_RUNS: usize = 32;
 
 impl Mirror {
