@@ -269,10 +269,10 @@ struct Candidates {
 /// heaviest first, lightest first and densest (pairs per GPU row) first.
 ///
 /// `side(k)` = (CPU, GPU) factors of the two sides of a split with `k` GPU heads
-/// ([`split_side_factors`]): the sides are costed with them, so the heads are divided by what each side was seen to
-/// take (the all-GPU plan of an ACP decode ran 5x its model on the H100, and one split
-/// factor over 1- and 11-head splits could not express that). The split's own factor then
-/// measures only what the model still misses.
+/// ([`split_side_factors`]): the sides are costed with them, so the heads are divided by
+/// what each side was seen to take (the all-GPU plan of an ACP decode ran 5x its model on
+/// the H100, and one split factor over 1- and 11-head splits could not express that). The
+/// split's own factor then measures only what the model still misses.
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
