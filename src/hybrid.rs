@@ -1303,16 +1303,16 @@ impl Scheduler {
         let work_s = t_work.elapsed().as_secs_f64();
         let total = work.iter().fold(Work::default(), |a, &w| a + w);
         let class = size_class(decode, total);
-        let rec = lock(&self.feedback)?
-            .get(&class)
-            .cloned()
-            .unwrap_or_default();
+        // The class's record is read in place (held for the search, microseconds).
+        let fb = lock(&self.feedback)?;
+        let unseen = ClassRecord::default();
+        let rec = fb.get(&class).unwrap_or(&unseen);
         // Per GPU head count, once per call (the search costs 3 · heads splits).
-        let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(&rec, k)).collect();
+        let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(rec, k)).collect();
         let side = |k: usize| sides.get(k).copied().unwrap_or((1.0, 1.0));
         let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
-        let (split, pick) = plan(heads, &cands, self.mode, &rec, explore);
+        let (split, pick) = plan(heads, &cands, self.mode, rec, explore);
         let (kind, why) = (pick.kind, pick.reason);
         let raw = split.predicted_seconds;
         if trace_auto() && self.mode == Mode::Auto {
@@ -1335,6 +1335,7 @@ impl Scheduler {
                 started.elapsed().as_secs_f64() * 1e6
             );
         }
+        drop(fb);
         Ok(Choice {
             split,
             kind,
@@ -2761,22 +2762,28 @@ mod tests {
         (rec.spent(), last)
     }
 
-    #[test]
-    fn split_heads_settle_where_the_measured_sides_meet() {
-        // As at the H100 host's decode ACP 64k: the model (CPU 1.0 ms, GPU 0.8 ms for all
-        // 16 heads) misses a GPU cost of 0.11 ms per head (all 16: 2.11 ms), and the CPU
-        // runs 1.1x its model, 1.21x on the split pool. The best plan is the 5-head split
-        // (0.95 ms against the CPU's 1.1).
+    /// The class of [`run_class`] as at the H100 host's decode ACP 64k: the model (CPU
+    /// 1.0 ms, GPU 0.8 ms for all 16 heads) misses a GPU cost of 0.11 ms per head (all 16:
+    /// 2.11 ms), and the CPU runs 1.1x its model, 1.21x on the split pool. With `k` GPU
+    /// heads: (seconds, split sides), each time scaled by a call of `noise`.
+    fn split_truth(k: usize, mut noise: impl FnMut() -> f64) -> (f64, Option<(f64, f64)>) {
         let cpu_side = |heads: usize| 1.21 * (50e-6 + 5.9375e-11 * 1e6 * heads as f64);
         let gpu_side = |k: usize| 0.35e-3 + 0.11e-3 * k as f64;
-        let truth = |k: usize| match k {
-            0 => (1.1e-3, None),
-            16 => (gpu_side(16), None),
+        match k {
+            0 => (1.1e-3 * noise(), None),
+            16 => (gpu_side(16) * noise(), None),
             k => {
-                let (c, g) = (cpu_side(16 - k), gpu_side(k));
+                let (c, g) = (cpu_side(16 - k) * noise(), gpu_side(k) * noise());
                 (c.max(g) + 50e-6, Some((c, g)))
             }
-        };
+        }
+    }
+
+    #[test]
+    fn split_heads_settle_where_the_measured_sides_meet() {
+        // `split_truth` without noise: the best plan is the 5-head split (0.95 ms against
+        // the CPU's 1.1).
+        let truth = |k: usize| split_truth(k, || 1.0);
         let best = (0..=16).map(|k| truth(k).0).fold(f64::INFINITY, f64::min);
         assert!((best - 0.95e-3).abs() < 1e-9, "{best}");
         let calls = 600;
@@ -2799,13 +2806,11 @@ mod tests {
 
     #[test]
     fn noisy_sides_still_settle_near_the_best_split() {
-        // The workload above, each plan's call and each side of a split 0.9-1.3x its time
-        // at random (100 seeds). Against the best fixed plan under the same noise (a 4- to
+        // `split_truth`, each plan's call and each side of a split 0.9-1.3x its time at
+        // random (100 seeds). Against the best fixed plan under the same noise (a 4- to
         // 6-head split; the CPU plan is 1.12-1.13x it), auto's median is 1.039 and its 90th
         // percentile 1.062; costed with the prospects alone (the earlier learner), seeds 1-5
         // read 1.145-1.173.
-        let cpu_side = |heads: usize| 1.21 * (50e-6 + 5.9375e-11 * 1e6 * heads as f64);
-        let gpu_side = |k: usize| 0.35e-3 + 0.11e-3 * k as f64;
         let mut ratios: Vec<f64> = (1..=100u64)
             .map(|seed| {
                 let rng = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -2817,14 +2822,7 @@ mod tests {
                     rng.set(x);
                     0.9 + 0.4 * (x >> 11) as f64 / (1u64 << 53) as f64
                 };
-                let truth = |k: usize| match k {
-                    0 => (1.1e-3 * noise(), None),
-                    16 => (gpu_side(16) * noise(), None),
-                    k => {
-                        let (c, g) = (cpu_side(16 - k) * noise(), gpu_side(k) * noise());
-                        (c.max(g) + 50e-6, Some((c, g)))
-                    }
-                };
+                let truth = |k: usize| split_truth(k, &noise);
                 let (spent, _) = run_class(600, split_side_factors, truth);
                 let fixed = |k: usize| (0..600).map(|_| truth(k).0).sum::<f64>();
                 spent / (0..=16).map(fixed).fold(f64::INFINITY, f64::min)

@@ -386,24 +386,24 @@ impl ClassRecord {
     /// would chase its own tail (measured at few heads, it sends many; at many, few); per
     /// head count, the heads settle where the two sides' measured times meet.
     pub(super) fn side_factors(&self, gpu_heads: usize) -> Option<(f64, f64)> {
-        let measured: Vec<(f64, (f64, f64))> = self
-            .sides
-            .iter()
-            .filter_map(|s| Some((s.gpu_heads as f64, s.factors()?)))
-            .collect();
+        // Every entry holds a sample (`record_sides` makes one with its first); no
+        // allocation: this runs per head count at every call.
+        let at = |s: &Sides| Some((s.gpu_heads as f64, s.factors()?));
+        let i = self.sides.partition_point(|s| s.gpu_heads < gpu_heads);
+        let below = i
+            .checked_sub(1)
+            .and_then(|j| self.sides.get(j))
+            .and_then(at);
+        let above = self.sides.get(i).and_then(at);
         let k = gpu_heads as f64;
-        let i = measured.partition_point(|m| m.0 < k);
-        match (
-            i.checked_sub(1).and_then(|j| measured.get(j)),
-            measured.get(i),
-        ) {
-            (_, Some(&(k1, f))) if k1 == k => Some(f),
-            (Some(&(k0, f0)), Some(&(k1, f1))) => {
+        match (below, above) {
+            (_, Some((k1, f))) if k1 == k => Some(f),
+            (Some((k0, f0)), Some((k1, f1))) => {
                 let w = (k - k0) / (k1 - k0);
                 let lerp = |a: f64, b: f64| a + (b - a) * w;
                 Some((lerp(f0.0, f1.0), lerp(f0.1, f1.1)))
             }
-            (Some(&(_, f)), None) | (None, Some(&(_, f))) => Some(f),
+            (Some((_, f)), None) | (None, Some((_, f))) => Some(f),
             (None, None) => None,
         }
     }
