@@ -10,12 +10,22 @@
 //! uploads row `j` when `row_version[j] > synced`, the newest version it has seen. That is
 //! exact when the caller keeps the invariant of `HeadSync`.
 //!
+//! Rows reach a mirror through the scatter kernel (`scatter.comp`), which binds the whole
+//! buffer. Copy commands into row ranges would split vulkano's per-buffer map of access
+//! ranges at every row, and each submit walks that map: with copies, a 16-head 16k-entry
+//! step on the H100 host slowed from 0.5 to 6 ms over 5000 steps. With the scatter kernel
+//! vulkano's command-buffer build took 101-109 us per step over 10,000 steps.
+//!
 //! Device memory of mirrors is accounted and bounded by a budget: beyond it (or when an
 //! allocation fails) the least-recently-used mirrors not needed by the current step are
 //! dropped (their next step uploads them whole); a step that cannot fit even then is
-//! [`Error::OutOfDeviceMemory`], not a crash.
+//! [`Error::OutOfDeviceMemory`], not a crash. A step's small buffers (inputs, partials,
+//! results: O(heads x chunks x head_dim) words, outside the budget) and its staging and
+//! readback buffers are kept from step to step and grow only (`arena.rs`), so a steady
+//! step allocates nothing.
 
 use crate::api::{AttentionStats, DecodeArgs, DecodeOptions, Storage};
+use crate::arena::{Arena, Kind};
 use crate::decode::{self, HeadRef, Uploads};
 use crate::device::Context;
 use crate::error::{Error, Result};
@@ -52,8 +62,6 @@ pub struct CacheCounters {
     pub full_uploads: u64,
     /// Mirrors whose capacity doubled, and mirrors dropped to stay under the budget.
     pub grows: u64,
-    /// Mirrors copied into a fresh buffer of the same capacity (see [`REBUILD_RUNS`]).
-    pub rebuilds: u64,
     pub evictions: u64,
     /// Device bytes held by mirrors now, and how many mirrors.
     pub resident_bytes: u64,
@@ -79,23 +87,7 @@ struct Mirror {
     synced: u64,
     d: usize,
     last_use: u64,
-    /// Row runs uploaded into `buf` since it was made (see [`REBUILD_RUNS`]).
-    runs: usize,
 }
-
-/// A mirror that has taken this many row runs is copied into a fresh buffer of the same
-/// capacity on the device (a rebuild) at the next step that uses it.
-///
-/// vulkano tracks each buffer's access state as a map of byte ranges: every copy into a
-/// range splits the map at its ends, nothing merges them again, and every submit that binds
-/// the buffer walks the whole map. Three copies per run (K, V, meta) at moving offsets made
-/// each step slower than the last: on the H100 host a 16-head 16k-entry decode step grew
-/// from 0.5 to 6 ms of submit and wait over 5000 steps. A fresh buffer has one range, and
-/// the rebuild is one device copy per part (K, V, meta), so the map stays under
-/// `6 * REBUILD_RUNS` ranges; the copy is the mirror's bytes once per `REBUILD_RUNS` steps
-/// of one run each. With it, the same 16k step took 0.96-1.41 ms (medians of 15 samples)
-/// over 3600 steps.
-const REBUILD_RUNS: usize = 32;
 
 impl Mirror {
     fn bytes(&self) -> u64 {
@@ -112,6 +104,8 @@ pub struct ResidentCache {
     mirrors: HashMap<u64, Mirror>,
     clock: u64,
     counters: CacheCounters,
+    /// The steps' small buffers (inputs, partials, results, staging, readback), reused.
+    arena: Arena,
 }
 
 impl std::fmt::Debug for ResidentCache {
@@ -169,6 +163,7 @@ impl ResidentCache {
             mirrors: HashMap::new(),
             clock: 0,
             counters: CacheCounters::default(),
+            arena: Arena::new(true),
         }
     }
 
@@ -292,8 +287,8 @@ impl ResidentCache {
             }
         }
         let f16 = self.f16;
+        let t_val = t0.elapsed();
         let kernel = decode::kernel(&self.ctx, &self.tuning, d, f16)?;
-        let (plans, stats) = decode::plan(args, opts)?;
         let limit = self
             .ctx
             .binding_limit
@@ -311,7 +306,6 @@ impl ResidentCache {
         let mut rows = 0u64;
         let mut full = 0u64;
         let mut grows = 0u64;
-        let mut rebuilds = 0u64;
         let mut extra = 0u64;
         // Rows written since each mirror's version (an O(n) scan of the row versions per
         // head and step), heads in parallel; None where no usable mirror exists (the same
@@ -330,6 +324,9 @@ impl ResidentCache {
                 })
                 .collect()
         };
+        let t_dirty = t0.elapsed();
+        let (plans, stats) = decode::plan(args, opts)?;
+        let t_plan = t0.elapsed();
         for (h, hc) in args.heads.iter().enumerate() {
             let n = hc.c.len();
             let Some(s) = sync[h] else {
@@ -362,18 +359,13 @@ impl ResidentCache {
                 .mirrors
                 .get(&s.id)
                 .filter(|m| m.d == d && m.synced <= s.version);
-            let (buf, cap, runs0) = match old {
-                Some(m) if m.cap >= n && m.runs < REBUILD_RUNS => (m.buf.clone(), m.cap, m.runs),
+            let (buf, cap) = match old {
+                Some(m) if m.cap >= n => (m.buf.clone(), m.cap),
                 Some(m) => {
-                    // Grown (doubled), or rebuilt at its capacity (see REBUILD_RUNS).
+                    // Grown: doubled, the kept rows copied on the device.
                     let (old_buf, old_cap, keep_rows) = (m.buf.clone(), m.cap, m.n.min(n));
-                    let cap = if m.cap >= n {
-                        rebuilds += 1;
-                        old_cap
-                    } else {
-                        grows += 1;
-                        want_cap.max(2 * old_cap)
-                    };
+                    grows += 1;
+                    let cap = want_cap.max(2 * old_cap);
                     let words = decode::head_words(cap, d, f16);
                     self.check_limit(words, limit)?;
                     let buf = self.alloc(words, &keep, extra)?;
@@ -399,7 +391,7 @@ impl ResidentCache {
                         ));
                         grow_copies.push((old_buf, buf.clone(), regions));
                     }
-                    (buf, cap, 0)
+                    (buf, cap)
                 }
                 None => {
                     if s.row_version.iter().any(|&v| v > s.version) {
@@ -410,7 +402,7 @@ impl ResidentCache {
                     let buf = self.alloc(words, &keep, extra)?;
                     extra += words as u64 * 4;
                     full += 1;
-                    (buf, want_cap, 0)
+                    (buf, want_cap)
                 }
             };
             let runs = match dirty[h].take() {
@@ -443,52 +435,69 @@ impl ResidentCache {
                     synced: s.version,
                     d,
                     last_use: self.clock,
-                    runs: runs0 + runs.len(),
                 },
             ));
         }
 
         let t_prep = t0.elapsed();
-        let step = decode::build_step(&self.ctx, &kernel, args, opts, &plans, &heads, &mut up)?;
+        let step = decode::build_step(
+            &self.ctx,
+            &kernel,
+            args,
+            opts,
+            &plans,
+            &heads,
+            &mut up,
+            &mut self.arena,
+        )?;
         let mut b = self.ctx.builder()?;
+        let stamps = crate::profile()
+            .then(|| crate::device::Stamps::new(&self.ctx, 4))
+            .flatten();
+        if let Some(s) = &stamps {
+            s.reset(&mut b)?;
+            s.stamp(&mut b, 0)?;
+        }
         for (src, dst, regions) in grow_copies {
             let mut info = CopyBufferInfo::buffers(src, dst);
             info.regions.clear();
             info.regions.extend(regions);
             b.copy_buffer(info)?;
         }
-        up.record(&self.ctx, &mut b)?;
-        step.record(&mut b, 1)?;
-        // Results back in the same submission: flag, then (out, lse) of each dispatch.
-        let mut read_words = 1usize;
-        for g in &step.groups {
-            read_words += (g.out.len() + g.lse.len()) as usize;
+        up.record(&self.ctx, &mut self.arena, &mut b)?;
+        if let Some(s) = &stamps {
+            s.stamp(&mut b, 1)?;
         }
-        let host = self.ctx.host_buffer(read_words, false)?;
-        let mut at = 0u64;
-        let mut copy_to_host = |src: &Subbuffer<[u32]>| -> Result<(usize, usize)> {
-            let len = src.len();
-            let mut info = CopyBufferInfo::buffers(src.clone(), host.clone());
-            info.regions[0].dst_offset = at * 4;
-            info.regions[0].size = len * 4;
-            b.copy_buffer(info)?;
-            let r = (at as usize, len as usize);
-            at += len;
-            Ok(r)
-        };
-        let flag_at = copy_to_host(&step.flag)?;
-        let mut spans = Vec::with_capacity(step.groups.len());
-        for g in &step.groups {
-            spans.push((copy_to_host(&g.out)?, copy_to_host(&g.lse)?));
+        step.record(&mut b, 1)?;
+        if let Some(s) = &stamps {
+            s.stamp(&mut b, 2)?;
+        }
+        // Results back in the same submission: one copy of the step's results buffer.
+        let host = self
+            .arena
+            .get(&self.ctx, Kind::Download, 0, step.results.len() as usize)?;
+        b.copy_buffer(CopyBufferInfo::buffers(step.results.clone(), host.clone()))?;
+        let base = step.results.offset() / 4;
+        let span = |v: &Subbuffer<[u32]>| ((v.offset() / 4 - base) as usize, v.len() as usize);
+        let spans: Vec<_> = step
+            .groups
+            .iter()
+            .map(|g| (span(&g.out), span(&g.lse)))
+            .collect();
+        if let Some(s) = &stamps {
+            s.stamp(&mut b, 3)?;
         }
         let t_build = t0.elapsed();
-        self.ctx.submit(b)?;
+        let phases = self.ctx.submit_timed(b)?;
         let t_run = t0.elapsed();
         let words = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
         let slice = |(a, n): (usize, usize)| words[a..a + n].to_vec();
         let outs: Vec<(Vec<u32>, Vec<u32>)> =
             spans.iter().map(|&(o, l)| (slice(o), slice(l))).collect();
-        let flag = words[flag_at.0];
+        let flag = step
+            .groups
+            .iter()
+            .fold(0, |f, g| f | words[span(&g.flag).0]);
         drop(words);
 
         // The step ran: the mirrors now hold what was uploaded.
@@ -500,17 +509,33 @@ impl ResidentCache {
         self.counters.bytes_uploaded += rows * row_bytes;
         self.counters.full_uploads += full;
         self.counters.grows += grows;
-        self.counters.rebuilds += rebuilds;
         step.scatter(&outs, flag, out, lse)?;
         if crate::profile() {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            // The round trip of a one-command submission, for comparison.
+            let mut e = self.ctx.builder()?;
+            e.fill_buffer(step.ctl.clone(), 0)?;
+            let te = std::time::Instant::now();
+            self.ctx.submit(e)?;
+            let empty = te.elapsed();
             eprintln!(
-                "foxedge-vulkan decode {nh} heads, {rows} rows sent: prep {:.0} us, build {:.0} \
-                 us, submit+wait {:.0} us, read {:.0} us",
+                "foxedge-vulkan decode {nh} heads, {rows} rows sent: prep {:.0} us (checks {:.0}, \
+                 dirty rows {:.0}, plan {:.0}, packing {:.0}), build {:.0} \
+                 us, submit+wait {:.0} us (barriers {:.0}, submit {:.0}, wait {:.0}), read {:.0} us; \
+                 gpu upload/kernel/readback {:.0?} us; one-command round trip {:.0} us",
                 us(t_prep),
+                us(t_val),
+                us(t_dirty - t_val),
+                us(t_plan - t_dirty),
+                us(t_prep - t_plan),
                 us(t_build - t_prep),
                 us(t_run - t_build),
-                us(t0.elapsed() - t_run)
+                us(phases[0]),
+                us(phases[1]),
+                us(phases[2]),
+                us(t0.elapsed() - t_run),
+                stamps.map(|s| s.gaps_us()).unwrap_or_default(),
+                us(empty)
             );
         }
         Ok(stats)

@@ -12,20 +12,17 @@
 //! serves a call's one-off upload ([`prepare`]) and the resident cache (`cache.rs`).
 
 use crate::api::{Acp, AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage};
+use crate::arena::{Arena, Kind};
 use crate::device::Context;
 use crate::error::{Error, Result};
 use crate::pack::{pack_rows, split_f64};
 use foxedge_core::threshold;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vulkano::buffer::{BufferContents, Subbuffer};
-use vulkano::command_buffer::{
-    AutoCommandBufferBuilder, BufferCopy, CopyBufferInfo, PrimaryAutoCommandBuffer,
-    PrimaryCommandBufferAbstract,
-};
+use vulkano::command_buffer::{AutoCommandBufferBuilder, PrimaryAutoCommandBuffer};
 use vulkano::descriptor_set::{DescriptorSet, WriteDescriptorSet};
 use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
-use vulkano::sync::GpuFuture;
 
 static DECODE_F32: &[u8] = include_bytes!("../shaders/decode_f32.spv");
 static DECODE_F16: &[u8] = include_bytes!("../shaders/decode_f16.spv");
@@ -430,7 +427,7 @@ pub(crate) fn plan<Q: Storage, T: Storage>(
     Ok((plans, stats))
 }
 
-/// Host-to-device copies gathered into one staging buffer and recorded as few commands.
+/// Host-to-device uploads gathered into one staging buffer and recorded as few dispatches.
 #[derive(Default)]
 pub(crate) struct Uploads {
     words: Vec<u32>,
@@ -457,39 +454,143 @@ impl Uploads {
         self.regions.push((dst.clone(), src, at, data.len()));
     }
 
-    /// Records the copies (one command per run of regions with the same destination).
+    /// Records the uploads: the data and the region tables go into one staging buffer
+    /// (`arena`'s upload slot 0), and `scatter.comp` copies them on the device, one
+    /// dispatch per [`SCATTER_SLOTS`] destination buffers (a steady decode step: 16 heads'
+    /// new rows and the step's inputs in 2 dispatches instead of 17 copy commands).
     pub fn record(
         self,
         ctx: &Context,
+        arena: &mut Arena,
         b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
     ) -> Result<()> {
         if self.regions.is_empty() {
             return Ok(());
         }
-        let staging = ctx.host_buffer(self.words.len(), true)?;
-        staging
-            .write()
-            .map_err(|e| Error::Vulkan(e.to_string()))?
-            .copy_from_slice(&self.words);
-        let mut i = 0;
-        while i < self.regions.len() {
-            let dst = self.regions[i].0.clone();
-            let mut info = CopyBufferInfo::buffers(staging.clone(), dst.clone());
-            info.regions.clear();
-            while i < self.regions.len() && same(&self.regions[i].0, &dst) {
-                let (_, s, d, n) = self.regions[i];
-                info.regions.push(BufferCopy {
-                    src_offset: s as u64 * 4,
-                    dst_offset: d as u64 * 4,
-                    size: n as u64 * 4,
-                    ..Default::default()
-                });
-                i += 1;
+        let limit_words = (ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) / 4)
+            .min(u32::MAX as u64) as usize;
+        let max_groups = ctx
+            .device
+            .physical_device()
+            .properties()
+            .max_compute_work_group_count[0] as usize;
+        // Dispatches: destinations (at most SCATTER_SLOTS), pieces (slot, src, dst, words)
+        // with src relative to the dispatch's source window [src0, src1).
+        struct Dispatch {
+            dsts: Vec<Subbuffer<[u32]>>,
+            pieces: Vec<[u32; 4]>,
+            src0: usize,
+            src1: usize,
+        }
+        let mut ds: Vec<Dispatch> = Vec::new();
+        for (dst, src, at, n) in &self.regions {
+            let mut o = 0;
+            while o < *n {
+                let len = (n - o).min(PIECE);
+                let (s0, s1) = (src + o, src + o + len);
+                let fits = |d: &Dispatch| {
+                    let new_slot = !d.dsts.iter().any(|x| same(x, dst));
+                    (!new_slot || d.dsts.len() < SCATTER_SLOTS)
+                        && s1 - d.src0 <= limit_words
+                        && d.pieces.len() < max_groups
+                };
+                if !ds.last().is_some_and(fits) {
+                    ds.push(Dispatch {
+                        dsts: Vec::new(),
+                        pieces: Vec::new(),
+                        src0: s0,
+                        src1: s0,
+                    });
+                }
+                let d = ds
+                    .last_mut()
+                    .ok_or_else(|| Error::Vulkan("no dispatch".into()))?;
+                let slot = match d.dsts.iter().position(|x| same(x, dst)) {
+                    Some(k) => k,
+                    None => {
+                        d.dsts.push(dst.clone());
+                        d.dsts.len() - 1
+                    }
+                };
+                d.pieces.push([
+                    slot as u32,
+                    (s0 - d.src0) as u32,
+                    (at + o) as u32,
+                    len as u32,
+                ]);
+                d.src1 = s1;
+                o += len;
             }
-            b.copy_buffer(info)?;
+        }
+        // Staging: the data, then each dispatch's table at an aligned offset.
+        let align = storage_align(ctx);
+        let mut words = self.words.len();
+        let mut tables = Vec::with_capacity(ds.len());
+        for d in &ds {
+            let at = words.div_ceil(align) * align;
+            tables.push(at);
+            words = at + 4 * d.pieces.len();
+        }
+        let staging = arena.get(ctx, Kind::Upload, 0, words)?;
+        {
+            let mut w = staging.write().map_err(|e| Error::Vulkan(e.to_string()))?;
+            w[..self.words.len()].copy_from_slice(&self.words);
+            for (d, &at) in ds.iter().zip(&tables) {
+                for (k, p) in d.pieces.iter().enumerate() {
+                    w[at + 4 * k..at + 4 * k + 4].copy_from_slice(p);
+                }
+            }
+        }
+        let pipe = ctx.pipeline("scatter", SCATTER, &[(0, SCATTER_WGS)])?;
+        let layout = pipe
+            .layout()
+            .set_layouts()
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::Vulkan("scatter pipeline has no descriptor set".into()))?;
+        b.bind_pipeline_compute(pipe.clone())?;
+        for (d, &at) in ds.iter().zip(&tables) {
+            let slots: Vec<Subbuffer<[u32]>> = (0..SCATTER_SLOTS)
+                .map(|k| d.dsts[k.min(d.dsts.len() - 1)].clone())
+                .collect();
+            let set = DescriptorSet::new(
+                ctx.desc.clone(),
+                layout.clone(),
+                [
+                    WriteDescriptorSet::buffer(0, view(&staging, (d.src0, d.src1 - d.src0))),
+                    WriteDescriptorSet::buffer_array(1, 0, slots),
+                    WriteDescriptorSet::buffer(2, view(&staging, (at, 4 * d.pieces.len()))),
+                ],
+                [],
+            )?;
+            b.bind_descriptor_sets(PipelineBindPoint::Compute, pipe.layout().clone(), 0, set)?;
+            b.push_constants(pipe.layout().clone(), 0, 0u32)?;
+            // SAFETY: pipeline, set and push constant bound above. Workgroup i reads piece
+            // i of the table (the dispatch has one workgroup per piece); a piece's source
+            // lies in the bound source window (src1 - src0 words) and its destination range
+            // was given by the caller within its buffer (`push`).
+            unsafe { b.dispatch([d.pieces.len() as u32, 1, 1]) }?;
         }
         Ok(())
     }
+}
+
+/// Largest region piece one scatter workgroup copies (u32 words).
+const PIECE: usize = 4096;
+/// Destination buffers per scatter dispatch (`SLOTS` in the shader).
+pub(crate) const SCATTER_SLOTS: usize = 16;
+const SCATTER_WGS: u32 = 256;
+static SCATTER: &[u8] = include_bytes!("../shaders/scatter.spv");
+
+/// The device's storage-buffer offset alignment, in u32 words.
+pub(crate) fn storage_align(ctx: &Context) -> usize {
+    (ctx.device
+        .physical_device()
+        .properties()
+        .min_storage_buffer_offset_alignment
+        .as_devicesize() as usize)
+        .div_ceil(4)
+        .max(1)
 }
 
 fn same(a: &Subbuffer<[u32]>, b: &Subbuffer<[u32]>) -> bool {
@@ -526,11 +627,12 @@ pub(crate) fn upload_head<T: Storage>(
     Ok(HeadRef { buf, cap })
 }
 
-/// One dispatch: up to [`HPD`] heads, its inputs, scratch and outputs.
+/// One dispatch: up to [`HPD`] heads; its outputs are views of the step's results buffer.
 pub(crate) struct Group {
     set: Arc<DescriptorSet>,
     groups: [u32; 3],
-    counters: Subbuffer<[u32]>,
+    /// Set to 1 by a row whose softmax was not finite.
+    pub flag: Subbuffer<[u32]>,
     pub out: Subbuffer<[u32]>,
     pub lse: Subbuffer<[u32]>,
     pub head0: usize,
@@ -538,16 +640,44 @@ pub(crate) struct Group {
 }
 
 /// A call's dispatches and the values they share.
+///
+/// Buffers (slots of the caller's [`Arena`], reused from step to step by the resident
+/// cache): `inputs` holds every group's q, query info, c_t and block flags (one upload
+/// copy); `scratch` every group's partials; `results` = `[flag, counters of each group |
+/// out, lse of each group]`, of which `ctl` (flags and counters) is zeroed by one fill and
+/// the whole is read back by one copy. No buffer range is written by two groups, so their
+/// dispatches need no barrier between them. Views start at multiples of the device's
+/// storage-offset alignment.
 pub(crate) struct Step {
     kernel: Kernel,
     push: Push,
     pub groups: Vec<Group>,
-    pub flag: Subbuffer<[u32]>,
+    pub ctl: Subbuffer<[u32]>,
+    pub results: Subbuffer<[u32]>,
     pub nq: usize,
 }
 
+/// Word offsets of consecutive views, each starting at a multiple of `align` words.
+struct Layout {
+    align: usize,
+    words: usize,
+}
+
+impl Layout {
+    fn take(&mut self, len: usize) -> (usize, usize) {
+        let at = self.words.div_ceil(self.align) * self.align;
+        self.words = at + len.max(1);
+        (at, len.max(1))
+    }
+}
+
+fn view(buf: &Subbuffer<[u32]>, (at, len): (usize, usize)) -> Subbuffer<[u32]> {
+    buf.clone().slice(at as u64..(at + len) as u64)
+}
+
 /// Builds the dispatches of a call over `heads` (one [`HeadRef`] per head of `args`),
-/// queuing its small inputs into `up`.
+/// queuing its small inputs into `up`; per-step buffers come from `arena`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn build_step<Q: Storage, T: Storage>(
     ctx: &Arc<Context>,
     kernel: &Kernel,
@@ -556,6 +686,7 @@ pub(crate) fn build_step<Q: Storage, T: Storage>(
     plans: &[HeadPlan],
     heads: &[HeadRef],
     up: &mut Uploads,
+    arena: &mut Arena,
 ) -> Result<Step> {
     let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
     let bk = opts.block_k;
@@ -575,8 +706,25 @@ pub(crate) fn build_step<Q: Storage, T: Storage>(
         .first()
         .cloned()
         .ok_or_else(|| Error::Vulkan("decode pipeline has no descriptor set".into()))?;
-    let flag = ctx.device_buffer(1)?;
-    let mut groups = Vec::new();
+    let align = storage_align(ctx);
+    let new_layout = || Layout { align, words: 0 };
+    let (mut li, mut ls, mut lr) = (new_layout(), new_layout(), new_layout());
+
+    // Host side of each group: its data and where its views go.
+    struct G {
+        h0: usize,
+        h1: usize,
+        data: [Vec<u32>; 4],
+        inputs: [(usize, usize); 4],
+        part_ml: (usize, usize),
+        part_o: (usize, usize),
+        flag: (usize, usize),
+        counters: (usize, usize),
+        out: (usize, usize),
+        lse: (usize, usize),
+        groups: [u32; 3],
+    }
+    let mut gs = Vec::new();
     for h0 in (0..nh).step_by(HPD) {
         let h1 = (h0 + HPD).min(nh);
         let queries = (h1 - h0) * nq;
@@ -617,48 +765,76 @@ pub(crate) fn build_step<Q: Storage, T: Storage>(
             );
         }
         let q = pack_rows(args.q, false, queries, d, |r| (h0 * nq + r) * d).words;
-        let bq = ctx.device_buffer(q.len())?;
-        let bi = ctx.device_buffer(qinfo.len())?;
-        let bc = ctx.device_buffer(qc.len())?;
-        let bk_ = ctx.device_buffer(kept.len().max(1))?;
-        up.push(&bq, 0, &q);
-        up.push(&bi, 0, &qinfo);
-        up.push(&bc, 0, &qc);
-        up.push(&bk_, 0, &kept);
-        let part_ml = ctx.device_buffer(parts.max(1) * 2)?;
-        let part_o = ctx.device_buffer(parts.max(1) * d)?;
-        let out = ctx.device_buffer(queries * d)?;
-        let lse = ctx.device_buffer(queries)?;
-        let counters = ctx.device_buffer(queries)?;
+        let data = [q, qinfo, qc, kept];
+        let inputs = [
+            li.take(data[0].len()),
+            li.take(data[1].len()),
+            li.take(data[2].len()),
+            li.take(data[3].len()),
+        ];
+        gs.push(G {
+            h0,
+            h1,
+            data,
+            inputs,
+            part_ml: ls.take(parts * 2),
+            part_o: ls.take(parts * d),
+            flag: (0, 0),
+            counters: (0, 0),
+            out: (0, 0),
+            lse: (0, 0),
+            groups: [max_chunks as u32, queries as u32, 1],
+        });
+    }
+    for g in &mut gs {
+        g.flag = lr.take(1);
+        g.counters = lr.take(g.groups[1] as usize);
+    }
+    let ctl_words = lr.words;
+    for g in &mut gs {
+        g.out = lr.take(g.groups[1] as usize * d);
+        g.lse = lr.take(g.groups[1] as usize);
+    }
+    let inputs = arena.get(ctx, Kind::Device, 0, li.words)?;
+    let scratch = arena.get(ctx, Kind::Device, 1, ls.words)?;
+    let results = arena.get(ctx, Kind::Device, 2, lr.words)?;
+    let mut groups = Vec::with_capacity(gs.len());
+    for g in gs {
+        for (data, &(at, _)) in g.data.iter().zip(&g.inputs) {
+            up.push(&inputs, at, data);
+        }
         let slots: Vec<Subbuffer<[u32]>> = (0..HPD)
-            .map(|s| heads[(h0 + s).min(h1 - 1)].buf.clone())
+            .map(|s| heads[(g.h0 + s).min(g.h1 - 1)].buf.clone())
             .collect();
+        let out = view(&results, g.out);
+        let lse = view(&results, g.lse);
+        let flag = view(&results, g.flag);
         let set = DescriptorSet::new(
             ctx.desc.clone(),
             layout.clone(),
             [
-                WriteDescriptorSet::buffer(0, bq),
+                WriteDescriptorSet::buffer(0, view(&inputs, g.inputs[0])),
                 WriteDescriptorSet::buffer_array(1, 0, slots),
-                WriteDescriptorSet::buffer(2, bi),
-                WriteDescriptorSet::buffer(3, bc),
-                WriteDescriptorSet::buffer(4, bk_),
-                WriteDescriptorSet::buffer(5, part_ml),
-                WriteDescriptorSet::buffer(6, part_o),
+                WriteDescriptorSet::buffer(2, view(&inputs, g.inputs[1])),
+                WriteDescriptorSet::buffer(3, view(&inputs, g.inputs[2])),
+                WriteDescriptorSet::buffer(4, view(&inputs, g.inputs[3])),
+                WriteDescriptorSet::buffer(5, view(&scratch, g.part_ml)),
+                WriteDescriptorSet::buffer(6, view(&scratch, g.part_o)),
                 WriteDescriptorSet::buffer(7, out.clone()),
                 WriteDescriptorSet::buffer(8, lse.clone()),
-                WriteDescriptorSet::buffer(9, counters.clone()),
+                WriteDescriptorSet::buffer(9, view(&results, g.counters)),
                 WriteDescriptorSet::buffer(10, flag.clone()),
             ],
             [],
         )?;
         groups.push(Group {
             set,
-            groups: [max_chunks as u32, queries as u32, 1],
-            counters,
+            groups: g.groups,
+            flag,
             out,
             lse,
-            head0: h0,
-            heads: h1 - h0,
+            head0: g.h0,
+            heads: g.h1 - g.h0,
         });
     }
     Ok(Step {
@@ -670,22 +846,20 @@ pub(crate) fn build_step<Q: Storage, T: Storage>(
             pad: 0,
         },
         groups,
-        flag,
+        ctl: results.clone().slice(0..ctl_words as u64),
+        results,
         nq,
     })
 }
 
 impl Step {
-    /// Records: zeroed counters and flag, then `reps` times every dispatch.
+    /// Records: zeroed flag and counters (one fill), then `reps` times every dispatch.
     pub fn record(
         &self,
         b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
         reps: usize,
     ) -> Result<()> {
-        b.fill_buffer(self.flag.clone(), 0)?;
-        for g in &self.groups {
-            b.fill_buffer(g.counters.clone(), 0)?;
-        }
+        b.fill_buffer(self.ctl.clone(), 0)?;
         let pipe = &self.kernel.pipe;
         for _ in 0..reps.max(1) {
             for g in &self.groups {
@@ -709,7 +883,8 @@ impl Step {
     }
 
     /// Output `[heads, n_queries, head_dim]` and lse `[heads, n_queries]` from the words of
-    /// each group's (out, lse) and the flag word; a set flag is the non-finite error.
+    /// each group's (out, lse) and the groups' flags or-ed; a set flag is the non-finite
+    /// error.
     pub fn scatter<O: Storage>(
         &self,
         outs: &[(Vec<u32>, Vec<u32>)],
@@ -735,20 +910,6 @@ impl Step {
         }
         Ok(())
     }
-}
-
-/// Builds and submits `b`, waits; returns the time from submit to completion.
-pub(crate) fn submit_timed(
-    ctx: &Context,
-    b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
-) -> Result<Duration> {
-    let cb = b.build()?;
-    let t0 = Instant::now();
-    cb.execute(ctx.queue.clone())
-        .map_err(|e| Error::Vulkan(e.to_string()))?
-        .then_signal_fence_and_flush()?
-        .wait(None)?;
-    Ok(t0.elapsed())
 }
 
 /// Checks `out` / `lse` lengths for `rows` query rows of `d` values.
@@ -809,9 +970,12 @@ pub(crate) fn prepare<Q: Storage, T: Storage>(
         }
         heads.push(upload_head(ctx, &mut up, hc, d, f16)?);
     }
-    let step = build_step(ctx, &kernel, args, opts, &plans, &heads, &mut up)?;
+    let mut arena = Arena::new(false);
+    let step = build_step(
+        ctx, &kernel, args, opts, &plans, &heads, &mut up, &mut arena,
+    )?;
     let mut b = ctx.builder()?;
-    up.record(ctx, &mut b)?;
+    up.record(ctx, &mut arena, &mut b)?;
     ctx.submit(b)?;
     Ok(PreparedDecode {
         ctx: ctx.clone(),
@@ -827,7 +991,9 @@ impl PreparedDecode {
     pub fn run(&self, reps: usize) -> Result<Duration> {
         let mut b = self.ctx.builder()?;
         self.step.record(&mut b, reps)?;
-        submit_timed(&self.ctx, b)
+        // Submit to completion; the command buffer's build is not counted.
+        let [_, submit, wait] = self.ctx.submit_timed(b)?;
+        Ok(submit + wait)
     }
 
     pub fn stats(&self) -> &AttentionStats {
@@ -853,17 +1019,17 @@ impl PreparedDecode {
             out,
             lse.as_deref(),
         )?;
-        let mut bufs = vec![&self.step.flag];
+        let mut bufs = Vec::new();
         for g in &self.step.groups {
-            bufs.push(&g.out);
-            bufs.push(&g.lse);
+            bufs.extend([&g.flag, &g.out, &g.lse]);
         }
         let got = self.ctx.download(&bufs)?;
-        let flag = got[0].first().copied().unwrap_or(0);
-        let outs: Vec<(Vec<u32>, Vec<u32>)> = got[1..]
-            .chunks_exact(2)
-            .map(|p| (p[0].clone(), p[1].clone()))
-            .collect();
+        let mut flag = 0;
+        let mut outs = Vec::with_capacity(self.step.groups.len());
+        for p in got.chunks_exact(3) {
+            flag |= p[0].first().copied().unwrap_or(0);
+            outs.push((p[1].clone(), p[2].clone()));
+        }
         self.step.scatter(&outs, flag, out, lse)
     }
 }

@@ -435,7 +435,10 @@ impl Context {
         Ok(Buffer::new_slice::<u32>(
             self.mem.clone(),
             BufferCreateInfo {
-                usage: BufferUsage::TRANSFER_SRC | BufferUsage::TRANSFER_DST,
+                // Storage: the decode's scatter kernel reads uploads straight from staging.
+                usage: BufferUsage::TRANSFER_SRC
+                    | BufferUsage::TRANSFER_DST
+                    | BufferUsage::STORAGE_BUFFER,
                 ..Default::default()
             },
             AllocationCreateInfo {
@@ -456,12 +459,28 @@ impl Context {
 
     /// Submits and waits.
     pub fn submit(&self, b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>) -> Result<()> {
+        self.submit_timed(b).map(|_| ())
+    }
+
+    /// [`Self::submit`], returning the host time of its phases: building the command
+    /// buffer (vulkano's barrier pass), submitting it (resource locking, fence, queue
+    /// submit) and waiting for the fence.
+    pub fn submit_timed(
+        &self,
+        b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+    ) -> Result<[std::time::Duration; 3]> {
+        let t0 = std::time::Instant::now();
         let cb = b.build()?;
-        cb.execute(self.queue.clone())
+        let t1 = std::time::Instant::now();
+        let fence = cb
+            .execute(self.queue.clone())
             .map_err(|e| Error::Vulkan(e.to_string()))?
-            .then_signal_fence_and_flush()?
-            .wait(None)?;
-        Ok(())
+            .then_signal_fence_and_flush()?;
+        let t2 = std::time::Instant::now();
+        fence.wait(None)?;
+        drop(fence);
+        let t3 = std::time::Instant::now();
+        Ok([t1 - t0, t2 - t1, t3 - t2])
     }
 
     /// Uploads words into new device-local buffers, one copy command each, one submit.
@@ -502,6 +521,76 @@ impl Context {
                     .map(|r| r.to_vec())
                     .map_err(|e| Error::Vulkan(e.to_string()))
             })
+            .collect()
+    }
+}
+
+/// GPU timestamps for the phase profile (`FOXEDGE_VULKAN_PROFILE`): `n` stamps, each taken
+/// when every command recorded before it has completed.
+pub(crate) struct Stamps {
+    pool: Arc<vulkano::query::QueryPool>,
+    n: u32,
+    period_ns: f64,
+}
+
+impl Stamps {
+    /// None where the queue cannot time compute work.
+    pub fn new(ctx: &Context, n: u32) -> Option<Self> {
+        use vulkano::query::{QueryPool, QueryPoolCreateInfo, QueryType};
+        let props = ctx.device.physical_device().properties();
+        if !props.timestamp_compute_and_graphics {
+            return None;
+        }
+        let pool = QueryPool::new(
+            ctx.device.clone(),
+            QueryPoolCreateInfo {
+                query_count: n,
+                ..QueryPoolCreateInfo::query_type(QueryType::Timestamp)
+            },
+        )
+        .ok()?;
+        Some(Self {
+            pool,
+            n,
+            period_ns: f64::from(props.timestamp_period),
+        })
+    }
+
+    /// Resets the pool (record first).
+    pub fn reset(&self, b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>) -> Result<()> {
+        // SAFETY: the pool is not in use by any other command buffer (one step at a time).
+        unsafe { b.reset_query_pool(self.pool.clone(), 0..self.n) }?;
+        Ok(())
+    }
+
+    pub fn stamp(
+        &self,
+        b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+        i: u32,
+    ) -> Result<()> {
+        // SAFETY: query `i` < n was reset earlier in this command buffer.
+        unsafe {
+            b.write_timestamp(
+                self.pool.clone(),
+                i,
+                vulkano::sync::PipelineStage::AllCommands,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Microseconds between consecutive stamps (after the submission completed).
+    pub fn gaps_us(&self) -> Vec<f64> {
+        let mut t = vec![0u64; self.n as usize];
+        let ok = self
+            .pool
+            .get_results(0..self.n, &mut t, vulkano::query::QueryResultFlags::WAIT)
+            .is_ok();
+        if !ok {
+            return Vec::new();
+        }
+        t.windows(2)
+            .map(|w| w[1].wrapping_sub(w[0]) as f64 * self.period_ns / 1e3)
             .collect()
     }
 }
