@@ -542,12 +542,7 @@ impl Uploads {
             }
         }
         let pipe = ctx.pipeline("scatter", SCATTER, &[(0, SCATTER_WGS)])?;
-        let layout = pipe
-            .layout()
-            .set_layouts()
-            .first()
-            .cloned()
-            .ok_or_else(|| Error::Vulkan("scatter pipeline has no descriptor set".into()))?;
+        let layout = set_layout(&pipe, "scatter")?;
         b.bind_pipeline_compute(pipe.clone())?;
         for (d, &at) in ds.iter().zip(&tables) {
             let slots: Vec<Subbuffer<[u32]>> = (0..SCATTER_SLOTS)
@@ -581,6 +576,18 @@ const PIECE: usize = 4096;
 pub(crate) const SCATTER_SLOTS: usize = 16;
 const SCATTER_WGS: u32 = 256;
 static SCATTER: &[u8] = include_bytes!("../shaders/scatter.spv");
+
+/// The layout of `pipe`'s descriptor set 0 (the only set these kernels use).
+fn set_layout(
+    pipe: &ComputePipeline,
+    what: &str,
+) -> Result<Arc<vulkano::descriptor_set::layout::DescriptorSetLayout>> {
+    pipe.layout()
+        .set_layouts()
+        .first()
+        .cloned()
+        .ok_or_else(|| Error::Vulkan(format!("{what} pipeline has no descriptor set")))
+}
 
 /// The device's storage-buffer offset alignment, in u32 words.
 pub(crate) fn storage_align(ctx: &Context) -> usize {
@@ -699,13 +706,7 @@ pub(crate) fn build_step<Q: Storage, T: Storage>(
         .filter(|&c| c <= u32::MAX as usize)
         .ok_or_else(|| Error::Unsupported("split too large for u32 indexing".into()))?;
     let scale = opts.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let layout = kernel
-        .pipe
-        .layout()
-        .set_layouts()
-        .first()
-        .cloned()
-        .ok_or_else(|| Error::Vulkan("decode pipeline has no descriptor set".into()))?;
+    let layout = set_layout(&kernel.pipe, "decode")?;
     let align = storage_align(ctx);
     let new_layout = || Layout { align, words: 0 };
     let (mut li, mut ls, mut lr) = (new_layout(), new_layout(), new_layout());
