@@ -47,6 +47,75 @@ pub(crate) struct CacheSync<'a> {
     /// `[n]` the version at which each row was last written (read by the Vulkan mirror).
     #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub row_version: &'a [u64],
+    /// The latest writes, `(since, rows)` as [`WriteJournal::view`] gives them: a mirror
+    /// at a version `>= since` reads its changed rows here instead of scanning
+    /// `row_version`.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
+    pub journal: Option<(u64, &'a [u32])>,
+}
+
+/// Fewest writes a [`WriteJournal`] keeps.
+const JOURNAL_MIN: usize = 16;
+
+/// The latest row writes of one cache head: write `i` (oldest first) is of row `rows[i]`
+/// at version `since + 1 + i`, every version after `since` being one row's write.
+///
+/// Invariant: `since + rows.len()` is the head's version, and for a head of `n` entries
+/// the journal holds the latest `keep = max(16, n / 16)` writes at least (all of them
+/// since the last [`WriteJournal::rewrote_all`]) and `2 keep` at most: past `2 keep` the
+/// oldest are dropped down to `keep`, so a drop moves `keep` words per `keep` writes.
+/// Its memory is at most about half a byte per entry ([`crate::session::entry_bytes`]
+/// counts it).
+#[derive(Debug, Default)]
+pub(crate) struct WriteJournal {
+    since: u64,
+    rows: Vec<u32>,
+}
+
+impl WriteJournal {
+    /// Writes always kept for a head of `live` entries.
+    fn keep(live: usize) -> usize {
+        JOURNAL_MIN.max(live / 16)
+    }
+
+    /// Notes that `version` (the head's next) wrote `row`, the head now holding `live`
+    /// entries. A version out of sequence, or a row past `u32`, restarts the journal
+    /// there (mirrors behind it then scan, which is always exact).
+    pub fn wrote(&mut self, row: usize, version: u64, live: usize) {
+        let next = self.since + self.rows.len() as u64 + 1;
+        match u32::try_from(row) {
+            Ok(r) if version == next => self.rows.push(r),
+            _ => return self.rewrote_all(version),
+        }
+        let keep = Self::keep(live);
+        if self.rows.len() > 2 * keep {
+            let drop = self.rows.len() - keep;
+            self.since += drop as u64;
+            self.rows.drain(..drop);
+        }
+    }
+
+    /// Notes that `version` wrote every row (a re-basing): nothing older is kept.
+    pub fn rewrote_all(&mut self, version: u64) {
+        self.rows.clear();
+        self.since = version;
+    }
+
+    /// `(since, rows)`.
+    pub fn view(&self) -> (u64, &[u32]) {
+        (self.since, &self.rows)
+    }
+
+    /// Reserves room for the writes a head of up to `live` entries keeps, so that
+    /// [`WriteJournal::wrote`] does not allocate.
+    pub fn try_reserve(
+        &mut self,
+        live: usize,
+    ) -> std::result::Result<(), std::collections::TryReserveError> {
+        let want = 2 * Self::keep(live) + 1;
+        self.rows
+            .try_reserve_exact(want.saturating_sub(self.rows.len()))
+    }
 }
 
 /// Kept and attendable query-key pairs of one call, per head.
@@ -272,6 +341,62 @@ pub(crate) fn resolve(kind: BackendKind) -> Result<Box<dyn AttentionBackend>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The journal holds the latest writes in order, ends at the version, and keeps
+        /// between `max(16, n / 16)` (or all since a re-basing) and twice that.
+        #[test]
+        fn journal_keeps_the_latest_writes_within_its_bound(
+            start in 0usize..3000,
+            ops in proptest::collection::vec((0u8..8, 0usize..100_000, 0u8..3), 0..400),
+        ) {
+            // A head's entries move by at most one per write (an append or an eviction).
+            let mut live = start;
+            let mut j = WriteJournal::default();
+            let mut version = 0u64;
+            let mut all: Vec<(u64, u32)> = Vec::new();
+            let mut since_all = 0u64;
+            for (op, row, step) in ops {
+                version += 1;
+                live = (live + usize::from(step)).saturating_sub(1);
+                if op == 0 {
+                    j.rewrote_all(version);
+                    all.clear();
+                    since_all = version;
+                } else {
+                    j.wrote(row, version, live);
+                    all.push((version, row as u32));
+                    let keep = JOURNAL_MIN.max(live / 16);
+                    prop_assert!(j.rows.len() <= 2 * keep);
+                    let written = (version - since_all) as usize;
+                    prop_assert!(j.rows.len() >= keep.min(written));
+                }
+                let (since, rows) = j.view();
+                prop_assert_eq!(since + rows.len() as u64, version);
+                let tail: Vec<u32> = all
+                    .iter()
+                    .filter(|&&(v, _)| v > since)
+                    .map(|&(_, r)| r)
+                    .collect();
+                prop_assert_eq!(rows, &tail[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn journal_restarts_on_a_version_out_of_sequence() {
+        let mut j = WriteJournal::default();
+        j.wrote(3, 1, 10);
+        j.wrote(4, 2, 10);
+        assert_eq!(j.view(), (0, &[3u32, 4][..]));
+        j.wrote(5, 7, 10);
+        assert_eq!(j.view(), (7, &[][..]));
+        j.wrote(usize::MAX, 8, 10);
+        assert_eq!(j.view(), (8, &[][..]));
+        j.try_reserve(4096).unwrap();
+        assert!(j.rows.capacity() > 2 * 4096 / 16);
+    }
 
     #[test]
     fn parse_backend_names() {

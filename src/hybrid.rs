@@ -28,7 +28,7 @@
 
 use crate::backend::{
     Acp, AttentionBackend, AttentionStats, BackendKind, CacheHead, CacheSync, CpuBackend,
-    DecodeCall, PrefillCall,
+    DecodeCall, PrefillCall, WriteJournal,
 };
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -683,6 +683,8 @@ struct StepSync {
     base: u64,
     version: u64,
     row_version: Vec<u64>,
+    /// The steps' writes, as a session journals its heads'.
+    journal: WriteJournal,
 }
 
 impl StepSync {
@@ -692,6 +694,11 @@ impl StepSync {
             base: fresh_cache_ids(heads),
             version: n as u64,
             row_version: (1..=n as u64).collect(),
+            journal: {
+                let mut j = WriteJournal::default();
+                j.rewrote_all(n as u64);
+                j
+            },
         }
     }
 
@@ -703,7 +710,9 @@ impl StepSync {
         }
         let s = self.version - n;
         self.version += 1;
-        self.row_version[(n - 1 - s % n) as usize] = self.version;
+        let row = (n - 1 - s % n) as usize;
+        self.row_version[row] = self.version;
+        self.journal.wrote(row, self.version, n as usize);
     }
 
     fn sync(&self, head: usize) -> CacheSync<'_> {
@@ -711,6 +720,7 @@ impl StepSync {
             id: self.base + head as u64,
             version: self.version,
             row_version: &self.row_version,
+            journal: Some(self.journal.view()),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::backend::{
     self, Acp, AttentionBackend, BackendKind, CacheHead, CacheSync, DecodeCall, PrefillCall,
+    WriteJournal,
 };
 use crate::config::{HiddenAct, OgateAct};
 use crate::error::{Error, Result};
@@ -139,7 +140,8 @@ static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 /// Change tracking for device mirrors ([`backend::CacheSync`]): `version` counts writes;
 /// every write of a row (append, swap-delete move, re-basing of every `c`) sets its
 /// `row_version` to a fresh `version`, so `row_version[j] <= version` always holds and a
-/// changed row is newer than anything a mirror synced before.
+/// changed row is newer than anything a mirror synced before. The journal lists the latest
+/// writes, so a mirror a few steps behind finds its rows without reading every version.
 #[derive(Debug)]
 struct HeadCache {
     /// `[n, hd]`.
@@ -154,6 +156,7 @@ struct HeadCache {
     /// The newest write's version, and each row's.
     version: u64,
     row_version: Vec<u64>,
+    journal: WriteJournal,
 }
 
 impl HeadCache {
@@ -166,6 +169,7 @@ impl HeadCache {
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             version: 0,
             row_version: Vec::new(),
+            journal: WriteJournal::default(),
         }
     }
 
@@ -186,6 +190,8 @@ impl HeadCache {
         self.c.push(c);
         self.pos.push(pos);
         let ver = self.bump();
+        self.journal
+            .wrote(self.row_version.len(), ver, self.c.len());
         self.row_version.push(ver);
     }
 
@@ -196,6 +202,7 @@ impl HeadCache {
         }
         let ver = self.bump();
         self.row_version.fill(ver);
+        self.journal.rewrote_all(ver);
     }
 
     /// Change tracking for a backend's device mirror.
@@ -204,6 +211,7 @@ impl HeadCache {
             id: self.id,
             version: self.version,
             row_version: &self.row_version,
+            journal: Some(self.journal.view()),
         }
     }
 
@@ -227,7 +235,9 @@ impl HeadCache {
                 self.v.copy_within(from * hd..(from + 1) * hd, to * hd);
                 self.c[to] = self.c[from];
                 self.pos[to] = self.pos[from];
-                self.row_version[to] = self.bump();
+                let ver = self.bump();
+                self.row_version[to] = ver;
+                self.journal.wrote(to, ver, n);
             }
             None if slot != last => {
                 return Err(Error::Internal(format!(
@@ -263,10 +273,11 @@ struct LayerState {
     peak_live: usize,
 }
 
-/// Bytes held per cache entry: K and V (f32) plus c (f64), position (u64) and the row's
-/// version (u64, for device mirrors).
+/// Bytes held per cache entry: K and V (f32) plus c (f64), position (u64), the row's
+/// version (u64, for device mirrors) and a byte of write journal (`backend::WriteJournal`:
+/// at most one u32 per 8 entries, or 33 per head).
 pub fn entry_bytes(head_dim: usize) -> usize {
-    2 * head_dim * 4 + 24
+    2 * head_dim * 4 + 25
 }
 
 /// Re-base a head's gate origin once `|c_t|` exceeds this (nats): keeps stored `c` small so
@@ -630,6 +641,7 @@ impl Session {
                 h.c.try_reserve(want).map_err(oom)?;
                 h.pos.try_reserve(want).map_err(oom)?;
                 h.row_version.try_reserve(want).map_err(oom)?;
+                h.journal.try_reserve(h.len() + want).map_err(oom)?;
             }
         }
         Ok(())

@@ -190,6 +190,9 @@ impl AttentionBackend for VulkanBackend {
                         id: s.id,
                         version: s.version,
                         row_version: s.row_version,
+                        journal: s
+                            .journal
+                            .map(|(since, rows)| foxedge_vulkan::Journal { since, rows }),
                     })
                 })
                 .collect();
@@ -408,6 +411,9 @@ mod tests {
             "uploads must not scale with the cache"
         );
         assert_eq!(c1.full_uploads, c0.full_uploads);
+        // The sessions' write journals name every steady step's rows: no head reads all of
+        // its row versions.
+        assert_eq!(c1.scans, c0.scans, "steady steps scanned row versions");
 
         // A second session on the same backend, interleaved; then the first is reset.
         let (mut cb, mut gb) = pair();

@@ -40,6 +40,8 @@ struct Cache {
     c: Vec<Vec<f64>>,
     row_version: Vec<Vec<u64>>,
     version: u64,
+    /// Rows appended since version 1 (one per head and version): every head's journal.
+    appended: Vec<u32>,
 }
 
 impl Cache {
@@ -70,6 +72,7 @@ impl Cache {
             c,
             row_version: (0..heads).map(|_| vec![1; n]).collect(),
             version: 1,
+            appended: Vec::new(),
         }
     }
 
@@ -79,6 +82,7 @@ impl Cache {
 
     fn append(&mut self, r: &mut rand::rngs::StdRng) {
         self.version += 1;
+        self.appended.push(self.n() as u32);
         for h in 0..self.heads {
             let row = common::randn(r, 2 * self.d, 0.5);
             self.k[h].extend_from_slice(&row[..self.d]);
@@ -123,6 +127,10 @@ fn resident_step(
                 id: h as u64 + 1,
                 version: cache.version,
                 row_version: &cache.row_version[h],
+                journal: Some(foxedge_vulkan::Journal {
+                    since: 1,
+                    rows: &cache.appended,
+                }),
             })
         })
         .collect();

@@ -35,7 +35,7 @@ pub use api::{
     Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
     PrefillArgs, PrefillOptions, Storage,
 };
-pub use cache::{CacheCounters, HeadSync, ResidentCache, ResidentOptions};
+pub use cache::{CacheCounters, HeadSync, Journal, ResidentCache, ResidentOptions};
 pub use decode::{DecodeTuning, PreparedDecode, auto_split};
 pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
 pub use error::{Error, Result};

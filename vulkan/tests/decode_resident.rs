@@ -11,12 +11,13 @@ mod common;
 
 use common::*;
 use foxedge_vulkan::{
-    CacheHead, DecodeArgs, DecodeOptions, DecodeTuning, Error, HeadSync, ResidentOptions,
+    CacheHead, DecodeArgs, DecodeOptions, DecodeTuning, Error, HeadSync, Journal, ResidentOptions,
 };
 use half::f16;
 use rand::Rng;
 
-/// One cache head owned the way a session owns it: rows, c, versions.
+/// One cache head owned the way a session owns it: rows, c, versions, and (when
+/// `journal_cap > 0`) a journal of at most that many latest writes.
 #[derive(Clone)]
 struct Head {
     k: Vec<f32>,
@@ -25,6 +26,9 @@ struct Head {
     id: u64,
     version: u64,
     row_version: Vec<u64>,
+    since: u64,
+    journal: Vec<u32>,
+    journal_cap: usize,
 }
 
 impl Head {
@@ -36,15 +40,30 @@ impl Head {
             id,
             version: 0,
             row_version: vec![],
+            since: 0,
+            journal: vec![],
+            journal_cap: 0,
         }
+    }
+
+    /// A fresh version for a write of row `j`, journaled.
+    fn bump(&mut self, j: usize) -> u64 {
+        self.version += 1;
+        self.journal.push(j as u32);
+        if self.journal.len() > self.journal_cap {
+            let drop = self.journal.len() - self.journal_cap / 2;
+            self.since += drop as u64;
+            self.journal.drain(..drop);
+        }
+        self.version
     }
 
     fn push(&mut self, k: &[f32], v: &[f32], c: f64) {
         self.k.extend_from_slice(k);
         self.v.extend_from_slice(v);
         self.c.push(c);
-        self.version += 1;
-        self.row_version.push(self.version);
+        let ver = self.bump(self.row_version.len());
+        self.row_version.push(ver);
     }
 
     /// Swap-delete of row `j`: the last row moves into it.
@@ -54,8 +73,7 @@ impl Head {
             self.k.copy_within(last * d..(last + 1) * d, j * d);
             self.v.copy_within(last * d..(last + 1) * d, j * d);
             self.c[j] = self.c[last];
-            self.version += 1;
-            self.row_version[j] = self.version;
+            self.row_version[j] = self.bump(j);
         }
         self.k.truncate(last * d);
         self.v.truncate(last * d);
@@ -69,6 +87,8 @@ impl Head {
         }
         self.version += 1;
         self.row_version.fill(self.version);
+        self.journal.clear();
+        self.since = self.version;
     }
 
     fn view(&self) -> CacheHead<'_, f32> {
@@ -85,6 +105,10 @@ impl Head {
             id: self.id,
             version: self.version,
             row_version: &self.row_version,
+            journal: (self.journal_cap > 0).then_some(Journal {
+                since: self.since,
+                rows: &self.journal,
+            }),
         })
     }
 }
@@ -235,19 +259,26 @@ fn resident_cache_follows_edits_with_few_uploads() {
     let Some(vk) = device() else { return };
     let d = 64;
     let mut r = rng(33);
-    for f16_mirror in [false, true] {
+    // Journals of 4 writes: a mirror one step behind finds its rows there; one that skipped
+    // a step (every 7th) may be further behind than the journal reaches, and scans.
+    for (f16_mirror, journal_cap) in [(false, 0), (true, 0), (false, 4), (true, 4)] {
         let mut cache = vk.resident_cache(ResidentOptions {
             f16: f16_mirror,
             budget_bytes: None,
         });
-        let base = if f16_mirror { 100 } else { 0 };
+        let base = 100 * u64::from(f16_mirror) + 1000 * journal_cap as u64;
         let mut heads = [
             filled(&mut r, base + 1, 700, d),
             filled(&mut r, base + 2, 60, d),
             filled(&mut r, base + 3, 0, d),
         ];
+        for h in &mut heads {
+            h.journal_cap = journal_cap;
+        }
         let mut last_c = vec![-3.0f64; 3];
         let mut prev = cache.counters();
+        let mut behind = 0u64;
+        let mut decoded = 0u64;
         for step in 0..40 {
             // Edits: one append per head, an eviction every other step, a re-basing once.
             for (h, head) in heads.iter_mut().enumerate() {
@@ -262,6 +293,10 @@ fn resident_cache_follows_edits_with_few_uploads() {
             if step == 20 {
                 heads[1].rebase(last_c[1]);
                 last_c[1] = 0.0;
+            }
+            behind += 1;
+            if journal_cap > 0 && step % 7 == 5 {
+                continue;
             }
             let q = randn(&mut r, 3 * d, 1.0);
             let q_c = last_c.clone();
@@ -297,19 +332,36 @@ fn resident_cache_follows_edits_with_few_uploads() {
             let expect = match step {
                 0 => heads.iter().map(|h| h.c.len() as u64).sum(),
                 20 => heads[1].c.len() as u64 + 4,
-                _ => 3,
+                _ => 3 * behind,
             };
             assert!(
                 rows <= expect,
                 "step {step}: {rows} rows uploaded, expected <= {expect}"
             );
+            // Without a journal every resident head scans; with one, only a head whose
+            // mirror is further behind than its journal reaches (after a skipped step or
+            // the re-basing).
+            let scans = now.scans - prev.scans;
+            if journal_cap == 0 && step > 0 {
+                assert_eq!(scans, 3, "step {step}");
+            } else if journal_cap > 0 && behind == 1 && step != 20 {
+                assert_eq!(scans, 0, "step {step}");
+            }
             prev = now;
+            behind = 0;
+            decoded += 1;
         }
         let c = cache.counters();
-        eprintln!("f16 {f16_mirror}: {c:?}");
+        eprintln!("f16 {f16_mirror} journal {journal_cap}: {c:?}");
         assert_eq!(c.mirrors, 3);
         assert!(c.grows >= 1, "the 60-row head outgrew its 64-row mirror");
-        assert_eq!(c.steps, 40);
+        assert_eq!(c.steps, decoded);
+        if journal_cap > 0 {
+            assert!(
+                c.scans >= 1,
+                "a skipped step leaves a mirror beyond its journal"
+            );
+        }
     }
 }
 
@@ -362,8 +414,7 @@ fn uploads_in_many_scatter_dispatches_match_cpu() {
     }
     // A non-finite row in the second decode dispatch (heads 8..16) is the error.
     heads[13].k[5 * d] = f32::INFINITY;
-    heads[13].version += 1;
-    heads[13].row_version[5] = heads[13].version;
+    heads[13].row_version[5] = heads[13].bump(5);
     let q = randn(&mut r, 20 * d, 1.0);
     let views: Vec<_> = heads.iter().map(Head::view).collect();
     let sync: Vec<_> = heads.iter().map(Head::sync).collect();
@@ -432,6 +483,7 @@ fn resident_cache_budget_evicts_and_reports_oom() {
         id: 13,
         version: 0,
         row_version: &heads[3].row_version,
+        journal: None,
     })];
     let e = cache.decode(&args, &bad, &DecodeOptions::default(), &mut out, None);
     assert!(matches!(e, Err(Error::Input(_))), "{e:?}");
