@@ -108,6 +108,10 @@ struct Mirror {
     synced: u64,
     d: usize,
     last_use: u64,
+    /// `[ceil(n / bk)]` the least c of each `bk`-entry block (`decode::block_minima`), kept
+    /// up to date from the rows written, so the ACP decisions do not read every c.
+    bk: usize,
+    bmin: Vec<f64>,
 }
 
 impl Mirror {
@@ -390,7 +394,41 @@ impl ResidentCache {
             }
         }
         let t_dirty = t0.elapsed();
-        let (plans, stats) = decode::plan(args, opts)?;
+        // Block minima of c for the decisions: a mirror's, updated for the rows written
+        // since (O(blocks + rows written)); whole (O(n), heads in parallel) for a synced
+        // head without them.
+        let bk = opts.block_k;
+        let mut minima: Vec<Option<Vec<f64>>> = (0..nh)
+            .map(|h| {
+                let s = sync[h].as_ref()?;
+                let m = usable(s).filter(|m| m.bk == bk && m.bmin.len() == m.n.div_ceil(bk))?;
+                let Some(Some(runs)) = dirty[h].as_ref() else {
+                    return None;
+                };
+                let c = args.heads[h].c;
+                Some(decode::update_block_minima(
+                    m.bmin.clone(),
+                    m.n,
+                    c,
+                    bk,
+                    runs,
+                ))
+            })
+            .collect();
+        let whole: Vec<usize> = (0..nh)
+            .filter(|&h| minima[h].is_none() && sync[h].is_some())
+            .collect();
+        if !whole.is_empty() {
+            use rayon::prelude::*;
+            let found: Vec<Vec<f64>> = whole
+                .par_iter()
+                .map(|&h| decode::block_minima(args.heads[h].c, bk))
+                .collect();
+            for (&h, m) in whole.iter().zip(found) {
+                minima[h] = Some(m);
+            }
+        }
+        let (plans, stats) = decode::plan(args, opts, &minima)?;
         let t_plan = t0.elapsed();
         for (h, hc) in args.heads.iter().enumerate() {
             let n = hc.c.len();
@@ -500,6 +538,8 @@ impl ResidentCache {
                     synced: s.version,
                     d,
                     last_use: self.clock,
+                    bk,
+                    bmin: minima[h].take().unwrap_or_default(),
                 },
             ));
         }

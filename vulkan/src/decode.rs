@@ -337,6 +337,7 @@ fn plan_head<Q: Storage, T: Storage>(
     h: usize,
     delta: Option<f64>,
     bk: usize,
+    minima: Option<&[f64]>,
 ) -> HeadPlan {
     let nq = args.n_queries;
     let hc = &args.heads[h];
@@ -347,7 +348,41 @@ fn plan_head<Q: Storage, T: Storage>(
         delta,
         ..HeadStats::default()
     };
-    let mut kept = Vec::with_capacity(n.div_ceil(bk));
+    let blocks = n.div_ceil(bk);
+    let min_of = |b: usize| match minima {
+        Some(m) => m[b],
+        None => block_min(&hc.c[b * bk..((b + 1) * bk).min(n)]),
+    };
+    if (hc.pos.is_none() || qpos.is_none()) && nq > 0 {
+        // Every entry is attendable by every query: only the gates decide.
+        st.total_pairs = n as u64 * nq as u64;
+        st.total_blocks = blocks as u64;
+        let Some(dl) = delta else {
+            st.kept_pairs = st.total_pairs;
+            st.kept_blocks = st.total_blocks;
+            return HeadPlan {
+                kept: Vec::new(),
+                stats: st,
+            };
+        };
+        // Branch-free: a block is kept when some query has `c_t - cmin >= delta`.
+        let kept: Vec<u32> = (0..blocks)
+            .map(|b| {
+                let cmin = min_of(b);
+                u32::from(!qc.iter().all(|&ct| ct - cmin < dl))
+            })
+            .collect();
+        st.kept_blocks = kept.iter().map(|&k| u64::from(k)).sum();
+        // Every kept block holds `bk` entries but the last, which holds `n - (blocks-1) bk`.
+        let short = (blocks * bk - n) as u64 * u64::from(kept.last().copied().unwrap_or(0));
+        st.kept_pairs = (st.kept_blocks * bk as u64 - short) * nq as u64;
+        let mut kept = kept;
+        if st.kept_blocks == st.total_blocks {
+            kept.clear();
+        }
+        return HeadPlan { kept, stats: st };
+    }
+    let mut kept = Vec::with_capacity(blocks);
     let mut all = true;
     let mut b0 = 0;
     while b0 < n {
@@ -364,7 +399,7 @@ fn plan_head<Q: Storage, T: Storage>(
             st.total_blocks += 1;
         }
         let pruned = delta.is_some_and(|dl| {
-            let cmin = block_min(&hc.c[b0..b1]);
+            let cmin = min_of(b0 / bk);
             qc.iter().all(|&ct| ct - cmin < dl)
         });
         let keep = !pruned && pairs > 0;
@@ -400,27 +435,79 @@ fn block_min(c: &[f64]) -> f64 {
     r
 }
 
+/// `[ceil(n / bk)]` the least `c` of each `bk`-entry block of `c` (the ACP decisions'
+/// `min_j c_j` per block), O(n).
+pub(crate) fn block_minima(c: &[f64], bk: usize) -> Vec<f64> {
+    c.chunks(bk).map(block_min).collect()
+}
+
+/// [`block_minima`] of `c` from those of an earlier state of it, `old` over `old_n`
+/// entries: blocks holding a row of `runs` (the rows written since, `[a, b)`) or past
+/// `min(old_n, n)` are recomputed, the rest kept. O(blocks + rows written); equal to
+/// `block_minima(c, bk)` when every row that changed is in `runs`.
+pub(crate) fn update_block_minima(
+    mut old: Vec<f64>,
+    old_n: usize,
+    c: &[f64],
+    bk: usize,
+    runs: &[(usize, usize)],
+) -> Vec<f64> {
+    let n = c.len();
+    let blocks = n.div_ceil(bk);
+    let min_of = |b: usize| block_min(&c[b * bk..((b + 1) * bk).min(n)]);
+    // Blocks from the first whose extent or rows past `old_n` changed.
+    let tail = old_n.min(n) / bk;
+    old.truncate(tail.min(blocks));
+    for b in old.len()..blocks {
+        old.push(min_of(b));
+    }
+    for &(a, e) in runs {
+        let e = e.min(n);
+        if a >= e {
+            continue;
+        }
+        let (b0, b1) = (a / bk, ((e - 1) / bk + 1).min(tail));
+        for (b, m) in old.iter_mut().enumerate().take(b1).skip(b0) {
+            *m = min_of(b);
+        }
+    }
+    old
+}
+
 /// Host decisions of every head and the call's statistics. Heads in parallel: each scans
-/// its whole cache (O(n) per head and step), 16 x 64k entries per step in the benchmarks.
+/// its whole cache (O(n) per head and step), 16 x 64k entries per step in the benchmarks,
+/// unless `minima` gives a head's [`block_minima`] (for `opts.block_k`): then that head
+/// costs O(blocks), and the heads are planned in turn (no thread wake-ups).
 pub(crate) fn plan<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
+    minima: &[Option<Vec<f64>>],
 ) -> Result<(Vec<HeadPlan>, AttentionStats)> {
     use rayon::prelude::*;
-    let plans = args
-        .heads
-        .par_iter()
-        .enumerate()
-        .map(|(h, hc)| {
-            let n = hc.c.len();
-            let delta = match opts.acp {
-                Acp::Threshold(t) => Some(t[h]),
-                Acp::Bound { u, ln_eps } if n > 0 => Some(threshold::threshold(u[h], n, ln_eps)?),
-                _ => None,
-            };
-            Ok(plan_head(args, h, delta, opts.block_k))
-        })
-        .collect::<Result<Vec<HeadPlan>>>()?;
+    let one = |h: usize| {
+        let hc = &args.heads[h];
+        let n = hc.c.len();
+        let delta = match opts.acp {
+            Acp::Threshold(t) => Some(t[h]),
+            Acp::Bound { u, ln_eps } if n > 0 => Some(threshold::threshold(u[h], n, ln_eps)?),
+            _ => None,
+        };
+        let m = minima
+            .get(h)
+            .and_then(Option::as_deref)
+            .filter(|m| m.len() == n.div_ceil(opts.block_k));
+        Ok(plan_head(args, h, delta, opts.block_k, m))
+    };
+    let nh = args.heads.len();
+    let cached = (0..nh).all(|h| minima.get(h).is_some_and(Option::is_some));
+    let plans = if cached {
+        (0..nh).map(one).collect::<Result<Vec<HeadPlan>>>()?
+    } else {
+        (0..nh)
+            .into_par_iter()
+            .map(one)
+            .collect::<Result<Vec<HeadPlan>>>()?
+    };
     let stats = AttentionStats {
         heads: plans.iter().map(|p| p.stats).collect(),
     };
@@ -958,7 +1045,7 @@ pub(crate) fn prepare<Q: Storage, T: Storage>(
     let d = args.head_dim;
     let f16 = T::DTYPE == crate::api::DType::F16;
     let kernel = kernel(ctx, tuning, d, f16)?;
-    let (plans, stats) = plan(args, opts)?;
+    let (plans, stats) = plan(args, opts, &[])?;
     let limit = ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) as usize;
     let mut up = Uploads::default();
     let mut heads = Vec::with_capacity(args.heads.len());
@@ -1037,10 +1124,50 @@ impl PreparedDecode {
 
 #[cfg(test)]
 mod tests {
-    use super::block_min;
+    use super::{block_min, block_minima, update_block_minima};
     use proptest::prelude::*;
 
     proptest! {
+        /// Minima updated from the rows written (appends, rewrites, swap-deletes that
+        /// shrink the head) equal minima computed whole, bit for bit.
+        #[test]
+        fn updated_block_minima_equal_whole_ones(
+            n0 in 0usize..300,
+            bk in 1usize..70,
+            edits in proptest::collection::vec((0u8..3, 0usize..1000, -1e3f64..1e3), 0..60),
+        ) {
+            let mut c: Vec<f64> = (0..n0).map(|j| -(j as f64) * 0.37).collect();
+            let old = block_minima(&c, bk);
+            let mut written: Vec<usize> = Vec::new();
+            for (op, at, x) in edits {
+                let n = c.len();
+                match op {
+                    0 => {
+                        written.push(n);
+                        c.push(x);
+                    }
+                    1 if n > 0 => {
+                        c[at % n] = x;
+                        written.push(at % n);
+                    }
+                    2 if n > 0 => {
+                        let j = at % n;
+                        c[j] = c[n - 1];
+                        c.pop();
+                        written.push(j);
+                    }
+                    _ => {}
+                }
+            }
+            let runs: Vec<(usize, usize)> = written.iter().map(|&r| (r, r + 1)).collect();
+            let got = update_block_minima(old, n0, &c, bk, &runs);
+            let want = block_minima(&c, bk);
+            prop_assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+
         #[test]
         fn block_min_is_the_fold(
             c in proptest::collection::vec(
