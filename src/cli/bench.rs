@@ -80,6 +80,10 @@ struct Report {
     auto_vs_best: Vec<AutoRatio>,
 }
 
+/// Longest sample, in batch times (`--batch-ms`), of a backend timed in the cell's common
+/// batch length; a slower backend gets shorter batches of its own.
+const MAX_SAMPLE_BATCHES: f64 = 10.0;
+
 /// The timing knobs (see `run`'s flags).
 #[derive(Debug, Clone, Copy)]
 struct Method {
@@ -348,13 +352,15 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         calibration,
         method: format!(
             "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
-             interleaved (a random order each round), each sample a batch of calls lasting \
-             >= {} ms after one untimed call; <= {} s of timed calls per backend and cell \
+             interleaved (a random order each round), each sample a batch of calls after one \
+             untimed call, as many for every backend as make >= {} ms on the fastest (a backend \
+             over {}x that per sample: its own batch of >= that time); <= {} s of timed calls per backend and cell \
              (>= {} rounds; a call slower than that: the faster of its two untimed runs is its sample); median, \
              min, IQR per backend; auto/best = best median / auto median, paired = per round",
             method.warm,
             method.rounds,
             method.batch_s * 1e3,
+            MAX_SAMPLE_BATCHES,
             method.budget_s,
             method.min_rounds
         ),
@@ -464,17 +470,7 @@ fn measure(
             spent += t;
             e = e.min(t);
         }
-        let inner = if e < method.batch_s {
-            ((method.batch_s / e.max(1e-7)).ceil() as usize).clamp(1, 100_000)
-        } else {
-            1
-        };
-        let per_sample = e * inner as f64;
-        let n = if e >= method.budget_s {
-            0
-        } else {
-            ((method.budget_s / per_sample) as usize).clamp(method.min_rounds, method.rounds)
-        };
+        let n = if e >= method.budget_s { 0 } else { 1 };
         est.push(e);
         want.push(n);
         plans0.push(eng.plan_counts());
@@ -488,9 +484,15 @@ fn measure(
             stats,
             gpu_heads: None,
             plans: None,
-            inner,
+            inner: 1,
             samples: if n == 0 { vec![e] } else { Vec::new() },
         });
+    }
+    for (i, (inner, rounds)) in batches(&est, &want, method).into_iter().enumerate() {
+        if want[i] > 0 {
+            ms[i].inner = inner;
+            want[i] = rounds;
+        }
     }
     let mut prev = String::new();
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
@@ -535,6 +537,45 @@ fn measure(
         ms[i].plans = Some([b.cpu - a.cpu, b.gpu - a.gpu, b.split - a.split]);
     }
     Ok(ms)
+}
+
+/// (calls per sample, samples) of each backend from its fastest warm-up call `est[i]`
+/// (backends with `want[i] == 0` keep (1, 0): their warm-up is their sample).
+///
+/// One batch length for the cell, from its fastest backend: each sample's first timed calls
+/// follow another backend's (slower after a switch), so a backend given shorter batches
+/// would carry more of that cost per call. (On the H100 host auto's warm-up calls ran its
+/// CPU plan at decode dense 64k: batches of 4 calls against the GPU backend's 16.) A
+/// backend for which that batch would last over [`MAX_SAMPLE_BATCHES`] batch times keeps its
+/// own batch (it is that much slower than the fastest). Samples: as many as fit the
+/// budget, within `[min_rounds, rounds]`.
+fn batches(est: &[f64], want: &[usize], method: Method) -> Vec<(usize, usize)> {
+    let batch_of = |e: f64| {
+        if e < method.batch_s {
+            ((method.batch_s / e.max(1e-7)).ceil() as usize).clamp(1, 100_000)
+        } else {
+            1
+        }
+    };
+    let fastest = est.iter().copied().fold(f64::INFINITY, f64::min);
+    let common = batch_of(fastest);
+    est.iter()
+        .zip(want)
+        .map(|(&e, &w)| {
+            if w == 0 {
+                return (1, 0);
+            }
+            let inner = if e * common as f64 <= MAX_SAMPLE_BATCHES * method.batch_s {
+                common
+            } else {
+                batch_of(e)
+            };
+            let per_sample = e * inner as f64;
+            let n =
+                ((method.budget_s / per_sample) as usize).clamp(method.min_rounds, method.rounds);
+            (inner, n)
+        })
+        .collect()
 }
 
 /// Linear-interpolated quantile of sorted values (NaN when empty).
@@ -856,4 +897,36 @@ fn plot_throughput(path: &Path, op: &str, r: &Report) -> Result<()> {
         "GFLOP/s",
         &series,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Method, batches};
+
+    #[test]
+    fn backends_near_the_fastest_share_its_batch_length() {
+        let m = Method {
+            rounds: 80,
+            warm: 3,
+            batch_s: 0.020,
+            budget_s: 8.0,
+            min_rounds: 3,
+        };
+        // H100 decode dense 64k: vulkan 1.19 ms, auto's warm-up on its CPU plan 6.1 ms,
+        // hybrid 2.2 ms, a 30 ms backend, one slower than the budget, and a skipped one.
+        let est = [6.1e-3, 1.19e-3, 2.2e-3, 6.1e-3, 0.030, 9.0, f64::INFINITY];
+        let want = [1, 1, 1, 1, 1, 0, 0];
+        let b = batches(&est, &want, m);
+        // ceil(20 ms / 1.19 ms) = 17 calls for everyone within 10 batch times (200 ms).
+        for (i, &(inner, _)) in b.iter().enumerate().take(4) {
+            assert_eq!(inner, 17, "backend {i}");
+        }
+        // 17 x 30 ms is over 200 ms: its own batch (one call of >= 20 ms).
+        assert_eq!(b[4].0, 1);
+        assert_eq!((b[5], b[6]), ((1, 0), (1, 0)));
+        // Samples fill the budget within [3, 80].
+        assert_eq!(b[1].1, 80);
+        assert_eq!(b[0].1, (8.0 / (6.1e-3 * 17.0)) as usize);
+        assert_eq!(b[4].1, 80);
+    }
 }
