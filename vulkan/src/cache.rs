@@ -616,6 +616,7 @@ impl ResidentCache {
         self.counters.scans += scans;
         self.counters.grows += grows;
         step.scatter(&outs, flag, out, lse)?;
+        let t_read = t0.elapsed();
         if crate::profile() {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
             // The round trip of a one-command submission, for comparison.
@@ -639,7 +640,7 @@ impl ResidentCache {
                 us(phases[0]),
                 us(phases[1]),
                 us(phases[2]),
-                us(t0.elapsed() - t_run),
+                us(t_read - t_run),
                 stamps.map(|s| s.gaps_us()).unwrap_or_default(),
                 us(empty)
             );
