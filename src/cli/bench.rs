@@ -80,10 +80,6 @@ struct Report {
     auto_vs_best: Vec<AutoRatio>,
 }
 
-/// Longest sample, in batch times (`--batch-ms`), of a backend timed in the cell's common
-/// batch length; a slower backend gets shorter batches of its own.
-const MAX_SAMPLE_BATCHES: f64 = 10.0;
-
 /// The timing knobs (see `run`'s flags).
 #[derive(Debug, Clone, Copy)]
 struct Method {
@@ -353,14 +349,13 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         method: format!(
             "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
              interleaved (a random order each round), each sample a batch of calls after one \
-             untimed call, as many for every backend as make >= {} ms on the fastest (a backend \
-             over {}x that per sample: its own batch of >= that time); <= {} s of timed calls per backend and cell \
+             untimed call, as many for every backend as make >= {} ms on the fastest (fewer where \
+             the minimum rounds would not fit the budget); <= {} s of timed calls per backend and cell \
              (>= {} rounds; a call slower than that: the faster of its two untimed runs is its sample); median, \
              min, IQR per backend; auto/best = best median / auto median, paired = per round",
             method.warm,
             method.rounds,
             method.batch_s * 1e3,
-            MAX_SAMPLE_BATCHES,
             method.budget_s,
             method.min_rounds
         ),
@@ -488,12 +483,15 @@ fn measure(
             samples: if n == 0 { vec![e] } else { Vec::new() },
         });
     }
-    for (i, (inner, rounds)) in batches(&est, &want, method).into_iter().enumerate() {
-        if want[i] > 0 {
+    let timed: Vec<bool> = want.iter().map(|&w| w > 0).collect();
+    for (i, inner) in batches(&est, &timed, method).into_iter().enumerate() {
+        if timed[i] {
             ms[i].inner = inner;
-            want[i] = rounds;
         }
     }
+    // Seconds of timed calls per backend: a backend stops once past the budget (after
+    // `min_rounds` samples) or at `rounds` samples.
+    let mut spent = vec![0.0f64; k];
     let mut prev = String::new();
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
     let mut order: Vec<usize> = (0..k).collect();
@@ -508,7 +506,11 @@ fn measure(
             order.swap(j, (rng % (j as u64 + 1)) as usize);
         }
         for &i in &order {
-            if ms[i].samples.len() >= want[i] {
+            let done = ms[i].samples.len();
+            if !timed[i]
+                || done >= method.rounds
+                || (done >= method.min_rounds && spent[i] >= method.budget_s)
+            {
                 continue;
             }
             let eng = &engines[i].1;
@@ -521,7 +523,9 @@ fn measure(
             for _ in 0..ms[i].inner {
                 run(eng, &mut scratch)?;
             }
-            let per_call = t0.elapsed().as_secs_f64() / ms[i].inner as f64;
+            let secs = t0.elapsed().as_secs_f64();
+            spent[i] += secs;
+            let per_call = secs / ms[i].inner as f64;
             ms[i].samples.push(per_call);
             ms[i]
                 .after
@@ -539,41 +543,37 @@ fn measure(
     Ok(ms)
 }
 
-/// (calls per sample, samples) of each backend from its fastest warm-up call `est[i]`
-/// (backends with `want[i] == 0` keep (1, 0): their warm-up is their sample).
+/// Calls per sample of each backend (`timed[i]`: it gets timed samples) from the fastest
+/// warm-up calls `est`.
 ///
 /// One batch length for the cell, from its fastest backend: each sample's first timed calls
-/// follow another backend's (slower after a switch), so a backend given shorter batches
-/// would carry more of that cost per call. (On the H100 host auto's warm-up calls ran its
-/// CPU plan at decode dense 64k: batches of 4 calls against the GPU backend's 16.) A
-/// backend for which that batch would last over [`MAX_SAMPLE_BATCHES`] batch times keeps its
-/// own batch (it is that much slower than the fastest). Samples: as many as fit the
-/// budget, within `[min_rounds, rounds]`.
-fn batches(est: &[f64], want: &[usize], method: Method) -> Vec<(usize, usize)> {
-    let batch_of = |e: f64| {
-        if e < method.batch_s {
-            ((method.batch_s / e.max(1e-7)).ceil() as usize).clamp(1, 100_000)
-        } else {
-            1
-        }
+/// follow another backend's, and run slower (on the H100 host at decode dense 64k, auto's
+/// and hybrid's samples of one call each, the second call after a switch, read 1.0-2.9 ms
+/// where the GPU backend's 30-call samples read 0.64-0.90 ms), so a backend given shorter
+/// batches would carry more of that cost per call. A backend's warm-up calls may be far
+/// from its steady cost (auto's first sends and tries), so it keeps the common length unless
+/// `min_rounds` samples of it would outlast the budget at its warm-up speed; then as many
+/// calls as fit (at least one).
+fn batches(est: &[f64], timed: &[bool], method: Method) -> Vec<usize> {
+    let fastest = est
+        .iter()
+        .zip(timed)
+        .filter(|&(_, &t)| t)
+        .map(|(&e, _)| e)
+        .fold(f64::INFINITY, f64::min);
+    let common = if fastest < method.batch_s {
+        ((method.batch_s / fastest.max(1e-7)).ceil() as usize).clamp(1, 100_000)
+    } else {
+        1
     };
-    let fastest = est.iter().copied().fold(f64::INFINITY, f64::min);
-    let common = batch_of(fastest);
     est.iter()
-        .zip(want)
-        .map(|(&e, &w)| {
-            if w == 0 {
-                return (1, 0);
+        .zip(timed)
+        .map(|(&e, &t)| {
+            if !t {
+                return 1;
             }
-            let inner = if e * common as f64 <= MAX_SAMPLE_BATCHES * method.batch_s {
-                common
-            } else {
-                batch_of(e)
-            };
-            let per_sample = e * inner as f64;
-            let n =
-                ((method.budget_s / per_sample) as usize).clamp(method.min_rounds, method.rounds);
-            (inner, n)
+            let fit = (method.budget_s / (method.min_rounds.max(1) as f64 * e.max(1e-9))) as usize;
+            common.min(fit.max(1))
         })
         .collect()
 }
@@ -904,7 +904,7 @@ mod tests {
     use super::{Method, batches};
 
     #[test]
-    fn backends_near_the_fastest_share_its_batch_length() {
+    fn backends_share_the_fastest_backends_batch_length() {
         let m = Method {
             rounds: 80,
             warm: 3,
@@ -912,21 +912,16 @@ mod tests {
             budget_s: 8.0,
             min_rounds: 3,
         };
-        // H100 decode dense 64k: vulkan 1.19 ms, auto's warm-up on its CPU plan 6.1 ms,
-        // hybrid 2.2 ms, a 30 ms backend, one slower than the budget, and a skipped one.
-        let est = [6.1e-3, 1.19e-3, 2.2e-3, 6.1e-3, 0.030, 9.0, f64::INFINITY];
-        let want = [1, 1, 1, 1, 1, 0, 0];
-        let b = batches(&est, &want, m);
-        // ceil(20 ms / 1.19 ms) = 17 calls for everyone within 10 batch times (200 ms).
-        for (i, &(inner, _)) in b.iter().enumerate().take(4) {
-            assert_eq!(inner, 17, "backend {i}");
-        }
-        // 17 x 30 ms is over 200 ms: its own batch (one call of >= 20 ms).
-        assert_eq!(b[4].0, 1);
-        assert_eq!((b[5], b[6]), ((1, 0), (1, 0)));
-        // Samples fill the budget within [3, 80].
-        assert_eq!(b[1].1, 80);
-        assert_eq!(b[0].1, (8.0 / (6.1e-3 * 17.0)) as usize);
-        assert_eq!(b[4].1, 80);
+        // H100 decode dense 64k: vulkan 1.19 ms, cpu 6.1 ms, auto and hybrid warming up at
+        // 25 and 30 ms (first sends, tries), a 1 s backend, one slower than the budget (not
+        // timed) and a skipped one.
+        let est = [6.1e-3, 1.19e-3, 25e-3, 0.030, 1.0, 9.0, f64::INFINITY];
+        let timed = [true, true, true, true, true, false, false];
+        let b = batches(&est, &timed, m);
+        // ceil(20 ms / 1.19 ms) = 17 calls for every backend whose 3 samples fit in 8 s.
+        assert_eq!(&b[..4], &[17, 17, 17, 17]);
+        // 3 samples of 17 one-second calls would not: floor(8 / 3) = 2 calls.
+        assert_eq!(b[4], 2);
+        assert_eq!(&b[5..], &[1, 1]);
     }
 }
