@@ -420,7 +420,8 @@ fn measure(
     let k = engines.len();
     let mut ms: Vec<Measured> = Vec::with_capacity(k);
     let mut est = Vec::with_capacity(k);
-    let mut want = Vec::with_capacity(k);
+    // Whether a backend gets timed samples (else its warm-up call is its sample).
+    let mut timed = Vec::with_capacity(k);
     let mut scratch = vec![0.0f32; n_out];
     let mut plans0 = Vec::with_capacity(k);
     let mut cpu_first = 0.0;
@@ -438,7 +439,7 @@ fn measure(
                 samples: Vec::new(),
             });
             est.push(f64::INFINITY);
-            want.push(0);
+            timed.push(false);
             plans0.push(eng.plan_counts());
             continue;
         }
@@ -465,36 +466,36 @@ fn measure(
             spent += t;
             e = e.min(t);
         }
-        let n = if e >= method.budget_s { 0 } else { 1 };
+        let is_timed = e < method.budget_s;
         est.push(e);
-        want.push(n);
+        timed.push(is_timed);
         plans0.push(eng.plan_counts());
         ms.push(Measured {
-            after: if n == 0 {
-                vec![String::new()]
-            } else {
+            after: if is_timed {
                 Vec::new()
+            } else {
+                vec![String::new()]
             },
             out,
             stats,
             gpu_heads: None,
             plans: None,
             inner: 1,
-            samples: if n == 0 { vec![e] } else { Vec::new() },
+            samples: if is_timed { Vec::new() } else { vec![e] },
         });
     }
-    let timed: Vec<bool> = want.iter().map(|&w| w > 0).collect();
     // A backend kept from the common batch length by slow warm-up calls (first sends of a
     // cache, auto's tries: on the H100 host auto's fastest warm-up at decode dense 64k took
     // about 150 ms against 0.8 ms steady) gets up to `EXTRA_WARM` more untimed calls, within
     // half the budget, until one is fast enough.
-    let common = batches(&est, &timed, method)
-        .into_iter()
+    // The longest batch any timed backend gets.
+    let common = est
+        .iter()
         .zip(&timed)
         .filter(|&(_, &t)| t)
-        .map(|(b, _)| b)
+        .map(|(&e, _)| calls_within_budget(e, method))
         .max()
-        .unwrap_or(1);
+        .map_or(1, |fit| common_batch(&est, &timed, method).min(fit));
     for (i, (_, eng)) in engines.iter().enumerate() {
         let mut spent = 0.0;
         let mut extra = 0;
@@ -579,6 +580,22 @@ fn calls_within_budget(e: f64, method: Method) -> usize {
     ((method.budget_s / (method.min_rounds.max(1) as f64 * e.max(1e-9))) as usize).max(1)
 }
 
+/// Calls per sample that make `batch_s` on the fastest timed backend (1 when even its call
+/// is longer).
+fn common_batch(est: &[f64], timed: &[bool], method: Method) -> usize {
+    let fastest = est
+        .iter()
+        .zip(timed)
+        .filter(|&(_, &t)| t)
+        .map(|(&e, _)| e)
+        .fold(f64::INFINITY, f64::min);
+    if fastest < method.batch_s {
+        ((method.batch_s / fastest.max(1e-7)).ceil() as usize).clamp(1, 100_000)
+    } else {
+        1
+    }
+}
+
 /// Most extra untimed calls for a backend whose warm-up was too slow for the common batch.
 const EXTRA_WARM: usize = 8;
 
@@ -594,17 +611,7 @@ const EXTRA_WARM: usize = 8;
 /// `min_rounds` samples of it would outlast the budget at its warm-up speed; then as many
 /// calls as fit (at least one).
 fn batches(est: &[f64], timed: &[bool], method: Method) -> Vec<usize> {
-    let fastest = est
-        .iter()
-        .zip(timed)
-        .filter(|&(_, &t)| t)
-        .map(|(&e, _)| e)
-        .fold(f64::INFINITY, f64::min);
-    let common = if fastest < method.batch_s {
-        ((method.batch_s / fastest.max(1e-7)).ceil() as usize).clamp(1, 100_000)
-    } else {
-        1
-    };
+    let common = common_batch(est, timed, method);
     est.iter()
         .zip(timed)
         .map(|(&e, &t)| {

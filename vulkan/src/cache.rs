@@ -149,19 +149,24 @@ type Runs = Vec<(usize, usize)>;
 /// Rows `j < n` with `row_version[j] > synced`, as runs `[a, b)`; `None` when a row is
 /// newer than `version` (the caller broke the [`HeadSync`] invariant).
 fn dirty_runs(row_version: &[u64], synced: u64, version: u64) -> Option<Runs> {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut runs = Runs::new();
     for (j, &v) in row_version.iter().enumerate() {
         if v > synced {
             if v > version {
                 return None;
             }
-            match runs.last_mut() {
-                Some(r) if r.1 == j => r.1 = j + 1,
-                _ => runs.push((j, j + 1)),
-            }
+            add_row(&mut runs, j);
         }
     }
     Some(runs)
+}
+
+/// Adds row `j` (at or after every row added before) to `runs`.
+fn add_row(runs: &mut Runs, j: usize) {
+    match runs.last_mut() {
+        Some(r) if r.1 == j => r.1 = j + 1,
+        _ => runs.push((j, j + 1)),
+    }
 }
 
 /// [`dirty_runs`] from a journal, for a mirror synced at `synced >= j.since`: the rows
@@ -177,12 +182,9 @@ fn journal_runs(j: &Journal<'_>, n: usize, synced: u64, version: u64) -> Option<
     rows.retain(|&r| r < n);
     rows.sort_unstable();
     rows.dedup();
-    let mut runs: Runs = Vec::new();
+    let mut runs = Runs::new();
     for r in rows {
-        match runs.last_mut() {
-            Some(x) if x.1 == r => x.1 = r + 1,
-            _ => runs.push((r, r + 1)),
-        }
+        add_row(&mut runs, r);
     }
     Some(runs)
 }

@@ -366,7 +366,7 @@ fn plan_head<Q: Storage, T: Storage>(
             };
         };
         // Branch-free: a block is kept when some query has `c_t - cmin >= delta`.
-        let kept: Vec<u32> = (0..blocks)
+        let mut kept: Vec<u32> = (0..blocks)
             .map(|b| {
                 let cmin = min_of(b);
                 u32::from(!qc.iter().all(|&ct| ct - cmin < dl))
@@ -376,7 +376,6 @@ fn plan_head<Q: Storage, T: Storage>(
         // Every kept block holds `bk` entries but the last, which holds `n - (blocks-1) bk`.
         let short = (blocks * bk - n) as u64 * u64::from(kept.last().copied().unwrap_or(0));
         st.kept_pairs = (st.kept_blocks * bk as u64 - short) * nq as u64;
-        let mut kept = kept;
         if st.kept_blocks == st.total_blocks {
             kept.clear();
         }
