@@ -6,6 +6,7 @@
 //!     cargo bench --bench backends                      # the whole grid (slow on 2 cores)
 //!     FOXEDGE_BENCH_LENGTHS=1k,4k cargo bench --bench backends
 //!     cargo bench --bench backends -- 'prefill/.*/acp'  # criterion's name filter
+//!     cargo bench --bench backends -- auto_overhead     # auto's own time per decode step
 //!
 //! Throughput is kept FLOPs (`4 * head_dim * kept_pairs`) per second. Backends without a
 //! Vulkan device are left out with a message (the CPU is always measured), and so is a cell
@@ -143,5 +144,44 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// `auto`'s own time per decode step: an `auto` engine over a device that does no work
+/// (`Engine::auto_over_idle_device`), on the same real-gate caches. What this reads is what
+/// `auto` adds to the plan it runs (work counting, planning, bookkeeping), at any device.
+fn auto_overhead(c: &mut Criterion) {
+    let lens = lengths();
+    let Some(&max_len) = lens.iter().max() else {
+        return;
+    };
+    let big = match workload(max_len) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cannot build the real-gate workload: {e}");
+            return;
+        }
+    };
+    let eng = Engine::auto_over_idle_device();
+    if let Err(e) = eng.calibrate(big.heads, big.head_dim) {
+        eprintln!("auto_overhead: calibration failed: {e}");
+        return;
+    }
+    let mut g = c.benchmark_group("auto_overhead");
+    g.warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(2));
+    for &len in &lens {
+        let Ok(d) = big.prefix(len).and_then(|p| p.decode_at(len)) else {
+            continue;
+        };
+        let mut out = vec![0.0f32; d.heads * d.head_dim];
+        for (acp_name, acp) in [
+            ("dense", AcpMode::Off),
+            ("acp", AcpMode::Bound { ln_eps: -10.0 }),
+        ] {
+            let id = BenchmarkId::new(format!("decode/{acp_name}"), len);
+            g.bench_function(id, |b| b.iter(|| eng.decode(&d, acp, &mut out).map(|_| ())));
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, auto_overhead);
 criterion_main!(benches);

@@ -128,12 +128,15 @@ const CHARGE_CAP: f64 = 2.0;
 /// Calls a probe takes: a warm-up and its sample.
 const PROBE_CALLS: f64 = 2.0;
 
-/// The last `N` values pushed (a ring; the first `len` slots are valid).
+/// The last `N` values pushed (a ring; the first `len` slots are valid), with their lower
+/// median kept up to date on each push: `auto` reads medians many times a call (a split's
+/// sides per GPU head count), pushes once.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Ring<const N: usize> {
     vals: [f64; N],
     len: usize,
     next: usize,
+    median: Option<f64>,
 }
 
 impl<const N: usize> Default for Ring<N> {
@@ -142,6 +145,7 @@ impl<const N: usize> Default for Ring<N> {
             vals: [0.0; N],
             len: 0,
             next: 0,
+            median: None,
         }
     }
 }
@@ -151,10 +155,14 @@ impl<const N: usize> Ring<N> {
         self.vals[self.next] = x;
         self.next = (self.next + 1) % N;
         self.len = (self.len + 1).min(N);
+        let mut r = self.vals;
+        let r = &mut r[..self.len];
+        r.sort_unstable_by(f64::total_cmp);
+        self.median = Some(r[(self.len - 1) / 2]);
     }
 
     fn clear(&mut self) {
-        (self.len, self.next) = (0, 0);
+        (self.len, self.next, self.median) = (0, 0, None);
     }
 
     fn values(&self) -> &[f64] {
@@ -163,10 +171,7 @@ impl<const N: usize> Ring<N> {
 
     /// The lower median (the faster of two middle values; None when empty).
     fn lower_median(&self) -> Option<f64> {
-        let mut r = self.vals;
-        let r = &mut r[..self.len];
-        r.sort_by(f64::total_cmp);
-        r.get(self.len.checked_sub(1)? / 2).copied()
+        self.median
     }
 }
 
@@ -1110,6 +1115,58 @@ mod tests {
         total / best
     }
 
+    /// The decode ACP 16k class of the H100 host (trace 54): warm calls CPU 0.532 ms, GPU
+    /// 0.500, split 0.62, predicted 0.393, 0.253 and about 0.55; the first calls after a switch
+    /// slower, by what the trace measured per position (the GPU's 1st-5th calls 1.79,
+    /// 1.19, 1.10, 1.07, 1.06x its later ones; the CPU's 1.28, 1.13, 1.03; the split's 3.2,
+    /// 1.22, 1.01); each call's noise U(0.85, 1.15). Auto's time over 3000 calls / the GPU
+    /// plan's.
+    fn entry_ratio(seed: u64) -> f64 {
+        let mut rng = seed;
+        let mut uniform = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let kinds = [CPU, GPU, SPLIT];
+        let truth = [0.532, 0.500, 0.62];
+        let raw: Vec<(f64, PlanKind)> = [0.393, 0.253, 0.55].into_iter().zip(kinds).collect();
+        let after: [&[f64]; 3] = [
+            &[1.28, 1.13, 1.03],
+            &[1.79, 1.19, 1.10, 1.07, 1.06],
+            &[3.2, 1.22, 1.01],
+        ];
+        let prior = |k: PlanKind| if k == SPLIT { 1.0 / 0.7 } else { 1.0 };
+        let mut r = ClassRecord::default();
+        let (mut prev, mut pos) = (None, 0usize);
+        let calls = 3000;
+        for _ in 0..calls {
+            let p = r.pick(&raw, prior, 1.25);
+            let i = kinds.iter().position(|&k| k == p.kind).unwrap_or(0);
+            pos = if prev == Some(p.kind) { pos + 1 } else { 0 };
+            prev = Some(p.kind);
+            let slow = after[i].get(pos).copied().unwrap_or(1.0);
+            let secs = truth[i] * slow * (0.85 + 0.3 * uniform());
+            r.record(p.kind, raw[i].0, secs, p.probe_of());
+        }
+        r.spent / (calls as f64 * truth[1])
+    }
+
+    #[test]
+    fn slow_calls_after_a_switch_cost_auto_little() {
+        // Over 200 workloads of that class: median <= 1.03, 90th percentile <= 1.06
+        // (measured 1.022, 1.051). Deflating a probe's sample (the second call after its
+        // switch) by the slowdown measured on the winner's own second calls made it worse
+        // (1.044, 1.053): the slowdowns differ by plan, and CPU re-checks then won on it.
+        let mut v: Vec<f64> = (1..=200u64)
+            .map(|s| entry_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
+        assert!(median <= 1.03 && p90 <= 1.06, "median {median}, p90 {p90}");
+    }
+
     #[test]
     fn through_bursts_auto_stays_close_to_the_best_plan() {
         // As the property test below, with bursts as on the H100 host: from a random call
@@ -1126,6 +1183,30 @@ mod tests {
         v.sort_by(f64::total_cmp);
         let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
         assert!(median <= 1.01 && p90 <= 1.05, "median {median}, p90 {p90}");
+    }
+
+    proptest::proptest! {
+        /// The kept median is the lower median of the last `N` values pushed since the last
+        /// clear, recomputed from scratch.
+        #[test]
+        fn a_rings_kept_median_is_its_windows_lower_median(
+            xs in proptest::collection::vec(0.0f64..10.0, 0..40),
+            clear_at in 0usize..40,
+        ) {
+            let mut r: Ring<5> = Ring::default();
+            let mut kept: Vec<f64> = Vec::new();
+            for (i, &x) in xs.iter().enumerate() {
+                if i == clear_at {
+                    r.clear();
+                    kept.clear();
+                }
+                r.push(x);
+                kept.push(x);
+                let mut last: Vec<f64> = kept.iter().rev().take(5).copied().collect();
+                last.sort_by(f64::total_cmp);
+                proptest::prop_assert_eq!(r.lower_median(), Some(last[(last.len() - 1) / 2]));
+            }
+        }
     }
 
     proptest::proptest! {
