@@ -5,7 +5,8 @@
 //! the model's raw prediction times the median of those ratios (the lower median: the
 //! faster of two), a prior before the kind has a warm call.
 //!
-//! A call is warm when the class's previous call ran the same kind. The first call after a
+//! A call is warm when the class's previous call ran the same kind, and not after an idle
+//! gap far longer than the class's usual ones ([`IDLE_GAP`]). The first call after a
 //! switch carries what the switch costs: a plan's first call in a class (device buffers
 //! sized, pool threads woken), a GPU left idle while the CPU plan ran, a decode mirror
 //! catching up with the steps the CPU took. It counts in the class's time, never in a
@@ -125,6 +126,19 @@ pub(super) const STALE_CALLS: u64 = 32;
 /// excess held off every re-check for 640 calls while a 2x slower plan ran.
 const CHARGE_CAP: f64 = 2.0;
 
+/// A call that starts more than this many times the class's usual idle gap (the lower
+/// median of its last [`LONG_WINDOW`] gaps between one call's end and the next one's
+/// start) after the class's last call is not warm, whatever kind ran last: the device and
+/// the pool's threads idled, or other work took the caches. On the H100 host a GPU call
+/// after another engine's turn took 1.3-2.9 ms against 0.7 (decode 64k, run 48), and in
+/// `foxedge bench`, where each of auto's batches follows the other backends' turns, such
+/// calls went into the factors of whichever plan led and auto switched between two tied
+/// plans 73 times in 3100 calls (decode ACP 16k, trace 54).
+const IDLE_GAP: f64 = 10.0;
+
+/// Gaps up to this many seconds never make a call cold.
+const IDLE_FLOOR_S: f64 = 1e-3;
+
 /// Calls a probe takes: a warm-up and its sample.
 const PROBE_CALLS: f64 = 2.0;
 
@@ -239,6 +253,12 @@ pub(super) struct ClassRecord {
     /// A split's sides as measured, per GPU head count (ascending); see
     /// [`ClassRecord::side_factors`].
     sides: Vec<Sides>,
+    /// Seconds between the end of one call of the class and the start of the next.
+    gaps: Ring<LONG_WINDOW>,
+    /// The next call follows an unusually long gap (see [`IDLE_GAP`]): it is not warm.
+    rested: bool,
+    /// When the class's last call ended (kept by the scheduler for [`ClassRecord::idled`]).
+    pub last_end: Option<std::time::Instant>,
 }
 
 /// A split's two sides at one GPU head count: each side's seconds / its raw prediction, of
@@ -300,7 +320,8 @@ impl ClassRecord {
         if !(ratio.is_finite() && ratio > 0.0) {
             return;
         }
-        let warm = self.last == Some(kind);
+        let warm = self.last == Some(kind) && !self.rested;
+        self.rested = false;
         let back = !warm && self.last_probe && probe_of.is_none();
         // A plan's first try (its two calls and the winner's return) is not charged: it is
         // bounded by itself (once per plan and class), and the budget is for re-checks.
@@ -352,6 +373,21 @@ impl ClassRecord {
         if k.long.len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
             k.long.push(ratio);
         }
+    }
+
+    /// Notes the idle seconds before the next call (from the end of the class's last call
+    /// to the start of this one); call it before that call's [`ClassRecord::record`].
+    pub(super) fn idled(&mut self, gap_s: f64) {
+        if !gap_s.is_finite() {
+            return;
+        }
+        let gap_s = gap_s.max(0.0);
+        self.rested = gap_s > IDLE_FLOOR_S
+            && self
+                .gaps
+                .lower_median()
+                .is_some_and(|g| gap_s > IDLE_GAP * g);
+        self.gaps.push(gap_s);
     }
 
     /// Folds the sides of a split call with `gpu_heads` GPU heads, each side's measured /
@@ -1014,6 +1050,39 @@ mod tests {
     }
 
     #[test]
+    fn a_call_after_an_unusual_idle_gap_is_not_warm() {
+        let mut r = ClassRecord::default();
+        for _ in 0..6 {
+            r.idled(1e-5);
+            won(&mut r, CPU, 1.0);
+        }
+        assert_eq!(r.factor(CPU), Some(1.0));
+        // 20 ms after calls 10 us apart: cold, kept out of the factor.
+        r.idled(0.02);
+        won(&mut r, CPU, 9.0);
+        assert_eq!(
+            r.kinds[CPU as usize]
+                .window
+                .values()
+                .iter()
+                .filter(|&&x| x == 9.0)
+                .count(),
+            0
+        );
+        // A gap under the floor never is: timer noise between back-to-back calls.
+        r.idled(5e-4);
+        won(&mut r, CPU, 2.0);
+        assert!(r.kinds[CPU as usize].window.values().contains(&2.0));
+        // Where long gaps are the rhythm, they are warm.
+        let mut r = ClassRecord::default();
+        for x in [1.0, 1.1, 0.9, 1.0, 1.2, 1.0] {
+            r.idled(0.05);
+            won(&mut r, GPU, x);
+        }
+        assert_eq!(r.kinds[GPU as usize].window.len, WINDOW);
+    }
+
+    #[test]
     fn hysteresis_keeps_the_incumbent_among_near_ties() {
         let raw = [(1.0, CPU), (1.02, GPU)];
         let mut r = ClassRecord::default();
@@ -1116,12 +1185,14 @@ mod tests {
     }
 
     /// The decode ACP 16k class of the H100 host (trace 54): warm calls CPU 0.532 ms, GPU
-    /// 0.500, split 0.62, predicted 0.393, 0.253 and about 0.55; the first calls after a switch
-    /// slower, by what the trace measured per position (the GPU's 1st-5th calls 1.79,
-    /// 1.19, 1.10, 1.07, 1.06x its later ones; the CPU's 1.28, 1.13, 1.03; the split's 3.2,
-    /// 1.22, 1.01); each call's noise U(0.85, 1.15). Auto's time over 3000 calls / the GPU
-    /// plan's.
-    fn entry_ratio(seed: u64) -> f64 {
+    /// 0.500, split 0.62, predicted 0.393, 0.253 and about 0.55; the first calls after a
+    /// switch slower, by what the trace measured per position (the GPU's 1st-5th calls
+    /// 1.79, 1.19, 1.10, 1.07, 1.06x its later ones; the CPU's 1.28, 1.13, 1.03; the
+    /// split's 3.2, 1.22, 1.01); each call's noise U(0.85, 1.15). With `batch`, as in
+    /// `foxedge bench`: batches of that many calls, 20 ms apart (10 us between calls
+    /// otherwise), the first two calls of a batch 2.5x and 1.5x slower whatever the plan.
+    /// Auto's time over 3000 calls / the GPU plan's under the same batches.
+    fn entry_ratio(seed: u64, batch: Option<usize>) -> f64 {
         let mut rng = seed;
         let mut uniform = move || {
             rng ^= rng << 13;
@@ -1137,34 +1208,52 @@ mod tests {
             &[1.79, 1.19, 1.10, 1.07, 1.06],
             &[3.2, 1.22, 1.01],
         ];
+        let rested = [2.5, 1.5];
         let prior = |k: PlanKind| if k == SPLIT { 1.0 / 0.7 } else { 1.0 };
         let mut r = ClassRecord::default();
         let (mut prev, mut pos) = (None, 0usize);
         let calls = 3000;
-        for _ in 0..calls {
+        let mut best = 0.0;
+        for c in 0..calls {
+            let in_batch = batch.map_or(c, |b| c % b);
+            r.idled(if in_batch == 0 && c > 0 { 0.02 } else { 1e-5 });
             let p = r.pick(&raw, prior, 1.25);
             let i = kinds.iter().position(|&k| k == p.kind).unwrap_or(0);
             pos = if prev == Some(p.kind) { pos + 1 } else { 0 };
             prev = Some(p.kind);
             let slow = after[i].get(pos).copied().unwrap_or(1.0);
-            let secs = truth[i] * slow * (0.85 + 0.3 * uniform());
+            let cold = match batch {
+                Some(_) => rested.get(in_batch).copied().unwrap_or(1.0),
+                None => 1.0,
+            };
+            let noise = 0.85 + 0.3 * uniform();
+            let secs = truth[i] * slow.max(cold) * noise;
+            best += truth[1] * cold * noise;
             r.record(p.kind, raw[i].0, secs, p.probe_of());
         }
-        r.spent / (calls as f64 * truth[1])
+        r.spent / best
+    }
+
+    fn entry_ratios(batch: Option<usize>) -> (f64, f64) {
+        let mut v: Vec<f64> = (1..=200u64)
+            .map(|s| entry_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15), batch))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() * 9 / 10])
     }
 
     #[test]
     fn slow_calls_after_a_switch_cost_auto_little() {
         // Over 200 workloads of that class: median <= 1.03, 90th percentile <= 1.06
-        // (measured 1.022, 1.051). Deflating a probe's sample (the second call after its
+        // (measured 1.022, 1.052). Deflating a probe's sample (the second call after its
         // switch) by the slowdown measured on the winner's own second calls made it worse
         // (1.044, 1.053): the slowdowns differ by plan, and CPU re-checks then won on it.
-        let mut v: Vec<f64> = (1..=200u64)
-            .map(|s| entry_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-            .collect();
-        v.sort_by(f64::total_cmp);
-        let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
+        let (median, p90) = entry_ratios(None);
         assert!(median <= 1.03 && p90 <= 1.06, "median {median}, p90 {p90}");
+        // In batches, as the bench times it: median <= 1.035, 90th percentile <= 1.07
+        // (measured 1.030, 1.062; with the batches' first calls taken as warm, 1.043).
+        let (median, p90) = entry_ratios(Some(35));
+        assert!(median <= 1.035 && p90 <= 1.07, "median {median}, p90 {p90}");
     }
 
     #[test]
