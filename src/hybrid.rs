@@ -182,6 +182,11 @@ pub struct PlanCounts {
     pub gpu: u64,
     /// Heads on both sides.
     pub split: u64,
+    /// Nanoseconds these calls spent in the scheduler, outside the backends' dispatch:
+    /// the calibration check, the work count, the choice, the bookkeeping and learning
+    /// (for an ACP prefill, also the boundary the kernels then reuse; for the first call,
+    /// the calibration).
+    pub scheduler_ns: u64,
 }
 
 /// What the scheduler may choose.
@@ -961,6 +966,8 @@ pub(crate) struct Scheduler {
     last_split: Mutex<Option<Split>>,
     /// Calls run all on the CPU, all on the GPU, split.
     plan_counts: [AtomicU64; 3],
+    /// Nanoseconds of all calls spent outside the dispatch (see [`PlanCounts`]).
+    scheduler_ns: AtomicU64,
     /// Measured / predicted seconds per size class and plan kind (see [`feedback`]).
     feedback: Mutex<IdMap<SizeClass, ClassRecord>>,
     /// Per decode cache id: the version the GPU last received (its mirror's state).
@@ -1152,6 +1159,7 @@ impl Scheduler {
             calibration: Mutex::new(None),
             last_split: Mutex::new(None),
             plan_counts: Default::default(),
+            scheduler_ns: AtomicU64::new(0),
             feedback: Mutex::default(),
             gpu_synced: Mutex::default(),
             kept_counts: Mutex::default(),
@@ -1513,13 +1521,22 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Calls so far: (all CPU, all GPU, split).
+    /// Adds a call's time since `entered` less `dispatched` (its backends' dispatch) to
+    /// [`Scheduler::scheduler_ns`]. A first calibration inside the call is counted too.
+    fn count_overhead(&self, entered: Instant, dispatched: std::time::Duration) {
+        let ns = entered.elapsed().saturating_sub(dispatched).as_nanos();
+        self.scheduler_ns
+            .fetch_add(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// Calls so far: (all CPU, all GPU, split), and the scheduler's own time.
     pub(crate) fn plan_counts(&self) -> PlanCounts {
         let g = |i: usize| self.plan_counts[i].load(Ordering::Relaxed);
         PlanCounts {
             cpu: g(0),
             gpu: g(1),
             split: g(2),
+            scheduler_ns: self.scheduler_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -1699,6 +1716,7 @@ impl AttentionBackend for Scheduler {
         if out.len() != t * nh * d {
             return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
         }
+        let entered = Instant::now();
         let rows = (t * nh) as u64;
         let upper = Work {
             pairs: (t * (t + 1) / 2 * nh) as u64,
@@ -1746,9 +1764,11 @@ impl AttentionBackend for Scheduler {
         } else {
             self.prefill_split(call, split, decided.as_ref(), out, &mut sides)
         };
+        let ran = t0.elapsed();
         if r.is_ok() {
-            self.learn(&choice, t0.elapsed().as_secs_f64(), sides);
+            self.learn(&choice, ran.as_secs_f64(), sides);
         }
+        self.count_overhead(entered, ran);
         r
     }
 
@@ -1759,6 +1779,7 @@ impl AttentionBackend for Scheduler {
                 "decode out: [heads, n_queries, head_dim] values",
             ));
         }
+        let entered = Instant::now();
         if self.mode != Mode::GpuOnly && !self.fell_back() {
             // Measured on first use: residency is known before the work is counted.
             self.costs(nh, d)?;
@@ -1791,9 +1812,11 @@ impl AttentionBackend for Scheduler {
         } else {
             self.decode_split(call, split, out, &mut sides)
         };
+        let ran = t0.elapsed();
         if r.is_ok() && !first_send {
-            self.learn(&choice, t0.elapsed().as_secs_f64(), sides);
+            self.learn(&choice, ran.as_secs_f64(), sides);
         }
+        self.count_overhead(entered, ran);
         r
     }
 

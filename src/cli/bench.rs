@@ -46,6 +46,9 @@ pub struct Cell {
     pub gpu_heads: Option<usize>,
     /// Plans of the timed calls (hybrid/auto): all-CPU, all-GPU, split.
     pub plans: Option<[u64; 3]>,
+    /// The scheduler's own time per timed call, in microseconds (hybrid/auto): its time
+    /// outside the backends' dispatch (`PlanCounts::scheduler_ns`).
+    pub scheduler_us: Option<f64>,
     /// Largest |difference| from the CPU output (same op, len, acp).
     pub max_abs_diff_vs_cpu: f32,
 }
@@ -286,6 +289,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                         acp_speedup: 1.0,
                         gpu_heads: r.gpu_heads,
                         plans: r.plans,
+                        scheduler_us: r.scheduler_us,
                         max_abs_diff_vs_cpu: diff,
                     });
                     eprintln!(
@@ -404,6 +408,7 @@ struct Measured {
     stats: CallStats,
     gpu_heads: Option<usize>,
     plans: Option<[u64; 3]>,
+    scheduler_us: Option<f64>,
     inner: usize,
     samples: Vec<f64>,
 }
@@ -435,6 +440,7 @@ fn measure(
                 stats: CallStats::default(),
                 gpu_heads: None,
                 plans: None,
+                scheduler_us: None,
                 inner: 0,
                 samples: Vec::new(),
             });
@@ -480,6 +486,7 @@ fn measure(
             stats,
             gpu_heads: None,
             plans: None,
+            scheduler_us: None,
             inner: 1,
             samples: if is_timed { Vec::new() } else { vec![e] },
         });
@@ -569,7 +576,11 @@ fn measure(
         }
         ms[i].gpu_heads = eng.last_split().map(|s| s.gpu_heads.len());
         let (a, b) = (plans0[i], eng.plan_counts());
-        ms[i].plans = Some([b.cpu - a.cpu, b.gpu - a.gpu, b.split - a.split]);
+        let p = [b.cpu - a.cpu, b.gpu - a.gpu, b.split - a.split];
+        let calls = p.iter().sum::<u64>();
+        ms[i].plans = Some(p);
+        ms[i].scheduler_us = (calls > 0)
+            .then(|| b.scheduler_ns.saturating_sub(a.scheduler_ns) as f64 / calls as f64 / 1e3);
     }
     Ok(ms)
 }
@@ -639,7 +650,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// auto's plans over its timed calls: `cpu`, `vulkan`, `split 2/16`, or the mix
-/// (`cpu 9 + split 3`).
+/// (`cpu 9 + split 3`), and its scheduler's time per call (`; sched 3.1 us`).
 fn choice_words(c: &Cell) -> String {
     let Some([cpu, gpu, split]) = c.plans else {
         return "cpu".into();
@@ -656,7 +667,7 @@ fn choice_words(c: &Cell) -> String {
     .into_iter()
     .filter(|(n, _)| *n > 0)
     .collect();
-    match parts.as_slice() {
+    let plans = match parts.as_slice() {
         [] => "-".into(),
         [(_, s)] => s.clone(),
         _ => parts
@@ -664,6 +675,10 @@ fn choice_words(c: &Cell) -> String {
             .map(|(n, s)| format!("{s} {n}"))
             .collect::<Vec<_>>()
             .join(" + "),
+    };
+    match c.scheduler_us {
+        Some(us) => format!("{plans}; sched {us:.1} us"),
+        None => plans,
     }
 }
 
