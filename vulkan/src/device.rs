@@ -31,6 +31,15 @@ use vulkano::{Version, VulkanLibrary};
 /// Environment variable that selects the device: an index or a name substring.
 pub const DEVICE_ENV: &str = "FOXEDGE_VULKAN_DEVICE";
 
+/// Microseconds a submit polls its fence before it blocks (`FOXEDGE_VULKAN_SPIN_US`;
+/// default [`SPIN_US_DEFAULT`] on a GPU, 0 on a CPU device, whose own threads need the
+/// cores a poll would take).
+pub const SPIN_ENV: &str = "FOXEDGE_VULKAN_SPIN_US";
+
+/// Default fence poll before blocking, in microseconds: a decode step's wait (0.2-1 ms on
+/// the H100) ends with the thread running rather than waking from a blocked wait.
+pub const SPIN_US_DEFAULT: u64 = 1000;
+
 /// How to choose among the Vulkan devices.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum DeviceSelection {
@@ -128,6 +137,8 @@ pub(crate) struct Context {
     pub fa_layout: std::sync::OnceLock<Vec<u32>>,
     /// Prefill's reusable buffers (`arena.rs`): `None` while a prefill call holds them.
     pub prefill_arena: Mutex<Option<crate::arena::Arena>>,
+    /// Nanoseconds a submit polls its fence before blocking ([`SPIN_ENV`]).
+    pub spin_wait_ns: std::sync::atomic::AtomicU64,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
 }
 
@@ -135,6 +146,19 @@ impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context").field("info", &self.info).finish()
     }
+}
+
+/// [`SPIN_ENV`] if set to a number, else [`SPIN_US_DEFAULT`] for a GPU and 0 for a CPU
+/// device.
+fn spin_us(t: PhysicalDeviceType) -> u64 {
+    std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(if t == PhysicalDeviceType::Cpu {
+            0
+        } else {
+            SPIN_US_DEFAULT
+        })
 }
 
 fn type_rank(t: PhysicalDeviceType) -> u32 {
@@ -340,6 +364,7 @@ impl Context {
             fa_layout: std::sync::OnceLock::new(),
             decode_no_subgroups: false.into(),
             prefill_arena: Mutex::new(Some(crate::arena::Arena::new(true))),
+            spin_wait_ns: spin_us(props.device_type).saturating_mul(1000).into(),
             pipelines: Mutex::new(HashMap::new()),
         })
     }
@@ -477,6 +502,17 @@ impl Context {
             .map_err(|e| Error::Vulkan(e.to_string()))?
             .then_signal_fence_and_flush()?;
         let t2 = std::time::Instant::now();
+        let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
+        if spin > 0 {
+            let until = t2 + std::time::Duration::from_nanos(spin);
+            while !fence
+                .is_signaled()
+                .map_err(|e| Error::Vulkan(e.to_string()))?
+                && std::time::Instant::now() < until
+            {
+                std::hint::spin_loop();
+            }
+        }
         fence.wait(None)?;
         drop(fence);
         let t3 = std::time::Instant::now();
