@@ -55,6 +55,13 @@ fn workload(max_len: usize) -> Result<Problem> {
     real_gate_problem(&model, &rows, max_len)
 }
 
+/// [`workload`], or `None` after saying why it could not be built.
+fn workload_or_say(max_len: usize) -> Option<Problem> {
+    workload(max_len)
+        .map_err(|e| eprintln!("cannot build the real-gate workload: {e}"))
+        .ok()
+}
+
 fn bench(c: &mut Criterion) {
     let lens = lengths();
     let max_call = max_call_s();
@@ -62,12 +69,8 @@ fn bench(c: &mut Criterion) {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
         return;
     };
-    let big = match workload(max_len) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("cannot build the real-gate workload: {e}");
-            return;
-        }
+    let Some(big) = workload_or_say(max_len) else {
+        return;
     };
     let mut engines = Vec::new();
     for k in [
@@ -152,12 +155,8 @@ fn auto_overhead(c: &mut Criterion) {
     let Some(&max_len) = lens.iter().max() else {
         return;
     };
-    let big = match workload(max_len) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("cannot build the real-gate workload: {e}");
-            return;
-        }
+    let Some(big) = workload_or_say(max_len) else {
+        return;
     };
     let eng = Engine::auto_over_idle_device();
     if let Err(e) = eng.calibrate(big.heads, big.head_dim) {

@@ -1130,16 +1130,21 @@ mod tests {
         assert_eq!(r.pick(&[(1.0, CPU), (10.0, GPU)], prior, 1.25).kind, CPU);
     }
 
-    /// One bursty workload (see `through_bursts_auto_stays_close_to_the_best_plan`): auto's
-    /// time over 3000 calls / the best single plan's under the same bursts.
-    fn bursty_ratio(seed: u64) -> f64 {
+    /// U(0, 1) draws from a xorshift64 seeded with `seed` (nonzero).
+    fn uniform_from(seed: u64) -> impl FnMut() -> f64 {
         let mut rng = seed;
-        let mut uniform = move || {
+        move || {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
             (rng >> 11) as f64 / (1u64 << 53) as f64
-        };
+        }
+    }
+
+    /// One bursty workload (see `through_bursts_auto_stays_close_to_the_best_plan`): auto's
+    /// time over 3000 calls / the best single plan's under the same bursts.
+    fn bursty_ratio(seed: u64) -> f64 {
+        let mut uniform = uniform_from(seed);
         let kinds = [CPU, GPU, SPLIT];
         let truth: Vec<f64> = (0..3).map(|_| 0.5 + 1.5 * uniform()).collect();
         let raw: Vec<(f64, PlanKind)> = (0..3)
@@ -1193,13 +1198,7 @@ mod tests {
     /// otherwise), the first two calls of a batch 2.5x and 1.5x slower whatever the plan.
     /// Auto's time over 3000 calls / the GPU plan's under the same batches.
     fn entry_ratio(seed: u64, batch: Option<usize>) -> f64 {
-        let mut rng = seed;
-        let mut uniform = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng >> 11) as f64 / (1u64 << 53) as f64
-        };
+        let mut uniform = uniform_from(seed);
         let kinds = [CPU, GPU, SPLIT];
         let truth = [0.532, 0.500, 0.62];
         let raw: Vec<(f64, PlanKind)> = [0.393, 0.253, 0.55].into_iter().zip(kinds).collect();
