@@ -505,11 +505,8 @@ impl Context {
         let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
         if spin > 0 {
             let until = t2 + std::time::Duration::from_nanos(spin);
-            while !fence
-                .is_signaled()
-                .map_err(|e| Error::Vulkan(e.to_string()))?
-                && std::time::Instant::now() < until
-            {
+            // A lost device reads as `Error::DeviceLost`, as from the blocking wait.
+            while !fence.is_signaled()? && std::time::Instant::now() < until {
                 std::hint::spin_loop();
             }
         }
