@@ -124,7 +124,7 @@ impl Vulkan {
 
     /// How long each submit polls its fence before it blocks (default: `FOXEDGE_VULKAN_SPIN_US`,
     /// else 1 ms on a GPU and none on a CPU device). Polling keeps the calling thread running
-    /// through a short wait; on the H100 host a resident decode step took 15-18% less time
+    /// through a short wait; on the H100 host a resident decode step took 15-19% less time
     /// with 1 ms than with none. Returns the previous setting.
     pub fn set_spin_wait(&self, d: std::time::Duration) -> std::time::Duration {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
