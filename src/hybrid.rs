@@ -1225,11 +1225,8 @@ impl Scheduler {
             if let Some((rc, rg)) = side_ratios {
                 rec.record_sides(choice.split.gpu_heads.len(), rc, rg);
             }
-            if let Some(end) = rec.last_end {
-                rec.idled(choice.started.saturating_duration_since(end).as_secs_f64());
-            }
+            rec.spanned(choice.started, Instant::now());
             rec.record(choice.kind, raw, secs, choice.probe_of);
-            rec.last_end = Some(Instant::now());
         }
     }
 

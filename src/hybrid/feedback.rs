@@ -150,7 +150,8 @@ struct Ring<const N: usize> {
     vals: [f64; N],
     len: usize,
     next: usize,
-    median: Option<f64>,
+    /// Lower median of the valid slots (meaningless while `len` is 0).
+    median: f64,
 }
 
 impl<const N: usize> Default for Ring<N> {
@@ -159,7 +160,7 @@ impl<const N: usize> Default for Ring<N> {
             vals: [0.0; N],
             len: 0,
             next: 0,
-            median: None,
+            median: 0.0,
         }
     }
 }
@@ -172,11 +173,11 @@ impl<const N: usize> Ring<N> {
         let mut r = self.vals;
         let r = &mut r[..self.len];
         r.sort_unstable_by(f64::total_cmp);
-        self.median = Some(r[(self.len - 1) / 2]);
+        self.median = r[(self.len - 1) / 2];
     }
 
     fn clear(&mut self) {
-        (self.len, self.next, self.median) = (0, 0, None);
+        (self.len, self.next) = (0, 0);
     }
 
     fn values(&self) -> &[f64] {
@@ -185,7 +186,7 @@ impl<const N: usize> Ring<N> {
 
     /// The lower median (the faster of two middle values; None when empty).
     fn lower_median(&self) -> Option<f64> {
-        self.median
+        (self.len > 0).then_some(self.median)
     }
 }
 
@@ -257,8 +258,8 @@ pub(super) struct ClassRecord {
     gaps: Ring<LONG_WINDOW>,
     /// The next call follows an unusually long gap (see [`IDLE_GAP`]): it is not warm.
     rested: bool,
-    /// When the class's last call ended (kept by the scheduler for [`ClassRecord::idled`]).
-    pub last_end: Option<std::time::Instant>,
+    /// When the class's last call ended ([`ClassRecord::spanned`]).
+    last_end: Option<std::time::Instant>,
 }
 
 /// A split's two sides at one GPU head count: each side's seconds / its raw prediction, of
@@ -373,6 +374,15 @@ impl ClassRecord {
         if k.long.len < LONG_WINDOW || k.warm.is_multiple_of(LONG_STRIDE) {
             k.long.push(ratio);
         }
+    }
+
+    /// Notes the wall-clock span of the call about to be recorded: the idle gap since the
+    /// class's last call ended ([`ClassRecord::idled`]), and its end for the next one's gap.
+    pub(super) fn spanned(&mut self, started: std::time::Instant, ended: std::time::Instant) {
+        if let Some(end) = self.last_end {
+            self.idled(started.saturating_duration_since(end).as_secs_f64());
+        }
+        self.last_end = Some(ended);
     }
 
     /// Notes the idle seconds before the next call (from the end of the class's last call
