@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 mod feedback;
-use feedback::{ClassRecord, Pick, Reason};
+use feedback::{ClassRecord, Pick, Reason, Shortcut};
 
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub const BLOCK: usize = 64;
@@ -305,19 +305,27 @@ fn candidates(
         );
         (extra + combine(fc * tc, fg * tg), tc, tg)
     };
-    let all: Vec<usize> = (0..n).collect();
-    let mut desc = all.clone();
-    desc.sort_by_key(|&h| std::cmp::Reverse(work[h].pairs));
+    // Ties in head order, so every order is deterministic.
+    let mut desc: Vec<usize> = (0..n).collect();
+    desc.sort_unstable_by_key(|&h| (std::cmp::Reverse(work[h].pairs), h));
     let asc: Vec<usize> = desc.iter().rev().copied().collect();
-    let mut dense = all;
-    dense.sort_by(|&x, &y| {
-        let r = |h: usize| work[h].pairs as f64 / work[h].gpu_rows.max(1) as f64;
-        r(y).total_cmp(&r(x))
-    });
-    // (seconds, order, GPU heads): the best prefix of the three orders.
+    let density: Vec<f64> = work
+        .iter()
+        .map(|w| w.pairs as f64 / w.gpu_rows.max(1) as f64)
+        .collect();
+    let mut dense: Vec<usize> = (0..n).collect();
+    dense.sort_unstable_by(|&x, &y| density[y].total_cmp(&density[x]).then(x.cmp(&y)));
+    // (seconds, order, GPU heads): the best prefix of the three orders. The densest-first
+    // order is the heaviest-first one when every head sends as many rows (a resident
+    // decode's steady state): it is searched once.
     let mut best: Option<(f64, &[usize], usize)> = None;
     let mut split_sides = (0.0, 0.0);
-    for order in [&desc, &asc, &dense] {
+    let orders: &[&Vec<usize>] = if dense == desc {
+        &[&desc, &asc]
+    } else {
+        &[&desc, &asc, &dense]
+    };
+    for &order in orders {
         let mut g = Work::default();
         for k in 1..n {
             g = g + work[order[k - 1]];
@@ -975,6 +983,9 @@ pub(crate) struct Scheduler {
     /// Per decode cache id: (entries, kept pairs, pruning tag, queries) when last counted;
     /// reused only for the same pruning ([`acp_tag`]) and query count.
     kept_counts: Mutex<IdMap<u64, (u64, u64, u64, usize)>>,
+    /// `auto`'s all-CPU calls' measured / predicted seconds (of their upper bounds), for
+    /// (prefill, decode): the CPU shortcut's check.
+    shortcut: Mutex<[Shortcut; 2]>,
     /// The CPU side of a split on a concurrent device: one thread fewer than the machine
     /// has, so the GPU submission thread (host packing, uploads) keeps a core.
     split_pool: OnceLock<Option<rayon::ThreadPool>>,
@@ -1056,6 +1067,9 @@ struct Choice {
     sides: (f64, f64),
     /// When the choice began (the trace reports the scheduler's time around the kernels).
     started: Instant,
+    /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
+    /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
+    cpu_upper_s: Option<f64>,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1163,6 +1177,7 @@ impl Scheduler {
             feedback: Mutex::default(),
             gpu_synced: Mutex::default(),
             kept_counts: Mutex::default(),
+            shortcut: Mutex::default(),
             split_pool: OnceLock::new(),
         }
     }
@@ -1194,7 +1209,12 @@ impl Scheduler {
 
     /// Folds a call's measured seconds into its size class's record for its kind, and a
     /// split's measured (CPU side, GPU side) seconds into its side factors.
-    fn learn(&self, choice: &Choice, secs: f64, sides: Option<(f64, f64)>) {
+    fn learn(&self, choice: &Choice, decode: bool, secs: f64, sides: Option<(f64, f64)>) {
+        if let Some(cpu_s) = choice.cpu_upper_s
+            && let Ok(mut s) = self.shortcut.lock()
+        {
+            s[decode as usize].record(secs / cpu_s);
+        }
         let Some((class, raw)) = choice.class else {
             return;
         };
@@ -1313,6 +1333,7 @@ impl Scheduler {
             class: None,
             sides: (0.0, 0.0),
             started,
+            cpu_upper_s: None,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -1333,6 +1354,7 @@ impl Scheduler {
         // Concurrently, a GPU >= 19x slower per pair and per row can take < 5% of the
         // work, not worth a split. And any plan using the GPU takes its fixed cost: when
         // the CPU does the whole call faster unpruned, the CPU alone is the plan.
+        let cpu_upper_s = cc.predict(upper.pairs, upper.rows, false);
         if self.mode == Mode::Auto {
             let gpu_slower = gc.a >= cc.a && gc.b >= cc.b && gc.c >= cc.c;
             let cpu_slower = cc.a >= gc.a && cc.b >= gc.b && cc.c >= gc.c;
@@ -1365,8 +1387,15 @@ impl Scheduler {
             {
                 return Ok(side(false));
             }
-            if cc.predict(upper.pairs, upper.rows, false) <= gc.a {
-                return Ok(side(false));
+            // As measured: the CPU's prediction times what its all-CPU calls took over it
+            // (on the H100 host a calibration that predicted a dense 4k step at 350 us
+            // against a GPU fixed cost of 362 us kept auto on the CPU, 0.78 ms a step, while
+            // the GPU took 0.40: run 67).
+            if lock(&self.shortcut)?[decode as usize].factor() * cpu_upper_s <= gc.a {
+                return Ok(Choice {
+                    cpu_upper_s: Some(cpu_upper_s),
+                    ..side(false)
+                });
             }
         }
         let split_cost = (
@@ -1418,6 +1447,7 @@ impl Scheduler {
             class: Some((class, raw)),
             sides: cands.split_sides,
             started,
+            cpu_upper_s: (self.mode == Mode::Auto && kind == PlanKind::Cpu).then_some(cpu_upper_s),
         })
     }
 
@@ -1763,7 +1793,7 @@ impl AttentionBackend for Scheduler {
         };
         let ran = t0.elapsed();
         if r.is_ok() {
-            self.learn(&choice, ran.as_secs_f64(), sides);
+            self.learn(&choice, false, ran.as_secs_f64(), sides);
         }
         self.count_overhead(entered, ran);
         r
@@ -1811,7 +1841,7 @@ impl AttentionBackend for Scheduler {
         };
         let ran = t0.elapsed();
         if r.is_ok() && !first_send {
-            self.learn(&choice, ran.as_secs_f64(), sides);
+            self.learn(&choice, true, ran.as_secs_f64(), sides);
         }
         self.count_overhead(entered, ran);
         r
@@ -3098,6 +3128,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A calibration that predicts the CPU far faster than it runs does not hold auto on
+    /// the CPU shortcut: a step predicted at 1 ns on the CPU against a GPU fixed cost of
+    /// 100 ns takes the shortcut until its measured time (>= 100 ns for any real step)
+    /// says otherwise; then the full plan runs (it keeps a class record, the shortcut
+    /// none), and its all-CPU calls keep the shortcut's measure up to date.
+    #[test]
+    fn the_cpu_shortcut_yields_to_measured_time() {
+        let eng = Engine::auto_over_idle_device();
+        let EngineInner::Sched(s) = &eng.inner else {
+            panic!("auto is a scheduler");
+        };
+        let free = LinearCost {
+            a: 0.0,
+            b: 0.0,
+            c: 0.0,
+        };
+        let mut cal = Calibration {
+            cpu_prefill: free,
+            gpu_prefill: free,
+            cpu_decode: LinearCost { b: 1e-12, ..free },
+            gpu_decode: LinearCost { a: 1e-7, ..free },
+            gpu_decode_resident: true,
+            concurrent: true,
+            split_fixed: 0.0,
+            split_row_prefill: 0.0,
+            seconds: 0.0,
+        };
+        *s.calibration.lock().unwrap() = Some(cal.clone());
+        // 2 heads x 512 entries: 1024 pairs, 1 ns predicted.
+        let d = problem(512, 2, 16).decode_at(512).unwrap();
+        let mut out = vec![0.0f32; d.q.len()];
+        let planned = || -> f64 { s.feedback.lock().unwrap().values().map(|r| r.spent()).sum() };
+        eng.decode(&d, AcpMode::Off, &mut out).unwrap();
+        assert_eq!(planned(), 0.0, "the shortcut ran");
+        let factor = s.shortcut.lock().unwrap()[1].factor();
+        assert!(
+            factor * 1.024e-9 > 1e-7,
+            "measured {factor} x the prediction"
+        );
+        for _ in 0..3 {
+            eng.decode(&d, AcpMode::Off, &mut out).unwrap();
+        }
+        let after = planned();
+        assert!(after > 0.0, "the full plan ran");
+        // Planned all-CPU calls are measured too; a GPU fixed cost above what they took
+        // brings the shortcut back.
+        let factor = s.shortcut.lock().unwrap()[1].factor();
+        cal.gpu_decode.a = 10.0 * factor * 1.024e-9;
+        *s.calibration.lock().unwrap() = Some(cal);
+        eng.decode(&d, AcpMode::Off, &mut out).unwrap();
+        assert_eq!(planned(), after, "the shortcut ran again");
+        assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
     }
 
     /// ACP with `d`'s bounds and `ln eps = -10`.
