@@ -1207,8 +1207,9 @@ impl Scheduler {
         }
     }
 
-    /// Folds a call's measured seconds into its size class's record for its kind, and a
-    /// split's measured (CPU side, GPU side) seconds into its side factors.
+    /// Folds a call's measured seconds into its size class's record for its kind, a
+    /// split's measured (CPU side, GPU side) seconds into its side factors, and an all-CPU
+    /// call of `auto` into the CPU shortcut's check (prefill or `decode`).
     fn learn(&self, choice: &Choice, decode: bool, secs: f64, sides: Option<(f64, f64)>) {
         if let Some(cpu_s) = choice.cpu_upper_s
             && let Ok(mut s) = self.shortcut.lock()
@@ -3141,16 +3142,11 @@ mod tests {
         let EngineInner::Sched(s) = &eng.inner else {
             panic!("auto is a scheduler");
         };
-        let free = LinearCost {
-            a: 0.0,
-            b: 0.0,
-            c: 0.0,
-        };
         let mut cal = Calibration {
-            cpu_prefill: free,
-            gpu_prefill: free,
-            cpu_decode: LinearCost { b: 1e-12, ..free },
-            gpu_decode: LinearCost { a: 1e-7, ..free },
+            cpu_prefill: cost(0.0, 0.0),
+            gpu_prefill: cost(0.0, 0.0),
+            cpu_decode: cost(0.0, 1e-12),
+            gpu_decode: cost(1e-7, 0.0),
             gpu_decode_resident: true,
             concurrent: true,
             split_fixed: 0.0,

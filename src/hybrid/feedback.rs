@@ -210,7 +210,7 @@ impl<const N: usize> Ring<N> {
 /// any), so a calibration that under-predicts the CPU does not hold auto there: the
 /// shortcut lasts while the CPU's measured time stays within the GPU's fixed cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct Shortcut {
+pub(super) struct Shortcut {
     window: Ring<WINDOW>,
 }
 
