@@ -182,3 +182,83 @@ fn logits_command_reproduces_golden_logits() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `foxedge bench` prints its table (every backend opened, the auto/best line, the
+/// control pairs) and writes its JSON and PNG plots; `foxedge inspect` writes the decay
+/// picture. Cells of 128 tokens and a few calls each: the output is checked, not the
+/// figures. Under CI a missing Vulkan device fails it.
+#[test]
+fn bench_and_inspect_write_the_table_and_the_pictures() {
+    let dir = synth::temp_dir("cli-bench");
+    let json = dir.join("bench.json");
+    let out = foxedge()
+        .args(["bench", "--lengths", "128", "--reps", "2", "--warm", "1"])
+        .args([
+            "--budget-s",
+            "0.05",
+            "--batch-ms",
+            "2",
+            "--control",
+            "--plot",
+        ])
+        .arg(&dir)
+        .arg("--out")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    let vulkan = !err.contains("skipping vulkan");
+    assert!(
+        vulkan || std::env::var_os("CI").is_none(),
+        "CI needs a Vulkan device: {err}"
+    );
+    let mut backends = vec!["cpu", "auto", "cpu2"];
+    if vulkan {
+        backends.extend(["vulkan", "hybrid", "vulkan2"]);
+    }
+    for op in ["prefill", "decode"] {
+        for b in &backends {
+            let row = [op, "128", "dense", b];
+            let found = table
+                .lines()
+                .any(|l| l.split_whitespace().take(4).eq(row.iter().copied()));
+            assert!(found, "no row {row:?}:\n{table}");
+        }
+        let png = std::fs::read(dir.join(format!("{op}_throughput.png"))).unwrap();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "{op} plot");
+    }
+    assert!(
+        table.contains("# auto / best single backend >= 0.95 in "),
+        "{table}"
+    );
+    assert!(table.contains("# control (cpu / cpu2, two identical engines)"));
+    assert_eq!(
+        table.contains("# control (vulkan / vulkan2, two identical engines)"),
+        vulkan,
+        "{table}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2 * 2 * backends.len(), "{report}");
+    assert_eq!(report["auto_vs_best"].as_array().unwrap().len(), 4);
+
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "def f(x):\n    return x + 1\n".repeat(8)).unwrap();
+    let picture = dir.join("decay.png");
+    let out = foxedge()
+        .args(["inspect", "--text"])
+        .arg(&text)
+        .arg("--plot")
+        .arg(&picture)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(std::fs::read(&picture).unwrap().starts_with(b"\x89PNG"));
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -201,7 +201,8 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let peak = foxedge_cpu::limits::fma_peak_gflops(threads, 0.3);
 
-    // (label, engine); `cpu2` (--control) is a second CPU engine: its ratio to `cpu` is
+    // (label, engine); `cpu2` and `vulkan2` (--control) are second CPU and Vulkan engines
+    // (the latter where a Vulkan engine opened): their ratios to `cpu` and `vulkan` are
     // what the method measures between two identical backends (the noise floor).
     let mut engines: Vec<(String, Engine)> = Vec::new();
     for &k in &backends {
@@ -215,6 +216,12 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     }
     if control {
         engines.push(("cpu2".into(), Engine::new(BackendKind::Cpu)?));
+        if engines.iter().any(|(k, _)| k == "vulkan") {
+            match Engine::with_device(BackendKind::Vulkan, device.as_deref()) {
+                Ok(e) => engines.push(("vulkan2".into(), e)),
+                Err(e) => eprintln!("[bench] no second Vulkan engine for the control: {e}"),
+            }
+        }
     }
     let mut calibration = None;
     for (k, e) in &engines {
@@ -825,20 +832,22 @@ fn print_table(r: &Report) {
         "# auto / best single backend >= 0.95 in {pass} of {} cells",
         r.auto_vs_best.len()
     );
-    let floor: Vec<String> = r
-        .cells
-        .iter()
-        .filter(|c| c.backend == "cpu2")
-        .filter_map(|c| {
-            let cpu = get(c.op, c.len, c.acp, "cpu")?;
-            Some(format!("{} {:.3}", cell_name(c), cpu.seconds / c.seconds))
-        })
-        .collect();
-    if !floor.is_empty() {
-        println!(
-            "# control (cpu / cpu2, two identical engines): {}",
-            floor.join(", ")
-        );
+    for (one, two) in [("cpu", "cpu2"), ("vulkan", "vulkan2")] {
+        let floor: Vec<String> = r
+            .cells
+            .iter()
+            .filter(|c| c.backend == two)
+            .filter_map(|c| {
+                let first = get(c.op, c.len, c.acp, one)?;
+                Some(format!("{} {:.3}", cell_name(c), first.seconds / c.seconds))
+            })
+            .collect();
+        if !floor.is_empty() {
+            println!(
+                "# control ({one} / {two}, two identical engines): {}",
+                floor.join(", ")
+            );
+        }
     }
     // Order effect: CPU-run samples split by whether a GPU-using backend ran just before.
     let mut order = Vec::new();
@@ -851,7 +860,9 @@ fn print_table(r: &Report) {
                 .samples
                 .iter()
                 .zip(&c.after)
-                .filter(|(_, a)| !a.is_empty() && matches!(a.as_str(), "vulkan" | "hybrid") == gpu)
+                .filter(|(_, a)| {
+                    !a.is_empty() && matches!(a.as_str(), "vulkan" | "vulkan2" | "hybrid") == gpu
+                })
                 .map(|(s, _)| *s)
                 .collect();
             v.sort_by(f64::total_cmp);

@@ -92,7 +92,8 @@ bench: attention prefill/decode per backend, dense and ACP, on the model's real 
 FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backend, then up
 to --reps rounds (default 15, --full 80) with the backends interleaved (random order), samples
 of >= --batch-ms, at most --budget-s (default 3, --full 8) of timed calls per backend; medians,
-min, IQR and auto/best ratios; --control adds
-a second CPU engine (the noise floor). inspect: decay matrix D with the ACP boundary.
+min, IQR and auto/best ratios; --control adds a second CPU engine and, with a Vulkan
+device, a second Vulkan engine (the noise floor). inspect: decay matrix D with the ACP
+boundary.
 logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
 ";
