@@ -267,17 +267,124 @@ struct Candidates {
     split_sides: (f64, f64),
 }
 
-/// The model's predictions for `work` (per head): CPU `cpu.predict(pairs, rows)`, GPU
-/// `gpu.predict(pairs, gpu_rows)`, combined by `max` when they run concurrently (a real
-/// GPU) or `+` on shared cores (lavapipe), plus `split_cost` = (fixed seconds, seconds per
-/// row of the whole call) for a split. Split candidates: every prefix of the heads sorted
-/// heaviest first, lightest first and densest (pairs per GPU row) first.
+/// The model's terms for costing the plans of one call: `work` per head, CPU
+/// `cpu.predict(pairs, rows)`, GPU `gpu.predict(pairs, gpu_rows)`, combined by `max` when
+/// they run concurrently (a real GPU) or `+` on shared cores (lavapipe), plus `split_cost`
+/// = (fixed seconds, seconds per row of the whole call) for a split.
 ///
 /// `side(k)` = (CPU, GPU) factors of the two sides of a split with `k` GPU heads
 /// ([`split_side_factors`]): the sides are costed with them, so the heads are divided by
 /// what each side was seen to take (the all-GPU plan of an ACP decode ran 5x its model on
 /// the H100, and one split factor over 1- and 11-head splits could not express that). The
 /// split's own factor then measures only what the model still misses.
+struct Costing<'w, S> {
+    work: &'w [Work],
+    total: Work,
+    cpu: LinearCost,
+    gpu: LinearCost,
+    side: S,
+    concurrent: bool,
+    split_cost: (f64, f64),
+}
+
+impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
+    fn new(
+        work: &'w [Work],
+        cpu: LinearCost,
+        gpu: LinearCost,
+        side: S,
+        concurrent: bool,
+        split_cost: (f64, f64),
+    ) -> Self {
+        Costing {
+            work,
+            total: work.iter().fold(Work::default(), |a, &w| a + w),
+            cpu,
+            gpu,
+            side,
+            concurrent,
+            split_cost,
+        }
+    }
+
+    /// (seconds, raw CPU side, raw GPU side) of the plan that sends `g_heads` heads doing
+    /// `g` to the GPU and the rest to the CPU.
+    fn cost(&self, g: Work, g_heads: usize) -> (f64, f64, f64) {
+        let n = self.work.len();
+        let split = g_heads != 0 && g_heads != n;
+        let (extra, fc, fg) = if split {
+            let (fc, fg) = (self.side)(g_heads);
+            let per_row = self.split_cost.1 * self.total.rows as f64;
+            (self.split_cost.0 + per_row, fc, fg)
+        } else {
+            (0.0, 1.0, 1.0)
+        };
+        let c = self.total - g;
+        let (tc, tg) = (
+            self.cpu.predict(c.pairs, c.rows, g_heads == n),
+            self.gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
+        );
+        let t = if self.concurrent {
+            (fc * tc).max(fg * tg)
+        } else {
+            fc * tc + fg * tg
+        };
+        (extra + t, tc, tg)
+    }
+
+    /// The candidates with `split` (its GPU heads) as the split, costed for this work.
+    fn with_split(&self, split: Option<&[usize]>) -> Candidates {
+        let split = split.map(|heads| {
+            let g = heads.iter().fold(Work::default(), |a, &h| a + self.work[h]);
+            (self.cost(g, heads.len()), heads.to_vec())
+        });
+        Candidates {
+            cpu: self.cost(Work::default(), 0).0,
+            gpu: self.cost(self.total, self.work.len()).0,
+            split_sides: split.as_ref().map_or((0.0, 0.0), |((_, c, g), _)| (*c, *g)),
+            split: split.map(|((t, _, _), heads)| (t, heads)),
+        }
+    }
+
+    /// Every plan's prediction; split candidates: every prefix of the heads sorted heaviest
+    /// first, lightest first and densest (pairs per GPU row) first, the fastest kept.
+    fn search(&self) -> Candidates {
+        let work = self.work;
+        let n = work.len();
+        // Ties in head order, so every order is deterministic.
+        let mut desc: Vec<usize> = (0..n).collect();
+        desc.sort_unstable_by_key(|&h| (std::cmp::Reverse(work[h].pairs), h));
+        let asc: Vec<usize> = desc.iter().rev().copied().collect();
+        let density: Vec<f64> = work
+            .iter()
+            .map(|w| w.pairs as f64 / w.gpu_rows.max(1) as f64)
+            .collect();
+        let mut dense: Vec<usize> = (0..n).collect();
+        dense.sort_unstable_by(|&x, &y| density[y].total_cmp(&density[x]).then(x.cmp(&y)));
+        // (seconds, order, GPU heads): the best prefix of the three orders. The
+        // densest-first order is the heaviest-first one when every head sends as many rows
+        // (a resident decode's steady state): it is searched once.
+        let mut best: Option<(f64, &[usize], usize)> = None;
+        let orders: &[&Vec<usize>] = if dense == desc {
+            &[&desc, &asc]
+        } else {
+            &[&desc, &asc, &dense]
+        };
+        for &order in orders {
+            let mut g = Work::default();
+            for k in 1..n {
+                g = g + work[order[k - 1]];
+                let t = self.cost(g, k).0;
+                if best.is_none_or(|b| t < b.0) {
+                    best = Some((t, order, k));
+                }
+            }
+        }
+        self.with_split(best.map(|(_, order, k)| &order[..k]))
+    }
+}
+
+/// Predicted seconds of every plan for `work` (see [`Costing`], [`Costing::search`]).
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
@@ -286,62 +393,7 @@ fn candidates(
     concurrent: bool,
     split_cost: (f64, f64),
 ) -> Candidates {
-    let n = work.len();
-    let total = work.iter().fold(Work::default(), |a, &w| a + w);
-    let combine = |c: f64, g: f64| if concurrent { c.max(g) } else { c + g };
-    // (seconds, raw CPU side, raw GPU side) of `g` on the GPU.
-    let cost = |g: Work, g_heads: usize| {
-        let split = g_heads != 0 && g_heads != n;
-        let (extra, fc, fg) = if split {
-            let (fc, fg) = side(g_heads);
-            (split_cost.0 + split_cost.1 * total.rows as f64, fc, fg)
-        } else {
-            (0.0, 1.0, 1.0)
-        };
-        let c = total - g;
-        let (tc, tg) = (
-            cpu.predict(c.pairs, c.rows, g_heads == n),
-            gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
-        );
-        (extra + combine(fc * tc, fg * tg), tc, tg)
-    };
-    // Ties in head order, so every order is deterministic.
-    let mut desc: Vec<usize> = (0..n).collect();
-    desc.sort_unstable_by_key(|&h| (std::cmp::Reverse(work[h].pairs), h));
-    let asc: Vec<usize> = desc.iter().rev().copied().collect();
-    let density: Vec<f64> = work
-        .iter()
-        .map(|w| w.pairs as f64 / w.gpu_rows.max(1) as f64)
-        .collect();
-    let mut dense: Vec<usize> = (0..n).collect();
-    dense.sort_unstable_by(|&x, &y| density[y].total_cmp(&density[x]).then(x.cmp(&y)));
-    // (seconds, order, GPU heads): the best prefix of the three orders. The densest-first
-    // order is the heaviest-first one when every head sends as many rows (a resident
-    // decode's steady state): it is searched once.
-    let mut best: Option<(f64, &[usize], usize)> = None;
-    let mut split_sides = (0.0, 0.0);
-    let orders: &[&Vec<usize>] = if dense == desc {
-        &[&desc, &asc]
-    } else {
-        &[&desc, &asc, &dense]
-    };
-    for &order in orders {
-        let mut g = Work::default();
-        for k in 1..n {
-            g = g + work[order[k - 1]];
-            let (t, tc, tg) = cost(g, k);
-            if best.is_none_or(|b| t < b.0) {
-                best = Some((t, order, k));
-                split_sides = (tc, tg);
-            }
-        }
-    }
-    Candidates {
-        cpu: cost(Work::default(), 0).0,
-        gpu: cost(total, n).0,
-        split: best.map(|(t, order, k)| (t, order[..k].to_vec())),
-        split_sides,
-    }
+    Costing::new(work, cpu, gpu, side, concurrent, split_cost).search()
 }
 
 /// The (CPU, GPU) factors the sides of a split with `gpu_heads` GPU heads are costed with
@@ -364,18 +416,22 @@ fn split_side_factors(rec: &ClassRecord, gpu_heads: usize) -> (f64, f64) {
 /// (uncorrected) prediction of it, and the pick.
 fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
-        let mut gpu_heads = gpu_heads.to_vec();
-        gpu_heads.sort_unstable();
-        let cpu_heads = (0..n)
-            .filter(|h| gpu_heads.binary_search(h).is_err())
-            .collect();
+        let (gpu_heads, cpu_heads) = match gpu_heads.len() {
+            0 => (Vec::new(), (0..n).collect()),
+            k if k == n => ((0..n).collect(), Vec::new()),
+            _ => {
+                let mut g = gpu_heads.to_vec();
+                g.sort_unstable();
+                let c = (0..n).filter(|h| g.binary_search(h).is_err()).collect();
+                (g, c)
+            }
+        };
         Split {
             gpu_heads,
             cpu_heads,
             predicted_seconds,
         }
     };
-    let all: Vec<usize> = (0..n).collect();
     let fixed = |kind| Pick {
         kind,
         reason: Reason::Best,
@@ -401,7 +457,11 @@ fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -
         }
     };
     let split = match (pick.kind, &c.split) {
-        (PlanKind::Gpu, _) => split_of(&all, c.gpu),
+        (PlanKind::Gpu, _) => Split {
+            gpu_heads: (0..n).collect(),
+            cpu_heads: Vec::new(),
+            predicted_seconds: c.gpu,
+        },
         (PlanKind::Split, Some((ts, g))) => split_of(g, *ts),
         _ => split_of(&[], c.cpu),
     };
@@ -983,12 +1043,76 @@ pub(crate) struct Scheduler {
     /// Per decode cache id: (entries, kept pairs, pruning tag, queries) when last counted;
     /// reused only for the same pruning ([`acp_tag`]) and query count.
     kept_counts: Mutex<IdMap<u64, (u64, u64, u64, usize)>>,
+    /// Per decode cache id (of a call's first head): the last split search of its calls.
+    searches: Mutex<IdMap<u64, SplitSearch>>,
     /// `auto`'s all-CPU calls' measured / predicted seconds (of their upper bounds), for
     /// (prefill, decode): the CPU shortcut's check.
     shortcut: Mutex<[Shortcut; 2]>,
     /// The CPU side of a split on a concurrent device: one thread fewer than the machine
     /// has, so the GPU submission thread (host packing, uploads) keeps a core.
     split_pool: OnceLock<Option<rayon::ThreadPool>>,
+}
+
+/// Calls of a decode class that reuse its last split search ([`SplitSearch`]).
+const SEARCH_CALLS: u64 = 16;
+
+/// How far the CPU or GPU prospect (which costs a split's sides before a split has run
+/// warm) may move before a kept split search is redone.
+const SEARCH_DRIFT: f64 = 0.02;
+
+/// A decode call's last split search: the GPU heads it chose are re-costed for each later
+/// call of the same caches (one sum and one prediction instead of `3 · heads` of them)
+/// while that call is of the same size class and head count, its pairs, rows and rows to
+/// send are within 1/[`RECOUNT_FRACTION`] of the searched ones, the class has run fewer
+/// than [`SEARCH_CALLS`] calls since, no warm split call has changed the measured sides,
+/// and the CPU and GPU prospects moved less than [`SEARCH_DRIFT`]. The CPU and GPU plans
+/// are costed afresh at every call; a decode step grows the work by one row per head.
+#[derive(Debug, Clone, PartialEq)]
+struct SplitSearch {
+    class: SizeClass,
+    heads: usize,
+    total: Work,
+    at_calls: u64,
+    sides_version: u64,
+    prospects: (f64, f64),
+    split: Option<Vec<usize>>,
+}
+
+impl SplitSearch {
+    fn prospects(rec: &ClassRecord) -> (f64, f64) {
+        (
+            rec.prospect(PlanKind::Cpu).unwrap_or(1.0),
+            rec.prospect(PlanKind::Gpu).unwrap_or(1.0),
+        )
+    }
+
+    fn of(class: SizeClass, rec: &ClassRecord, total: Work, heads: usize, c: &Candidates) -> Self {
+        SplitSearch {
+            class,
+            heads,
+            total,
+            at_calls: rec.calls(),
+            sides_version: rec.sides_version(),
+            prospects: Self::prospects(rec),
+            split: c.split.as_ref().map(|(_, g)| g.clone()),
+        }
+    }
+
+    /// Whether a call of `class`, `heads` heads doing `total`, may reuse this search.
+    fn holds(&self, class: SizeClass, rec: &ClassRecord, total: Work, heads: usize) -> bool {
+        let near = |a: u64, b: u64| a.abs_diff(b) <= b / RECOUNT_FRACTION;
+        let still = |a: f64, b: f64| (a / b - 1.0).abs() <= SEARCH_DRIFT;
+        let (pc, pg) = Self::prospects(rec);
+        self.class == class
+            && self.heads == heads
+            && near(total.pairs, self.total.pairs)
+            && near(total.rows, self.total.rows)
+            && near(total.gpu_rows, self.total.gpu_rows)
+            && rec.calls() < self.at_calls + SEARCH_CALLS
+            && rec.sides_version() == self.sides_version
+            && still(pc, self.prospects.0)
+            && still(pg, self.prospects.1)
+    }
 }
 
 /// A call's size class for the measured corrections: (decode, floor log2 rows, floor log2
@@ -1177,6 +1301,7 @@ impl Scheduler {
             feedback: Mutex::default(),
             gpu_synced: Mutex::default(),
             kept_counts: Mutex::default(),
+            searches: Mutex::default(),
             shortcut: Mutex::default(),
             split_pool: OnceLock::new(),
         }
@@ -1209,8 +1334,16 @@ impl Scheduler {
 
     /// Folds a call's measured seconds into its size class's record for its kind, a
     /// split's measured (CPU side, GPU side) seconds into its side factors, and an all-CPU
-    /// call of `auto` into the CPU shortcut's check (prefill or `decode`).
-    fn learn(&self, choice: &Choice, decode: bool, secs: f64, sides: Option<(f64, f64)>) {
+    /// call of `auto` into the CPU shortcut's check (prefill or `decode`). `ran`: when the
+    /// call's kernels started and how long they took.
+    fn learn(
+        &self,
+        choice: &Choice,
+        decode: bool,
+        ran: (Instant, std::time::Duration),
+        sides: Option<(f64, f64)>,
+    ) {
+        let secs = ran.1.as_secs_f64();
         if let Some(cpu_s) = choice.cpu_upper_s
             && let Ok(mut s) = self.shortcut.lock()
         {
@@ -1246,7 +1379,7 @@ impl Scheduler {
             if let Some((rc, rg)) = side_ratios {
                 rec.record_sides(choice.split.gpu_heads.len(), rc, rg);
             }
-            rec.spanned(choice.started, Instant::now());
+            rec.spanned(choice.started, ran.0 + ran.1);
             rec.record(choice.kind, raw, secs, choice.probe_of);
         }
     }
@@ -1268,6 +1401,15 @@ impl Scheduler {
             Mode::Hybrid => "hybrid",
             Mode::Auto => "auto",
         }
+    }
+
+    /// The calibration a call plans with: [`Scheduler::costs`] unless the scheduler
+    /// runs the GPU alone or has fallen back to the CPU (then None, and no calibration).
+    fn planned_costs(&self, heads: usize, d: usize) -> Result<Option<Calibration>> {
+        if self.mode == Mode::GpuOnly || self.fell_back() {
+            return Ok(None);
+        }
+        self.costs(heads, d)
     }
 
     /// The calibration for (heads, d), measuring it on first use.
@@ -1304,17 +1446,20 @@ impl Scheduler {
         }
     }
 
-    /// The plan of a call of `heads` heads; `work` (per head) is computed only when the
-    /// choice depends on it; `upper` bounds the whole call's work (every pair kept).
+    /// The plan of a call of `heads` heads entered at `started`, from `cal`
+    /// ([`Scheduler::planned_costs`]); `work` (per head) is
+    /// computed only when the choice depends on it; `upper` bounds the whole call's work
+    /// (every pair kept); `search_id` (a decode call's first cache id) keys the call's
+    /// [`SplitSearch`].
     fn choose(
         &self,
-        heads: usize,
-        d: usize,
-        decode: bool,
+        (heads, decode): (usize, bool),
+        cal: Option<Calibration>,
+        started: Instant,
         upper: Work,
+        search_id: Option<u64>,
         work: impl FnOnce() -> Result<Vec<Work>>,
     ) -> Result<Choice> {
-        let started = Instant::now();
         let side = |gpu: bool| Choice {
             split: Split {
                 gpu_heads: if gpu {
@@ -1342,7 +1487,7 @@ impl Scheduler {
         if self.mode == Mode::GpuOnly {
             return Ok(side(true));
         }
-        let Some(c) = self.costs(heads, d)? else {
+        let Some(c) = cal else {
             return Ok(side(!self.fell_back()));
         };
         let (cc, gc) = if decode {
@@ -1403,19 +1548,34 @@ impl Scheduler {
             c.split_fixed,
             if decode { 0.0 } else { c.split_row_prefill },
         );
-        let t_work = Instant::now();
+        let t_work = trace_auto().then(Instant::now);
         let work = work()?;
-        let work_s = t_work.elapsed().as_secs_f64();
+        let work_s = t_work.map_or(0.0, |t| t.elapsed().as_secs_f64());
         let total = work.iter().fold(Work::default(), |a, &w| a + w);
         let class = size_class(decode, total);
         // The class's record is read in place (held for the search, microseconds).
         let fb = lock(&self.feedback)?;
         let unseen = ClassRecord::default();
         let rec = fb.get(&class).unwrap_or(&unseen);
-        // Per GPU head count, once per call (the search costs 3 · heads splits).
-        let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(rec, k)).collect();
-        let side = |k: usize| sides.get(k).copied().unwrap_or((1.0, 1.0));
-        let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
+        let mut searches = lock(&self.searches)?;
+        let kept = search_id
+            .and_then(|id| searches.get(&id))
+            .filter(|s| s.holds(class, rec, total, heads));
+        let cands = if let Some(s) = kept {
+            let side = |k: usize| split_side_factors(rec, k);
+            Costing::new(&work, cc, gc, side, c.concurrent, split_cost)
+                .with_split(s.split.as_deref())
+        } else {
+            // Per GPU head count, once per search (it costs 3 · heads splits).
+            let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(rec, k)).collect();
+            let side = |k: usize| sides.get(k).copied().unwrap_or((1.0, 1.0));
+            let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
+            if let Some(id) = search_id {
+                searches.insert(id, SplitSearch::of(class, rec, total, heads, &cands));
+            }
+            cands
+        };
+        drop(searches);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
         let (split, pick) = plan(heads, &cands, self.mode, rec, explore);
         let (kind, why) = (pick.kind, pick.reason);
@@ -1452,10 +1612,32 @@ impl Scheduler {
         })
     }
 
+    /// Per head of a decode call: the rows the GPU must be sent ([`rows_to_send`]) and
+    /// whether the GPU holds no mirror of it yet (a resident head with change tracking
+    /// that it never received). One look-up per head.
+    fn sends(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Vec<(u64, bool)>> {
+        let synced = lock(&self.gpu_synced)?;
+        let nq = call.n_queries as u64;
+        Ok(call
+            .heads
+            .iter()
+            .map(|head| {
+                let unsent = resident && head.sync.is_some_and(|s| !synced.contains_key(&s.id));
+                (rows_to_send(head, resident, &synced, nq), unsent)
+            })
+            .collect())
+    }
+
     /// Per-head work of a decode call: kept pairs (reused per cache id while the entry
     /// count moved less than 1/[`RECOUNT_FRACTION`]), entries, and rows the GPU must be
     /// sent (a resident head: the rows written since the version it last received).
+    #[cfg(test)]
     fn decode_work(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Vec<Work>> {
+        self.counted(call, &self.sends(call, resident)?)
+    }
+
+    /// [`Scheduler::decode_work`] with the rows to send known ([`Scheduler::sends`]).
+    fn counted(&self, call: &DecodeCall<'_>, sends: &[(u64, bool)]) -> Result<Vec<Work>> {
         let nh = call.heads.len();
         let mut kept: Vec<Option<u64>> = vec![None; nh];
         {
@@ -1490,14 +1672,13 @@ impl Scheduler {
                 }
             }
         }
-        let synced = lock(&self.gpu_synced)?;
         Ok(call
             .heads
             .iter()
             .zip(kept)
-            .map(|(head, k)| {
+            .zip(sends)
+            .map(|((head, k), &(gpu_rows, _))| {
                 let n = head.c.len() as u64;
-                let gpu_rows = rows_to_send(head, resident, &synced, call.n_queries as u64);
                 Work {
                     pairs: k.unwrap_or(n),
                     rows: n,
@@ -1505,22 +1686,6 @@ impl Scheduler {
                 }
             })
             .collect())
-    }
-
-    /// Upper bound of a decode call's work, O(heads): every entry kept, the rows to send
-    /// as [`Scheduler::decode_work`] counts them.
-    fn decode_upper(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Work> {
-        let synced = lock(&self.gpu_synced)?;
-        let nq = call.n_queries as u64;
-        Ok(call.heads.iter().fold(Work::default(), |a, head| {
-            let n = head.c.len() as u64;
-            let gpu_rows = rows_to_send(head, resident, &synced, nq);
-            a + Work {
-                pairs: n * nq,
-                rows: n,
-                gpu_rows,
-            }
-        }))
     }
 
     /// Notes that the GPU received these heads of a decode call at their versions.
@@ -1534,10 +1699,6 @@ impl Scheduler {
         }
     }
 
-    fn resident(&self) -> bool {
-        self.calibration().is_some_and(|c| c.gpu_decode_resident)
-    }
-
     fn record(&self, split: &Split) -> Result<()> {
         let i = match (split.cpu_heads.is_empty(), split.gpu_heads.is_empty()) {
             (_, true) => 0,
@@ -1545,7 +1706,14 @@ impl Scheduler {
             (false, false) => 2,
         };
         self.plan_counts[i].fetch_add(1, Ordering::Relaxed);
-        *lock(&self.last_split)? = Some(split.clone());
+        let mut last = lock(&self.last_split)?;
+        match last.as_mut() {
+            // The same heads as the last call (the common case): no copy of them.
+            Some(l) if l.gpu_heads == split.gpu_heads && l.cpu_heads == split.cpu_heads => {
+                l.predicted_seconds = split.predicted_seconds;
+            }
+            _ => *last = Some(split.clone()),
+        }
         Ok(())
     }
 
@@ -1752,7 +1920,8 @@ impl AttentionBackend for Scheduler {
             gpu_rows: rows,
         };
         let mut decided = None;
-        let choice = self.choose(nh, d, false, upper, || {
+        let cal = self.planned_costs(nh, d)?;
+        let choice = self.choose((nh, false), cal, entered, upper, None, || {
             // Dense: every head keeps every causal pair; the kernels form their own c.
             if matches!(call.acp, Acp::Off) {
                 let w = Work {
@@ -1794,7 +1963,7 @@ impl AttentionBackend for Scheduler {
         };
         let ran = t0.elapsed();
         if r.is_ok() {
-            self.learn(&choice, false, ran.as_secs_f64(), sides);
+            self.learn(&choice, false, (t0, ran), sides);
         }
         self.count_overhead(entered, ran);
         r
@@ -1808,25 +1977,32 @@ impl AttentionBackend for Scheduler {
             ));
         }
         let entered = Instant::now();
-        if self.mode != Mode::GpuOnly && !self.fell_back() {
-            // Measured on first use: residency is known before the work is counted.
-            self.costs(nh, d)?;
-        }
-        let resident = self.resident();
-        let upper = self.decode_upper(call, resident)?;
-        let choice = self.choose(nh, d, true, upper, || self.decode_work(call, resident))?;
+        // Measured on first use: residency is known before the work is counted.
+        let cal = self.planned_costs(nh, d)?;
+        let resident = cal.as_ref().is_some_and(|c| c.gpu_decode_resident);
+        let sends = self.sends(call, resident)?;
+        let nq = nq as u64;
+        let upper =
+            call.heads
+                .iter()
+                .zip(&sends)
+                .fold(Work::default(), |a, (head, &(gpu_rows, _))| {
+                    let n = head.c.len() as u64;
+                    a + Work {
+                        pairs: n * nq,
+                        rows: n,
+                        gpu_rows,
+                    }
+                });
+        let search_id = call.heads.first().and_then(|h| h.sync).map(|s| s.id);
+        let choice = self.choose((nh, true), cal, entered, upper, search_id, || {
+            self.counted(call, &sends)
+        })?;
         let split = &choice.split;
         self.record(split)?;
         // A step that first sends a cache to the GPU measures the send, not the steady
         // state the model predicts: it teaches nothing.
-        let first_send = resident && {
-            let synced = lock(&self.gpu_synced)?;
-            split.gpu_heads.iter().any(|&h| {
-                call.heads[h]
-                    .sync
-                    .is_some_and(|s| !synced.contains_key(&s.id))
-            })
-        };
+        let first_send = split.gpu_heads.iter().any(|&h| sends[h].1);
         let t0 = Instant::now();
         let mut sides = None;
         let r = if split.gpu_heads.is_empty() {
@@ -1842,7 +2018,7 @@ impl AttentionBackend for Scheduler {
         };
         let ran = t0.elapsed();
         if r.is_ok() && !first_send {
-            self.learn(&choice, true, ran.as_secs_f64(), sides);
+            self.learn(&choice, true, (t0, ran), sides);
         }
         self.count_overhead(entered, ran);
         r
@@ -1862,6 +2038,11 @@ impl Scheduler {
             }
         }
         if let Ok(mut m) = self.kept_counts.lock() {
+            for id in ids {
+                m.remove(id);
+            }
+        }
+        if let Ok(mut m) = self.searches.lock() {
             for id in ids {
                 m.remove(id);
             }
@@ -3056,6 +3237,73 @@ mod tests {
         assert_eq!(s.gpu_heads, vec![0]);
     }
 
+    /// A kept split search holds for the next calls of its caches while they stay in
+    /// their class and size, and is redone after [`SEARCH_CALLS`] calls, when the call's
+    /// size moves by more than 1/[`RECOUNT_FRACTION`], when a split's measured sides
+    /// change, or when a prospect moves by more than [`SEARCH_DRIFT`].
+    #[test]
+    fn a_split_search_is_redone_when_its_inputs_move() {
+        let work = vec![
+            Work {
+                pairs: 4000,
+                rows: 4000,
+                gpu_rows: 1,
+            };
+            4
+        ];
+        let total = work.iter().fold(Work::default(), |a, &w| a + w);
+        let class = size_class(true, total);
+        let costing = Costing::new(
+            &work,
+            cost(0.0, 1e-9),
+            cost(1e-4, 1e-10),
+            |_| (1.0, 1.0),
+            true,
+            (0.0, 0.0),
+        );
+        let cands = costing.search();
+        // Two GPU calls: the second, warm, is the GPU's first prospect sample (ratio 1).
+        let mut rec = ClassRecord::default();
+        rec.record(PlanKind::Gpu, 1e-3, 1e-3, None);
+        rec.record(PlanKind::Gpu, 1e-3, 1e-3, None);
+        let s = SplitSearch::of(class, &rec, total, 4, &cands);
+        assert_eq!(s.split, cands.split.as_ref().map(|(_, h)| h.clone()));
+        assert!(s.holds(class, &rec, total, 4));
+        let step = Work {
+            pairs: 4,
+            rows: 4,
+            gpu_rows: 0,
+        };
+        assert!(s.holds(class, &rec, total + step, 4), "one decode step");
+        let far = Work {
+            rows: total.rows + total.rows / RECOUNT_FRACTION + 1,
+            ..total
+        };
+        assert!(!s.holds(class, &rec, far, 4), "rows moved");
+        assert!(!s.holds((true, 0, 0), &rec, total, 4), "another class");
+        assert!(!s.holds(class, &rec, total, 5), "another head count");
+        let mut later = rec.clone();
+        for _ in 0..SEARCH_CALLS {
+            later.record(PlanKind::Gpu, 1e-3, 1e-3, None);
+        }
+        assert!(
+            !s.holds(class, &later, total, 4),
+            "{SEARCH_CALLS} calls later"
+        );
+        let mut split = rec.clone();
+        split.record(PlanKind::Split, 1e-3, 1e-3, None);
+        let s2 = SplitSearch::of(class, &split, total, 4, &cands);
+        split.record_sides(2, 1.2, 0.9);
+        assert!(!s2.holds(class, &split, total, 4), "measured sides changed");
+        // The GPU's prospect: 1 (its only ratio), then the lower median of 1 and 1.5 (1),
+        // then of 1, 1.5 and 1.5 (1.5).
+        let mut drift = rec.clone();
+        drift.record(PlanKind::Gpu, 1e-3, 1.5e-3, None);
+        assert!(s.holds(class, &drift, total, 4), "prospect unmoved");
+        drift.record(PlanKind::Gpu, 1e-3, 1.5e-3, None);
+        assert!(!s.holds(class, &drift, total, 4), "prospect moved");
+    }
+
     proptest! {
         #[test]
         fn plan_is_consistent(
@@ -3101,6 +3349,42 @@ mod tests {
                     Mode::GpuOnly => prop_assert_eq!(s.gpu_heads.len(), n),
                     _ => {}
                 }
+            }
+        }
+
+        /// A kept split search re-costs its heads as the search costed them: on the work
+        /// it was made for, the candidates equal the search's; on grown work, the CPU and
+        /// GPU plans equal a fresh search's and the split costs its heads' work.
+        #[test]
+        fn a_kept_split_search_is_costed_as_searched(
+            raw in proptest::collection::vec((0u64..1_000_000, 1u64..100_000, 0u64..3), 1..12),
+            ca in 0.0f64..1e-3, cb in 1e-10f64..1e-8, cc in 0.0f64..1e-7,
+            ga in 0.0f64..1e-3, gb in 1e-10f64..1e-8, gc in 0.0f64..1e-7,
+            fc in 0.5f64..3.0, fg in 0.5f64..3.0, conc: bool, grow in 1u64..40,
+        ) {
+            let work: Vec<Work> = raw
+                .iter()
+                .map(|&(pairs, rows, sent)| Work { pairs, rows, gpu_rows: sent })
+                .collect();
+            let (c, g) = (cost(ca, cb), cost(ga, gb));
+            let (c, g) = (LinearCost { c: cc, ..c }, LinearCost { c: gc, ..g });
+            let side = |k: usize| (fc + 0.01 * k as f64, fg);
+            let split_cost = (1e-5, 0.0);
+            let searched = Costing::new(&work, c, g, side, conc, split_cost).search();
+            let heads = searched.split.as_ref().map(|(_, h)| h.clone());
+            let again = Costing::new(&work, c, g, side, conc, split_cost).with_split(heads.as_deref());
+            prop_assert_eq!(&again, &searched);
+            let grown: Vec<Work> = work
+                .iter()
+                .map(|w| Work { pairs: w.pairs + grow, rows: w.rows + 1, gpu_rows: w.gpu_rows })
+                .collect();
+            let costing = Costing::new(&grown, c, g, side, conc, split_cost);
+            let (fresh, kept) = (costing.search(), costing.with_split(heads.as_deref()));
+            prop_assert_eq!((kept.cpu, kept.gpu), (fresh.cpu, fresh.gpu));
+            if let (Some((t, h)), Some(hs)) = (&kept.split, &heads) {
+                prop_assert_eq!(h, hs);
+                let gw = hs.iter().fold(Work::default(), |a, &x| a + grown[x]);
+                prop_assert_eq!(*t, costing.cost(gw, hs.len()).0);
             }
         }
 

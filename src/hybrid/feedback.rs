@@ -292,6 +292,8 @@ pub(super) struct ClassRecord {
     /// A split's sides as measured, per GPU head count (ascending); see
     /// [`ClassRecord::side_factors`].
     sides: Vec<Sides>,
+    /// Bumped whenever a split's measured sides change ([`ClassRecord::record_sides`]).
+    sides_version: u64,
     /// Seconds between the end of one call of the class and the start of the next.
     gaps: Ring<LONG_WINDOW>,
     /// The next call follows an unusually long gap (see [`IDLE_GAP`]): it is not warm.
@@ -460,6 +462,18 @@ impl ClassRecord {
         };
         self.sides[i].cpu.push(cpu);
         self.sides[i].gpu.push(gpu);
+        self.sides_version += 1;
+    }
+
+    /// Calls recorded in this class (all kinds).
+    pub(super) fn calls(&self) -> u64 {
+        self.calls
+    }
+
+    /// Changes with every change of a split's measured sides (what
+    /// [`ClassRecord::side_factors`] reads).
+    pub(super) fn sides_version(&self) -> u64 {
+        self.sides_version
     }
 
     /// What the (CPU, GPU) sides of a split with `gpu_heads` GPU heads take over their raw
