@@ -1338,6 +1338,84 @@ mod tests {
         assert!(median <= 1.035 && p90 <= 1.07, "median {median}, p90 {p90}");
     }
 
+    /// A decode ACP 4k class of the H100 host (trace 65): warm calls CPU 0.26 ms, GPU
+    /// 0.37, split 0.50, predicted 0.15, 0.30 and 0.45; the first calls after a switch
+    /// slower as in [`entry_ratio`]; each call's noise U(0.85, 1.15). Short bursts of slow
+    /// CPU calls, as the trace's: at 6% of calls one starts, of 1 call (57%), 2 (24%), 3
+    /// (10%), 4 (4%) or 5-12 (5%), each call 1.5-9.5x slower (the split half as much).
+    /// Auto's time over 3000 calls / the best single plan's under the same bursts.
+    fn short_burst_ratio(seed: u64) -> f64 {
+        let mut uniform = uniform_from(seed);
+        let kinds = [CPU, GPU, SPLIT];
+        let truth = [0.26, 0.37, 0.50];
+        let raw: Vec<(f64, PlanKind)> = [0.15, 0.30, 0.45].into_iter().zip(kinds).collect();
+        let after: [&[f64]; 3] = [
+            &[1.28, 1.13, 1.03],
+            &[1.79, 1.19, 1.10, 1.07, 1.06],
+            &[3.2, 1.22, 1.01],
+        ];
+        let calls = 3000;
+        let mut slow = vec![1.0; calls];
+        let mut i = 0;
+        while i < calls {
+            if uniform() < 0.06 {
+                let u = uniform();
+                let len = match u {
+                    _ if u < 0.57 => 1,
+                    _ if u < 0.81 => 2,
+                    _ if u < 0.91 => 3,
+                    _ if u < 0.95 => 4,
+                    _ => 5 + (uniform() * 8.0) as usize,
+                };
+                for s in slow.iter_mut().skip(i).take(len) {
+                    let u = uniform();
+                    *s = 1.5 + 8.0 * u * u;
+                }
+                i += len;
+            } else {
+                i += 1;
+            }
+        }
+        let noise: Vec<f64> = (0..calls).map(|_| 0.85 + 0.3 * uniform()).collect();
+        let time = |k: usize, c: usize| {
+            let s = match k {
+                0 => slow[c],
+                1 => 1.0,
+                _ => 1.0 + (slow[c] - 1.0) / 2.0,
+            };
+            truth[k] * s * noise[c]
+        };
+        let prior = |k: PlanKind| if k == SPLIT { 1.0 / 0.7 } else { 1.0 };
+        let mut r = ClassRecord::default();
+        let (mut prev, mut pos) = (None, 0usize);
+        for c in 0..calls {
+            let p = r.pick(&raw, prior, 2.5);
+            let k = kinds.iter().position(|&x| x == p.kind).unwrap_or(0);
+            pos = if prev == Some(p.kind) { pos + 1 } else { 0 };
+            prev = Some(p.kind);
+            let s = after[k].get(pos).copied().unwrap_or(1.0);
+            r.record(p.kind, raw[k].0, time(k, c) * s, p.probe_of());
+        }
+        let best = (0..3)
+            .map(|k| (0..calls).map(|c| time(k, c)).sum::<f64>())
+            .fold(f64::INFINITY, f64::min);
+        r.spent / best
+    }
+
+    #[test]
+    fn short_bursts_cost_auto_little() {
+        // Over 400 workloads: median <= 1.02, 90th percentile <= 1.035 (measured 1.011,
+        // 1.023). Judging the incumbent, once its last call was back to normal, by that
+        // call or its prospect rather than a window a burst inflated read the same (1.012,
+        // 1.023): most of these bursts end before they move the lower median of five.
+        let mut v: Vec<f64> = (1..=400u64)
+            .map(|s| short_burst_ratio(s.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        let (median, p90) = (v[v.len() / 2], v[v.len() * 9 / 10]);
+        assert!(median <= 1.02 && p90 <= 1.035, "median {median}, p90 {p90}");
+    }
+
     #[test]
     fn through_bursts_auto_stays_close_to_the_best_plan() {
         // As the property test below, with bursts as on the H100 host: from a random call
