@@ -7,6 +7,7 @@
 //!     FOXEDGE_BENCH_LENGTHS=1k,4k cargo bench --bench backends
 //!     cargo bench --bench backends -- 'prefill/.*/acp'  # criterion's name filter
 //!     cargo bench --bench backends -- auto_overhead     # auto's own time per decode step
+//!     cargo bench --bench auto_overhead                 # the same, a table; cold caches too
 //!
 //! Throughput is kept FLOPs (`4 * head_dim * kept_pairs`) per second. Backends without a
 //! Vulkan device are left out with a message (the CPU is always measured), and so is a cell

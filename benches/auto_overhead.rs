@@ -1,0 +1,101 @@
+//! `auto`'s own time per decode step, outside the kernels: the work count, the plan, the
+//! bookkeeping and the learning (`PlanCounts::scheduler_ns`). The GPU side is an idle device
+//! (`Engine::auto_over_idle_device`: its steps take no time, so auto runs the all-GPU plan
+//! in steady state, as in the H100 host's 16k and 64k decode cells). Real gates: the bundled
+//! fox-tiny-pro over the long fixture, 16 heads (4 layers x 4), one query per step.
+//!
+//!     cargo bench -p foxedge --bench auto_overhead
+//!     FOXEDGE_BENCH_LENGTHS=4k,16k FOXEDGE_BENCH_STEPS=50000 FOXEDGE_BENCH_THRASH=4000000 \
+//!         cargo bench -p foxedge --bench auto_overhead
+//!
+//! `FOXEDGE_BENCH_THRASH` = bytes written between steps (untimed), so each step finds the
+//! scheduler's data out of cache, as between the real kernels' steps. Prints, per cell and
+//! for two repeats: the whole step (idle device included) and the scheduler's own time, in
+//! microseconds.
+
+use foxedge::Model;
+use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+fn lengths() -> Vec<usize> {
+    let s = std::env::var("FOXEDGE_BENCH_LENGTHS").unwrap_or_else(|_| "4k,16k".into());
+    s.split(',')
+        .filter_map(|x| {
+            let x = x.trim();
+            match x.strip_suffix(['k', 'K']) {
+                Some(n) => n.parse::<usize>().ok().map(|n| n * 1024),
+                None => x.parse().ok(),
+            }
+        })
+        .filter(|&n| n >= 2)
+        .collect()
+}
+
+fn main() -> foxedge::Result<()> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let lens = lengths();
+    let Some(&max_len) = lens.iter().max() else {
+        eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
+        return Ok(());
+    };
+    let steps: usize = env_or("FOXEDGE_BENCH_STEPS", 20_000).max(1);
+    let thrash: usize = env_or("FOXEDGE_BENCH_THRASH", 0);
+    let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
+    let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
+    let big = real_gate_problem(&model, &rows, max_len)?;
+    let mut junk = vec![0u8; thrash.max(1)];
+    println!("# auto's own time per decode step ({steps} steps, {thrash} bytes written between)");
+    println!("repeat  acp       L   step us  sched us  plans (cpu gpu split)");
+    for repeat in 0..2 {
+        for &len in &lens {
+            let d = big.prefix(len)?.decode_at(len)?;
+            let mut out = vec![0.0f32; d.heads * d.head_dim];
+            let modes = [
+                ("dense", AcpMode::Off),
+                ("acp", AcpMode::Bound { ln_eps: -10.0 }),
+            ];
+            for (name, acp) in modes {
+                let eng = Engine::auto_over_idle_device();
+                eng.calibrate(big.heads, big.head_dim)?;
+                for _ in 0..2000 {
+                    eng.decode(&d, acp, &mut out)?;
+                }
+                let c0 = eng.plan_counts();
+                let mut untimed = 0.0;
+                let t0 = Instant::now();
+                for i in 0..steps {
+                    if thrash > 0 {
+                        let t = Instant::now();
+                        for j in (0..thrash).step_by(64) {
+                            junk[j] = junk[j].wrapping_add(i as u8);
+                        }
+                        std::hint::black_box(&junk);
+                        untimed += t.elapsed().as_secs_f64();
+                    }
+                    eng.decode(&d, acp, &mut out)?;
+                }
+                let step_s = (t0.elapsed().as_secs_f64() - untimed) / steps as f64;
+                let c1 = eng.plan_counts();
+                let sched_ns = (c1.scheduler_ns - c0.scheduler_ns) as f64 / steps as f64;
+                println!(
+                    "{repeat:>6}  {name:<5} {len:>6}  {:>8.2}  {:>8.2}  {} {} {}",
+                    step_s * 1e6,
+                    sched_ns / 1e3,
+                    c1.cpu - c0.cpu,
+                    c1.gpu - c0.gpu,
+                    c1.split - c0.split
+                );
+            }
+        }
+    }
+    Ok(())
+}
