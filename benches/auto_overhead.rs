@@ -41,7 +41,11 @@ fn lengths() -> Vec<usize> {
 }
 
 fn main() -> foxedge::Result<()> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // The repository root; the working directory when the binary runs from another
+    // checkout (a copy carried to another machine).
+    let root = Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .filter(|r| r.join("models").is_dir())
+        .unwrap_or_else(|| PathBuf::from("."));
     let lens = lengths();
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
