@@ -13,6 +13,8 @@
 //! for two repeats: the whole step (idle device included) and the scheduler's own time, in
 //! microseconds.
 
+mod common;
+
 use foxedge::Model;
 use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
 use std::path::PathBuf;
@@ -26,27 +28,13 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-fn lengths() -> Vec<usize> {
-    let s = std::env::var("FOXEDGE_BENCH_LENGTHS").unwrap_or_else(|_| "4k,16k".into());
-    s.split(',')
-        .filter_map(|x| {
-            let x = x.trim();
-            match x.strip_suffix(['k', 'K']) {
-                Some(n) => n.parse::<usize>().ok().map(|n| n * 1024),
-                None => x.parse().ok(),
-            }
-        })
-        .filter(|&n| n >= 2)
-        .collect()
-}
-
 fn main() -> foxedge::Result<()> {
     // The repository root; the working directory when the binary runs from another
     // checkout (a copy carried to another machine).
     let root = Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .filter(|r| r.join("models").is_dir())
         .unwrap_or_else(|| PathBuf::from("."));
-    let lens = lengths();
+    let lens = common::lengths("4k,16k");
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
         return Ok(());

@@ -16,6 +16,8 @@
 //! Decode calls are steps of one cache (`Engine::decode`): a backend that keeps the cache
 //! resident sends it once, then one changed row per head per step, as in a session.
 
+mod common;
+
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge::BackendKind;
 use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
@@ -26,20 +28,6 @@ use std::time::Duration;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn lengths() -> Vec<usize> {
-    let s = std::env::var("FOXEDGE_BENCH_LENGTHS").unwrap_or_else(|_| "1k,4k,16k,64k".into());
-    s.split(',')
-        .filter_map(|x| {
-            let x = x.trim();
-            match x.strip_suffix(['k', 'K']) {
-                Some(n) => n.parse::<usize>().ok().map(|n| n * 1024),
-                None => x.parse().ok(),
-            }
-        })
-        .filter(|&n| n >= 2)
-        .collect()
 }
 
 fn max_call_s() -> f64 {
@@ -64,7 +52,7 @@ fn workload_or_say(max_len: usize) -> Option<Problem> {
 }
 
 fn bench(c: &mut Criterion) {
-    let lens = lengths();
+    let lens = common::lengths("1k,4k,16k,64k");
     let max_call = max_call_s();
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
@@ -152,7 +140,7 @@ fn bench(c: &mut Criterion) {
 /// (`Engine::auto_over_idle_device`), on the same real-gate caches. What this reads is what
 /// `auto` adds to the plan it runs (work counting, planning, bookkeeping), at any device.
 fn auto_overhead(c: &mut Criterion) {
-    let lens = lengths();
+    let lens = common::lengths("1k,4k,16k,64k");
     let Some(&max_len) = lens.iter().max() else {
         return;
     };

@@ -1224,12 +1224,45 @@ mod tests {
         }
     }
 
+    /// Calls of the three plans (CPU, GPU, split) under CPU bursts: plan `k` at call `c`
+    /// takes `truth[k]` times the call's noise, the CPU slowed by `slow[c]`, the split by
+    /// half as much, the GPU not at all.
+    struct Bursts {
+        truth: [f64; 3],
+        slow: Vec<f64>,
+        noise: Vec<f64>,
+    }
+
+    impl Bursts {
+        /// `slow` per call, each call's noise U(0.85, 1.15) drawn from `uniform`.
+        fn new(truth: [f64; 3], slow: Vec<f64>, uniform: &mut impl FnMut() -> f64) -> Self {
+            let noise = (0..slow.len()).map(|_| 0.85 + 0.3 * uniform()).collect();
+            Bursts { truth, slow, noise }
+        }
+
+        fn time(&self, k: usize, c: usize) -> f64 {
+            let s = match k {
+                0 => self.slow[c],
+                1 => 1.0,
+                _ => 1.0 + (self.slow[c] - 1.0) / 2.0,
+            };
+            self.truth[k] * s * self.noise[c]
+        }
+
+        /// The best single plan's time over every call.
+        fn best_plan(&self) -> f64 {
+            (0..3)
+                .map(|k| (0..self.slow.len()).map(|c| self.time(k, c)).sum::<f64>())
+                .fold(f64::INFINITY, f64::min)
+        }
+    }
+
     /// One bursty workload (see `through_bursts_auto_stays_close_to_the_best_plan`): auto's
     /// time over 3000 calls / the best single plan's under the same bursts.
     fn bursty_ratio(seed: u64) -> f64 {
         let mut uniform = uniform_from(seed);
         let kinds = [CPU, GPU, SPLIT];
-        let truth: Vec<f64> = (0..3).map(|_| 0.5 + 1.5 * uniform()).collect();
+        let truth = [(); 3].map(|_| 0.5 + 1.5 * uniform());
         let raw: Vec<(f64, PlanKind)> = (0..3)
             .map(|i| (truth[i] * (0.9 + 0.2 * uniform()), kinds[i]))
             .collect();
@@ -1249,27 +1282,15 @@ mod tests {
                 i += 1;
             }
         }
-        let noise: Vec<f64> = (0..calls).map(|_| 0.85 + 0.3 * uniform()).collect();
-        let time = |k: usize, c: usize| {
-            let s = match k {
-                0 => slow[c],
-                1 => 1.0,
-                _ => 1.0 + (slow[c] - 1.0) / 2.0,
-            };
-            truth[k] * s * noise[c]
-        };
+        let b = Bursts::new(truth, slow, &mut uniform);
         let mut r = ClassRecord::default();
         let mut c = 0;
         simulate(&mut r, &raw, 1.25, calls, |kind, warm| {
             let k = kinds.iter().position(|&x| x == kind).unwrap_or(0);
             c += 1;
-            time(k, c - 1) * if warm { 1.0 } else { 1.5 }
+            b.time(k, c - 1) * if warm { 1.0 } else { 1.5 }
         });
-        let total = r.spent;
-        let best = (0..3)
-            .map(|k| (0..calls).map(|c| time(k, c)).sum::<f64>())
-            .fold(f64::INFINITY, f64::min);
-        total / best
+        r.spent / b.best_plan()
     }
 
     /// The decode ACP 16k class of the H100 host (trace 54): warm calls CPU 0.532 ms, GPU
@@ -1376,15 +1397,7 @@ mod tests {
                 i += 1;
             }
         }
-        let noise: Vec<f64> = (0..calls).map(|_| 0.85 + 0.3 * uniform()).collect();
-        let time = |k: usize, c: usize| {
-            let s = match k {
-                0 => slow[c],
-                1 => 1.0,
-                _ => 1.0 + (slow[c] - 1.0) / 2.0,
-            };
-            truth[k] * s * noise[c]
-        };
+        let b = Bursts::new(truth, slow, &mut uniform);
         let prior = |k: PlanKind| if k == SPLIT { 1.0 / 0.7 } else { 1.0 };
         let mut r = ClassRecord::default();
         let (mut prev, mut pos) = (None, 0usize);
@@ -1394,12 +1407,9 @@ mod tests {
             pos = if prev == Some(p.kind) { pos + 1 } else { 0 };
             prev = Some(p.kind);
             let s = after[k].get(pos).copied().unwrap_or(1.0);
-            r.record(p.kind, raw[k].0, time(k, c) * s, p.probe_of());
+            r.record(p.kind, raw[k].0, b.time(k, c) * s, p.probe_of());
         }
-        let best = (0..3)
-            .map(|k| (0..calls).map(|c| time(k, c)).sum::<f64>())
-            .fold(f64::INFINITY, f64::min);
-        r.spent / best
+        r.spent / b.best_plan()
     }
 
     #[test]
