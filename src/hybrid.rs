@@ -173,6 +173,23 @@ pub struct Split {
     pub predicted_seconds: f64,
 }
 
+impl Split {
+    /// Every one of `n` heads on one side (the GPU or the CPU).
+    fn whole(n: usize, on_gpu: bool, predicted_seconds: f64) -> Split {
+        let all = (0..n).collect();
+        let (gpu_heads, cpu_heads) = if on_gpu {
+            (all, Vec::new())
+        } else {
+            (Vec::new(), all)
+        };
+        Split {
+            gpu_heads,
+            cpu_heads,
+            predicted_seconds,
+        }
+    }
+}
+
 /// How many calls ran on which plan (see [`Engine::plan_counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanCounts {
@@ -416,16 +433,11 @@ fn split_side_factors(rec: &ClassRecord, gpu_heads: usize) -> (f64, f64) {
 /// (uncorrected) prediction of it, and the pick.
 fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
-        let (gpu_heads, cpu_heads) = match gpu_heads.len() {
-            0 => (Vec::new(), (0..n).collect()),
-            k if k == n => ((0..n).collect(), Vec::new()),
-            _ => {
-                let mut g = gpu_heads.to_vec();
-                g.sort_unstable();
-                let c = (0..n).filter(|h| g.binary_search(h).is_err()).collect();
-                (g, c)
-            }
-        };
+        let mut gpu_heads = gpu_heads.to_vec();
+        gpu_heads.sort_unstable();
+        let cpu_heads = (0..n)
+            .filter(|h| gpu_heads.binary_search(h).is_err())
+            .collect();
         Split {
             gpu_heads,
             cpu_heads,
@@ -457,13 +469,9 @@ fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -
         }
     };
     let split = match (pick.kind, &c.split) {
-        (PlanKind::Gpu, _) => Split {
-            gpu_heads: (0..n).collect(),
-            cpu_heads: Vec::new(),
-            predicted_seconds: c.gpu,
-        },
+        (PlanKind::Gpu, _) => Split::whole(n, true, c.gpu),
         (PlanKind::Split, Some((ts, g))) => split_of(g, *ts),
-        _ => split_of(&[], c.cpu),
+        _ => Split::whole(n, false, c.cpu),
     };
     (split, pick)
 }
@@ -1461,19 +1469,7 @@ impl Scheduler {
         work: impl FnOnce() -> Result<Vec<Work>>,
     ) -> Result<Choice> {
         let side = |gpu: bool| Choice {
-            split: Split {
-                gpu_heads: if gpu {
-                    (0..heads).collect()
-                } else {
-                    Vec::new()
-                },
-                cpu_heads: if gpu {
-                    Vec::new()
-                } else {
-                    (0..heads).collect()
-                },
-                predicted_seconds: 0.0,
-            },
+            split: Split::whole(heads, gpu, 0.0),
             kind: if gpu { PlanKind::Gpu } else { PlanKind::Cpu },
             probe_of: None,
             class: None,

@@ -14,17 +14,22 @@ fn foxedge() -> Command {
     c
 }
 
+/// Fails with the command's stderr unless it exited successfully.
+fn assert_succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn generate_with_no_options_streams_text_and_stats() {
     let out = foxedge()
         .args(["generate", "--max-tokens", "40"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("import os\n"), "{text}");
     let last = text.lines().last().unwrap();
@@ -70,11 +75,7 @@ fn generate_json_and_options() {
         .args(["--backend", "cpu", "--model", model_dir().to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     let last = text.lines().last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
@@ -170,11 +171,7 @@ fn logits_command_reproduces_golden_logits() {
             .args(&acp)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_succeeded(&out);
         let got = NpyArray::read(&output).unwrap();
         assert_eq!(got.shape, vec![1024, 256]);
         let (max, rel) = errors(&got.to_f32().unwrap(), &want);
@@ -254,11 +251,7 @@ fn bench_and_inspect_write_the_table_and_the_pictures() {
         .arg(&picture)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     assert!(std::fs::read(&picture).unwrap().starts_with(b"\x89PNG"));
     std::fs::remove_dir_all(dir).ok();
 }

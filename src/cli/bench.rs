@@ -551,10 +551,7 @@ fn measure(
         // every other about equally often, so what one leaves behind (a GPU call's driver
         // work, cache traffic, woken or sleeping threads) is spread over all of them.
         for j in (1..k).rev() {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            order.swap(j, (rng % (j as u64 + 1)) as usize);
+            order.swap(j, (xorshift(&mut rng) % (j as u64 + 1)) as usize);
         }
         for &i in &order {
             let done = ms[i].samples.len();
@@ -648,6 +645,15 @@ fn batches(est: &[f64], timed: &[bool], method: Method) -> Vec<usize> {
 }
 
 /// Linear-interpolated quantile of sorted values (NaN when empty).
+/// The next value of a xorshift64 generator (`state` nonzero): the bench's fixed-seed
+/// draws (round orders, bootstrap resamples).
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 /// Resamples of [`ratio_interval`].
 const BOOTSTRAP_RESAMPLES: usize = 2000;
 
@@ -667,10 +673,7 @@ fn ratio_interval(best: &[f64], auto: &[f64]) -> (f64, f64) {
     let mut ratios = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
     for _ in 0..BOOTSTRAP_RESAMPLES {
         for i in 0..n {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            let j = (rng % n as u64) as usize;
+            let j = (xorshift(&mut rng) % n as u64) as usize;
             (b[i], a[i]) = (best[j], auto[j]);
         }
         b.sort_by(f64::total_cmp);
@@ -1015,19 +1018,14 @@ fn plot_throughput(path: &Path, op: &str, r: &Report) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Method, batches, ratio_interval};
+    use super::{Method, batches, ratio_interval, xorshift};
 
     /// The interval holds the whole-sample ratio; a constant ratio gives a point; it
     /// narrows with more rounds.
     #[test]
     fn the_ratio_interval_brackets_the_ratio_and_narrows_with_rounds() {
         let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-        let mut noise = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            0.8 + 0.4 * (rng >> 11) as f64 / (1u64 << 53) as f64
-        };
+        let mut noise = || 0.8 + 0.4 * (xorshift(&mut rng) >> 11) as f64 / (1u64 << 53) as f64;
         let best: Vec<f64> = (0..320).map(|_| noise()).collect();
         let auto: Vec<f64> = best.iter().map(|b| b / 0.9).collect();
         let (lo, hi) = ratio_interval(&best, &auto);
