@@ -239,10 +239,22 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     for &op in &ops {
         for &len in &lens {
             let p = big.prefix(len)?;
-            let dp = if op == "decode" {
-                Some(p.decode_at(len)?)
+            // Decode: each engine steps its own copy of the cache (a clone is a new cache),
+            // as a session of its own would. One cache stepped by every engine left a
+            // mirror behind by the other engines' steps: auto's GPU re-checks after a CPU
+            // stint of a few rounds re-sent whole 4k caches, 20-53 ms a call (traces 77,
+            // 88), where its own steps alone cost 2-5 ms (`benches/catch_up.rs`).
+            let dps = if op == "decode" {
+                let d = p.decode_at(len)?;
+                engines.iter().map(|_| d.clone()).collect()
             } else {
-                None
+                Vec::new()
+            };
+            let dp_of = |eng: &Engine| {
+                engines
+                    .iter()
+                    .position(|(_, e)| std::ptr::eq(e, eng))
+                    .and_then(|i| dps.get(i))
             };
             for acp in [false, true] {
                 let mode = if acp {
@@ -256,15 +268,15 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                     p.heads * p.head_dim
                 };
                 let run = |eng: &Engine, out: &mut [f32]| -> Result<CallStats> {
-                    match &dp {
+                    match dp_of(eng) {
                         Some(d) => eng.decode(d, mode, out),
                         None => eng.prefill(&p, mode, out),
                     }
                 };
                 let m = measure(&engines, n_out, method, run)?;
-                if acp && let Some(d) = &dp {
-                    // This length's cache is done with: device mirrors go.
-                    for (_, e) in &engines {
+                if acp {
+                    // This length's caches are done with: device mirrors go.
+                    for ((_, e), d) in engines.iter().zip(&dps) {
                         e.release(d);
                     }
                 }
@@ -368,8 +380,9 @@ pub fn run(rest: Vec<String>) -> Result<()> {
              interleaved (a random order each round), each sample a batch of calls after one \
              untimed call, as many for every backend as make >= {} ms on the fastest (fewer where \
              the minimum rounds would not fit the budget); <= {} s of timed calls per backend and cell \
-             (>= {} rounds; a call slower than that: the faster of its two untimed runs is its sample); median, \
-             min, IQR per backend; auto/best = best median / auto median, paired = per round",
+             (>= {} rounds; a call slower than that: the faster of its two untimed runs is its sample); decode: \
+             each backend steps its own copy of the cache; median, min, IQR per backend; auto/best = best \
+             median / auto median, paired = per round",
             method.warm,
             method.rounds,
             method.batch_s * 1e3,
