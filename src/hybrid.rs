@@ -431,7 +431,17 @@ fn split_side_factors(rec: &ClassRecord, gpu_heads: usize) -> (f64, f64) {
 /// from their raw predictions (see [`feedback`]: measured corrections, [`SPLIT_PRIOR`] for a
 /// split not yet run, probes within `explore`). Returns the split, with the model's
 /// (uncorrected) prediction of it, and the pick.
-fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -> (Split, Pick) {
+///
+/// `catch_up_s`: what a GPU step's catch-up takes beyond its prediction, all heads (the
+/// all-GPU plan's; a split's in proportion to its GPU heads): a probe pays it.
+fn plan(
+    n: usize,
+    c: &Candidates,
+    mode: Mode,
+    rec: &ClassRecord,
+    explore: f64,
+    catch_up_s: f64,
+) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
         let mut gpu_heads = gpu_heads.to_vec();
         gpu_heads.sort_unstable();
@@ -448,6 +458,7 @@ fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -
         kind,
         reason: Reason::Best,
         best_s: 0.0,
+        catch_up_s: 0.0,
     };
     let pick = match mode {
         Mode::GpuOnly => fixed(PlanKind::Gpu),
@@ -465,7 +476,16 @@ fn plan(n: usize, c: &Candidates, mode: Mode, rec: &ClassRecord, explore: f64) -
                     1.0
                 }
             };
-            rec.pick(&raw, prior, explore)
+            let split_share = c
+                .split
+                .as_ref()
+                .map_or(0.0, |(_, g)| g.len() as f64 / n.max(1) as f64);
+            let catch_up = |k: PlanKind| match k {
+                PlanKind::Cpu => 0.0,
+                PlanKind::Gpu => catch_up_s,
+                PlanKind::Split => catch_up_s * split_share,
+            };
+            rec.pick_paying(&raw, prior, explore, catch_up)
         }
     };
     let split = match (pick.kind, &c.split) {
@@ -1155,12 +1175,14 @@ const AMORTIZE_STEPS: u64 = 256;
 /// the whole cache when it holds none, is paid once; on the H100 host, charged whole it
 /// made every split look worse the longer the CPU plan ran, until auto no longer probed a
 /// split 1.2x faster than the CPU); otherwise every row.
+///
+/// Returns (the rows charged, the rows behind: what a GPU step sends now).
 fn rows_to_send(
     head: &CacheHead<'_>,
     resident: bool,
     synced: &IdMap<u64, u64>,
     per_step: u64,
-) -> u64 {
+) -> (u64, u64) {
     let n = head.c.len() as u64;
     match head.sync {
         Some(s) if resident => {
@@ -1168,9 +1190,9 @@ fn rows_to_send(
                 .get(&s.id)
                 .map_or(n, |&v0| s.version.saturating_sub(v0).min(n));
             let step = behind.min(per_step);
-            step + (behind - step).div_ceil(AMORTIZE_STEPS)
+            (step + (behind - step).div_ceil(AMORTIZE_STEPS), behind)
         }
-        _ => n,
+        _ => (n, n),
     }
 }
 
@@ -1202,6 +1224,9 @@ struct Choice {
     /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
     /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
     cpu_upper_s: Option<f64>,
+    /// For a probe of `auto` that uses the GPU: the seconds of its catch-up, the rows its
+    /// first call sends beyond those its prediction charges ([`ClassRecord::allow`]).
+    catch_up_s: f64,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1388,6 +1413,7 @@ impl Scheduler {
                 rec.record_sides(choice.split.gpu_heads.len(), rc, rg);
             }
             rec.spanned(choice.started, ran.0 + ran.1);
+            rec.allow(choice.catch_up_s);
             rec.record(choice.kind, raw, secs, choice.probe_of);
         }
     }
@@ -1464,7 +1490,7 @@ impl Scheduler {
         (heads, decode): (usize, bool),
         cal: Option<Calibration>,
         started: Instant,
-        upper: Work,
+        (upper, catch_up_rows): (Work, u64),
         search_id: Option<u64>,
         work: impl FnOnce() -> Result<Vec<Work>>,
     ) -> Result<Choice> {
@@ -1476,6 +1502,7 @@ impl Scheduler {
             sides: (0.0, 0.0),
             started,
             cpu_upper_s: None,
+            catch_up_s: 0.0,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -1573,7 +1600,8 @@ impl Scheduler {
         };
         drop(searches);
         let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
-        let (split, pick) = plan(heads, &cands, self.mode, rec, explore);
+        let catch_up_s = catch_up_rows as f64 * gc.c;
+        let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
         let (kind, why) = (pick.kind, pick.reason);
         let raw = split.predicted_seconds;
         if trace_auto() && self.mode == Mode::Auto {
@@ -1605,23 +1633,31 @@ impl Scheduler {
             sides: cands.split_sides,
             started,
             cpu_upper_s: (self.mode == Mode::Auto && kind == PlanKind::Cpu).then_some(cpu_upper_s),
+            catch_up_s: pick.catch_up_s,
         })
     }
 
     /// Per head of a decode call: the rows the GPU must be sent ([`rows_to_send`]) and
     /// whether the GPU holds no mirror of it yet (a resident head with change tracking
     /// that it never received). One look-up per head.
-    fn sends(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Vec<(u64, bool)>> {
+    ///
+    /// Also returns the rows a GPU step would send now beyond those charged (a catch-up
+    /// after CPU steps, amortized in the charge; see [`rows_to_send`]), over all heads.
+    fn sends(&self, call: &DecodeCall<'_>, resident: bool) -> Result<(Vec<(u64, bool)>, u64)> {
         let synced = lock(&self.gpu_synced)?;
         let nq = call.n_queries as u64;
-        Ok(call
+        let mut catch_up = 0;
+        let sends = call
             .heads
             .iter()
             .map(|head| {
                 let unsent = resident && head.sync.is_some_and(|s| !synced.contains_key(&s.id));
-                (rows_to_send(head, resident, &synced, nq), unsent)
+                let (charged, behind) = rows_to_send(head, resident, &synced, nq);
+                catch_up += behind - charged;
+                (charged, unsent)
             })
-            .collect())
+            .collect();
+        Ok((sends, catch_up))
     }
 
     /// Per-head work of a decode call: kept pairs (reused per cache id while the entry
@@ -1629,7 +1665,7 @@ impl Scheduler {
     /// sent (a resident head: the rows written since the version it last received).
     #[cfg(test)]
     fn decode_work(&self, call: &DecodeCall<'_>, resident: bool) -> Result<Vec<Work>> {
-        self.counted(call, &self.sends(call, resident)?)
+        self.counted(call, &self.sends(call, resident)?.0)
     }
 
     /// [`Scheduler::decode_work`] with the rows to send known ([`Scheduler::sends`]).
@@ -1917,7 +1953,7 @@ impl AttentionBackend for Scheduler {
         };
         let mut decided = None;
         let cal = self.planned_costs(nh, d)?;
-        let choice = self.choose((nh, false), cal, entered, upper, None, || {
+        let choice = self.choose((nh, false), cal, entered, (upper, 0), None, || {
             // Dense: every head keeps every causal pair; the kernels form their own c.
             if matches!(call.acp, Acp::Off) {
                 let w = Work {
@@ -1976,7 +2012,7 @@ impl AttentionBackend for Scheduler {
         // Measured on first use: residency is known before the work is counted.
         let cal = self.planned_costs(nh, d)?;
         let resident = cal.as_ref().is_some_and(|c| c.gpu_decode_resident);
-        let sends = self.sends(call, resident)?;
+        let (sends, catch_up) = self.sends(call, resident)?;
         let nq = nq as u64;
         let upper =
             call.heads
@@ -1991,9 +2027,14 @@ impl AttentionBackend for Scheduler {
                     }
                 });
         let search_id = call.heads.first().and_then(|h| h.sync).map(|s| s.id);
-        let choice = self.choose((nh, true), cal, entered, upper, search_id, || {
-            self.counted(call, &sends)
-        })?;
+        let choice = self.choose(
+            (nh, true),
+            cal,
+            entered,
+            (upper, catch_up),
+            search_id,
+            || self.counted(call, &sends),
+        )?;
         let split = &choice.split;
         self.record(split)?;
         // A step that first sends a cache to the GPU measures the send, not the steady
@@ -2960,6 +3001,7 @@ mod tests {
             mode,
             &ClassRecord::default(),
             EXPLORE,
+            0.0,
         )
         .0
     }
@@ -3088,7 +3130,7 @@ mod tests {
         let mut last = 0;
         for _ in 0..calls {
             let cands = candidates(&work, cpu, gpu, |k| side(&rec, k), true, (50e-6, 0.0));
-            let (split, pick) = plan(16, &cands, Mode::Auto, &rec, EXPLORE_DECODE);
+            let (split, pick) = plan(16, &cands, Mode::Auto, &rec, EXPLORE_DECODE, 0.0);
             let (secs, sides) = truth(split.gpu_heads.len());
             if let (PlanKind::Split, Some((c, g))) = (pick.kind, sides) {
                 let (rc, rg) = (c / cands.split_sides.0, g / cands.split_sides.1);
@@ -3181,16 +3223,16 @@ mod tests {
             split_sides: (0.25, 0.25),
         };
         let mut rec = ClassRecord::default();
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
         assert_eq!((p.kind, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
         // ... but it measured 2.4x its prediction (its first call is cold, the second is
         // the sample): the CPU (never run) is next, and its split has no GPU heads.
         rec.record(PlanKind::Split, 0.5, 5.0, None);
-        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
         assert_eq!(p.kind, PlanKind::Split);
         rec.record(PlanKind::Split, 0.5, 1.2, None);
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
         assert_eq!(
             (p.kind, s.gpu_heads.len(), s.predicted_seconds),
             (PlanKind::Cpu, 0, 1.0)
@@ -3200,12 +3242,12 @@ mod tests {
         // The GPU, probed (two calls), measured 1.3x: the CPU stays.
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
         assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
         // Hybrid and GpuOnly ignore the measurements.
-        let (_, p) = plan(2, &c, Mode::Hybrid, &rec, EXPLORE);
+        let (_, p) = plan(2, &c, Mode::Hybrid, &rec, EXPLORE, 0.0);
         assert_eq!(p.kind, PlanKind::Split);
-        let (s, _) = plan(2, &c, Mode::GpuOnly, &rec, EXPLORE);
+        let (s, _) = plan(2, &c, Mode::GpuOnly, &rec, EXPLORE, 0.0);
         assert_eq!(s.gpu_heads, vec![0, 1]);
     }
 
