@@ -62,7 +62,10 @@
 //!   prediction (the probes' calls and the winner's first call after each, cold in its
 //!   turn), this probe's expected excess over its two calls included, stays within
 //!   [`PROBE_BUDGET`] of all the time the class has run (a call's excess counted up to
-//!   [`CHARGE_CAP`] times the prediction; a plan's first try is not charged). So beyond
+//!   [`CHARGE_CAP`] times the prediction, plus a probe's known catch-up: the rows its
+//!   first call sends to a GPU mirror behind by the CPU's steps, which the model amortizes
+//!   and [`ClassRecord::pick_paying`] counts in full; a plan's first try is not charged).
+//!   So beyond
 //!   each plan's first try probing costs about that fraction of a workload, however wrong
 //!   the model is, spread over it: a plan measured 2x slower is re-checked about once
 //!   per 2 / PROBE_BUDGET = 133 calls of the winner.
