@@ -17,30 +17,18 @@ mod common;
 
 use foxedge::Model;
 use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
-}
-
 fn main() -> foxedge::Result<()> {
-    // The repository root; the working directory when the binary runs from another
-    // checkout (a copy carried to another machine).
-    let root = Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-        .filter(|r| r.join("models").is_dir())
-        .unwrap_or_else(|| PathBuf::from("."));
+    let root = common::root();
     let lens = common::lengths("4k,16k");
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
         return Ok(());
     };
-    let steps: usize = env_or("FOXEDGE_BENCH_STEPS", 20_000).max(1);
-    let thrash: usize = env_or("FOXEDGE_BENCH_THRASH", 0);
+    let steps: usize = common::env_or("FOXEDGE_BENCH_STEPS", 20_000).max(1);
+    let thrash: usize = common::env_or("FOXEDGE_BENCH_THRASH", 0);
     let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
     let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
     let big = real_gate_problem(&model, &rows, max_len)?;

@@ -22,25 +22,19 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use foxedge::BackendKind;
 use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
 use foxedge::{Model, Result};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn max_call_s() -> f64 {
-    std::env::var("FOXEDGE_BENCH_MAX_CALL_S")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|x| x.is_finite() && *x > 0.0)
+    Some(common::env_or("FOXEDGE_BENCH_MAX_CALL_S", 10.0))
+        .filter(|x: &f64| x.is_finite() && *x > 0.0)
         .unwrap_or(10.0)
 }
 
 fn workload(max_len: usize) -> Result<Problem> {
-    let model = Arc::new(Model::open(root().join("models/fox-tiny-pro"))?);
-    let rows = read_token_rows(&root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
+    let model = Arc::new(Model::open(common::root().join("models/fox-tiny-pro"))?);
+    let rows =
+        read_token_rows(&common::root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
     real_gate_problem(&model, &rows, max_len)
 }
 

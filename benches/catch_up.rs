@@ -19,16 +19,8 @@ mod common;
 
 use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
 use foxedge::{BackendKind, Model};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -36,9 +28,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> foxedge::Result<()> {
-    let root = Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-        .filter(|r| r.join("models").is_dir())
-        .unwrap_or_else(|| PathBuf::from("."));
+    let root = common::root();
     let lens = common::lengths("4k");
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
@@ -49,7 +39,7 @@ fn main() -> foxedge::Result<()> {
         .split(',')
         .filter_map(|x| x.trim().parse().ok())
         .collect();
-    let reps: usize = env_or("FOXEDGE_BENCH_REPS", 5).max(1);
+    let reps: usize = common::env_or("FOXEDGE_BENCH_REPS", 5).max(1);
     let gpu = match Engine::new(BackendKind::Vulkan) {
         Ok(g) => g,
         Err(e) => {

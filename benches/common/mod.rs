@@ -15,3 +15,19 @@ pub fn lengths(default: &str) -> Vec<usize> {
         .filter(|&n| n >= 2)
         .collect()
 }
+
+/// `name` parsed from the environment, else `default`.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// The repository root (its `models/`), or the working directory when the binary runs
+/// from another checkout (a copy carried to another machine).
+pub fn root() -> std::path::PathBuf {
+    Some(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .filter(|r| r.join("models").is_dir())
+        .unwrap_or_else(|| std::path::PathBuf::from("."))
+}
