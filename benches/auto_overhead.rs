@@ -15,13 +15,10 @@
 
 mod common;
 
-use foxedge::Model;
-use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
-use std::sync::Arc;
+use foxedge::hybrid::Engine;
 use std::time::Instant;
 
 fn main() -> foxedge::Result<()> {
-    let root = common::root();
     let lens = common::lengths("4k,16k");
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
@@ -29,9 +26,7 @@ fn main() -> foxedge::Result<()> {
     };
     let steps: usize = common::env_or("FOXEDGE_BENCH_STEPS", 20_000).max(1);
     let thrash: usize = common::env_or("FOXEDGE_BENCH_THRASH", 0);
-    let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
-    let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
-    let big = real_gate_problem(&model, &rows, max_len)?;
+    let big = common::workload(max_len)?;
     let mut junk = vec![0u8; thrash.max(1)];
     println!("# auto's own time per decode step ({steps} steps, {thrash} bytes written between)");
     println!("repeat  acp       L   step us  sched us  plans (cpu gpu split)");
@@ -39,11 +34,7 @@ fn main() -> foxedge::Result<()> {
         for &len in &lens {
             let d = big.prefix(len)?.decode_at(len)?;
             let mut out = vec![0.0f32; d.heads * d.head_dim];
-            let modes = [
-                ("dense", AcpMode::Off),
-                ("acp", AcpMode::Bound { ln_eps: -10.0 }),
-            ];
-            for (name, acp) in modes {
+            for (name, acp) in common::MODES {
                 let eng = Engine::auto_over_idle_device();
                 eng.calibrate(big.heads, big.head_dim)?;
                 for _ in 0..2000 {

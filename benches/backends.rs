@@ -20,9 +20,7 @@ mod common;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge::BackendKind;
-use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
-use foxedge::{Model, Result};
-use std::sync::Arc;
+use foxedge::hybrid::{Engine, Problem};
 use std::time::Duration;
 
 fn max_call_s() -> f64 {
@@ -31,16 +29,9 @@ fn max_call_s() -> f64 {
         .unwrap_or(10.0)
 }
 
-fn workload(max_len: usize) -> Result<Problem> {
-    let model = Arc::new(Model::open(common::root().join("models/fox-tiny-pro"))?);
-    let rows =
-        read_token_rows(&common::root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
-    real_gate_problem(&model, &rows, max_len)
-}
-
 /// [`workload`], or `None` after saying why it could not be built.
 fn workload_or_say(max_len: usize) -> Option<Problem> {
-    workload(max_len)
+    common::workload(max_len)
         .map_err(|e| eprintln!("cannot build the real-gate workload: {e}"))
         .ok()
 }
@@ -87,10 +78,7 @@ fn bench(c: &mut Criterion) {
                 },
                 _ => None,
             };
-            for (acp_name, acp) in [
-                ("dense", AcpMode::Off),
-                ("acp", AcpMode::Bound { ln_eps: -10.0 }),
-            ] {
+            for (acp_name, acp) in common::MODES {
                 for (k, eng) in &engines {
                     let n_out = if dp.is_some() {
                         p.heads * p.head_dim
@@ -154,10 +142,7 @@ fn auto_overhead(c: &mut Criterion) {
             continue;
         };
         let mut out = vec![0.0f32; d.heads * d.head_dim];
-        for (acp_name, acp) in [
-            ("dense", AcpMode::Off),
-            ("acp", AcpMode::Bound { ln_eps: -10.0 }),
-        ] {
+        for (acp_name, acp) in common::MODES {
             let id = BenchmarkId::new(format!("decode/{acp_name}"), len);
             g.bench_function(id, |b| b.iter(|| eng.decode(&d, acp, &mut out).map(|_| ())));
         }

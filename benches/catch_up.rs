@@ -17,9 +17,8 @@
 
 mod common;
 
-use foxedge::hybrid::{AcpMode, Engine, read_token_rows, real_gate_problem};
-use foxedge::{BackendKind, Model};
-use std::sync::Arc;
+use foxedge::BackendKind;
+use foxedge::hybrid::Engine;
 use std::time::{Duration, Instant};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -28,7 +27,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> foxedge::Result<()> {
-    let root = common::root();
     let lens = common::lengths("4k");
     let Some(&max_len) = lens.iter().max() else {
         eprintln!("FOXEDGE_BENCH_LENGTHS names no length >= 2");
@@ -48,19 +46,13 @@ fn main() -> foxedge::Result<()> {
         }
     };
     let cpu = Engine::new(BackendKind::Cpu)?;
-    let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
-    let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
-    let big = real_gate_problem(&model, &rows, max_len)?;
+    let big = common::workload(max_len)?;
     println!("# a GPU decode step after S CPU steps of its cache ({reps} repeats, medians)");
     println!("acp        L      S  first ms  next ms  idle-first ms  cpu steps ms");
     for &len in &lens {
         let d = big.prefix(len)?.decode_at(len)?;
         let mut out = vec![0.0f32; d.heads * d.head_dim];
-        let modes = [
-            ("dense", AcpMode::Off),
-            ("acp", AcpMode::Bound { ln_eps: -10.0 }),
-        ];
-        for (name, acp) in modes {
+        for (name, acp) in common::MODES {
             for _ in 0..20 {
                 gpu.decode(&d, acp, &mut out)?;
             }

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 mod feedback;
-use feedback::{ClassRecord, Pick, Reason, Shortcut};
+use feedback::{ClassRecord, Pick, Probe, Reason, Shortcut};
 
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub const BLOCK: usize = 64;
@@ -1213,8 +1213,9 @@ fn acp_tag(acp: Acp<'_>, h: usize) -> u64 {
 struct Choice {
     split: Split,
     kind: PlanKind,
-    /// For a probe of `auto` (see [`feedback`]): the winner's corrected prediction.
-    probe_of: Option<f64>,
+    /// For a probe of `auto` (see [`feedback`]): the winner's corrected prediction and the
+    /// probe's catch-up.
+    probe_of: Option<Probe>,
     /// The size class and the model's raw prediction, when the plan came from the model.
     class: Option<(SizeClass, f64)>,
     /// A split's (CPU side, GPU side) by the model alone ([`Candidates::split_sides`]).
@@ -1224,9 +1225,6 @@ struct Choice {
     /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
     /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
     cpu_upper_s: Option<f64>,
-    /// For a probe of `auto` that uses the GPU: the seconds of its catch-up, the rows its
-    /// first call sends beyond those its prediction charges ([`ClassRecord::allow`]).
-    catch_up_s: f64,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1413,7 +1411,6 @@ impl Scheduler {
                 rec.record_sides(choice.split.gpu_heads.len(), rc, rg);
             }
             rec.spanned(choice.started, ran.0 + ran.1);
-            rec.allow(choice.catch_up_s);
             rec.record(choice.kind, raw, secs, choice.probe_of);
         }
     }
@@ -1502,7 +1499,6 @@ impl Scheduler {
             sides: (0.0, 0.0),
             started,
             cpu_upper_s: None,
-            catch_up_s: 0.0,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -1633,7 +1629,6 @@ impl Scheduler {
             sides: cands.split_sides,
             started,
             cpu_upper_s: (self.mode == Mode::Auto && kind == PlanKind::Cpu).then_some(cpu_upper_s),
-            catch_up_s: pick.catch_up_s,
         })
     }
 
@@ -3240,8 +3235,8 @@ mod tests {
         rec.record(PlanKind::Cpu, 1.0, 1.0, None);
         rec.record(PlanKind::Cpu, 1.0, 1.0, None);
         // The GPU, probed (two calls), measured 1.3x: the CPU stays.
-        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
-        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0));
+        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0.into()));
+        rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0.into()));
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
         assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
         // Hybrid and GpuOnly ignore the measurements.

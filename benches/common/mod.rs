@@ -1,5 +1,9 @@
 //! What the benches share.
 
+use foxedge::hybrid::{AcpMode, Problem, read_token_rows, real_gate_problem};
+use foxedge::{Model, Result};
+use std::sync::Arc;
+
 /// `FOXEDGE_BENCH_LENGTHS` (else `default`): comma-separated token counts, `k` = 1024
 /// (e.g. `1k,4k,16k`); counts below 2 are dropped.
 pub fn lengths(default: &str) -> Vec<usize> {
@@ -30,4 +34,19 @@ pub fn root() -> std::path::PathBuf {
     Some(std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .filter(|r| r.join("models").is_dir())
         .unwrap_or_else(|| std::path::PathBuf::from("."))
+}
+
+/// Dense attention, and ACP at ln eps = -10, with their names in the benches' tables.
+pub const MODES: [(&str, AcpMode); 2] = [
+    ("dense", AcpMode::Off),
+    ("acp", AcpMode::Bound { ln_eps: -10.0 }),
+];
+
+/// The bundled fox-tiny-pro run over the long fixture for real gates, `max_len` tokens:
+/// 16 heads (4 layers x 4).
+pub fn workload(max_len: usize) -> Result<Problem> {
+    let root = root();
+    let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
+    let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
+    real_gate_problem(&model, &rows, max_len)
 }

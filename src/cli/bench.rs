@@ -250,12 +250,6 @@ pub fn run(rest: Vec<String>) -> Result<()> {
             } else {
                 Vec::new()
             };
-            let dp_of = |eng: &Engine| {
-                engines
-                    .iter()
-                    .position(|(_, e)| std::ptr::eq(e, eng))
-                    .and_then(|i| dps.get(i))
-            };
             for acp in [false, true] {
                 let mode = if acp {
                     AcpMode::Bound { ln_eps }
@@ -267,8 +261,9 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                 } else {
                     p.heads * p.head_dim
                 };
-                let run = |eng: &Engine, out: &mut [f32]| -> Result<CallStats> {
-                    match dp_of(eng) {
+                let run = |i: usize, out: &mut [f32]| -> Result<CallStats> {
+                    let eng = &engines[i].1;
+                    match dps.get(i) {
                         Some(d) => eng.decode(d, mode, out),
                         None => eng.prefill(&p, mode, out),
                     }
@@ -439,14 +434,15 @@ struct Measured {
     samples: Vec<f64>,
 }
 
-/// Times every engine on `run` by `method` (see [`Report::method`]): warm-up calls, then
-/// interleaved rounds in a random order each, so that no backend always follows another
-/// (a GPU call's host traffic, or an idle pool waking, then hits every backend alike).
+/// Times every engine on `run(i, out)` (one call of engine `i`) by `method` (see
+/// [`Report::method`]): warm-up calls, then interleaved rounds in a random order each, so
+/// that no backend always follows another (a GPU call's host traffic, or an idle pool
+/// waking, then hits every backend alike).
 fn measure(
     engines: &[(String, Engine)],
     n_out: usize,
     method: Method,
-    run: impl Fn(&Engine, &mut [f32]) -> Result<CallStats>,
+    run: impl Fn(usize, &mut [f32]) -> Result<CallStats>,
 ) -> Result<Vec<Measured>> {
     let k = engines.len();
     let mut ms: Vec<Measured> = Vec::with_capacity(k);
@@ -456,7 +452,7 @@ fn measure(
     let mut scratch = vec![0.0f32; n_out];
     let mut plans0 = Vec::with_capacity(k);
     let mut cpu_first = 0.0;
-    for (label, eng) in engines {
+    for (i, (label, eng)) in engines.iter().enumerate() {
         if label == "cpu2" && cpu_first >= method.budget_s {
             // The control of a cell whose CPU call alone outlasts the budget: one more slow
             // call would say nothing about the noise of the timed rounds.
@@ -477,7 +473,7 @@ fn measure(
         }
         let mut out = vec![0.0f32; n_out];
         let t0 = Instant::now();
-        let stats = run(eng, &mut out)?;
+        let stats = run(i, &mut out)?;
         let first = t0.elapsed().as_secs_f64();
         if label == "cpu" {
             cpu_first = first;
@@ -493,7 +489,7 @@ fn measure(
                 break;
             }
             let t0 = Instant::now();
-            run(eng, &mut scratch)?;
+            run(i, &mut scratch)?;
             let t = t0.elapsed().as_secs_f64();
             spent += t;
             e = e.min(t);
@@ -538,7 +534,7 @@ fn measure(
             && spent + est[i] <= method.budget_s / 2.0
         {
             let t0 = Instant::now();
-            run(eng, &mut scratch)?;
+            run(i, &mut scratch)?;
             let t = t0.elapsed().as_secs_f64();
             spent += t;
             est[i] = est[i].min(t);
@@ -574,15 +570,14 @@ fn measure(
             {
                 continue;
             }
-            let eng = &engines[i].1;
             // An untimed call first: the previous backend's traffic must not leave this one
             // cold caches or sleeping pool threads.
             if est[i] < 0.1 {
-                run(eng, &mut scratch)?;
+                run(i, &mut scratch)?;
             }
             let t0 = Instant::now();
             for _ in 0..ms[i].inner {
-                run(eng, &mut scratch)?;
+                run(i, &mut scratch)?;
             }
             let secs = t0.elapsed().as_secs_f64();
             spent[i] += secs;
