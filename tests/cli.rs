@@ -241,6 +241,25 @@ fn bench_and_inspect_write_the_table_and_the_pictures() {
     assert_eq!(cells.len(), 2 * 2 * backends.len(), "{report}");
     assert_eq!(report["auto_vs_best"].as_array().unwrap().len(), 4);
 
+    // The report pools with itself: one row per cell, two readings each.
+    let twice = format!("{},{}", json.display(), json.display());
+    let out = foxedge()
+        .args(["bench", "--pool", &twice])
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let pooled = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        pooled.lines().filter(|l| l.contains("| 2 |")).count(),
+        4,
+        "{pooled}"
+    );
+    assert!(pooled.contains("# pooled >= 0.95 in "), "{pooled}");
+    assert!(
+        pooled.contains("# identical engines (control pairs)"),
+        "{pooled}"
+    );
+
     let text = dir.join("text.txt");
     std::fs::write(&text, "def f(x):\n    return x + 1\n".repeat(8)).unwrap();
     let picture = dir.join("decay.png");

@@ -104,6 +104,18 @@ struct Method {
 pub fn run(rest: Vec<String>) -> Result<()> {
     let mut a = Args::new(rest);
     let json = a.flag("--json");
+    if let Some(list) = a.value("--pool")? {
+        a.finish()?;
+        let s = super::pool::pool_files(&list)?;
+        if json {
+            let js = serde_json::to_string_pretty(&s)
+                .map_err(|e| Error::Internal(format!("bench --pool json: {e}")))?;
+            println!("{js}");
+        } else {
+            super::pool::print(&s);
+        }
+        return Ok(());
+    }
     let json_out = a.value("--out")?.map(PathBuf::from);
     let full = a.flag("--full");
     let control = a.flag("--control");

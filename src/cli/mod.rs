@@ -5,6 +5,7 @@ pub mod bench;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod pool;
 
 use foxedge::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -80,6 +81,7 @@ USAGE:
                    [--lengths 1k,4k] [--ops prefill,decode] [--reps N] [--warm N]
                    [--batch-ms MS] [--budget-s S] [--control] [--device SEL]
                    [--log-eps X] [--out report.json]
+  foxedge bench --pool run1.json,run2.json,... [--json]
   foxedge inspect [--model DIR] --text FILE --plot out.png [--heads L.H,...]
                    [--max-tokens N] [--log-eps X] [--clip D]
 
@@ -93,7 +95,9 @@ FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backen
 to --reps rounds (default 15, --full 80) with the backends interleaved (random order), samples
 of >= --batch-ms, at most --budget-s (default 3, --full 8) of timed calls per backend; medians,
 min, IQR and auto/best ratios; --control adds a second CPU engine and, with a Vulkan
-device, a second Vulkan engine (the noise floor). inspect: decay matrix D with the ACP
+device, a second Vulkan engine (the noise floor). --pool: auto/best per cell over repeated
+--out reports (geometric mean, one-sided 95% lower bound over the runs, the control pairs'
+noise). inspect: decay matrix D with the ACP
 boundary.
 logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
 ";

@@ -1,0 +1,408 @@
+//! `foxedge bench --pool a.json,b.json,...`: `auto` against the best single backend per
+//! cell, pooled over repeated `foxedge bench --out` runs.
+//!
+//! One run's ratio of a cell moves with its host: on the H100 host two identical engines
+//! read up to 6% apart in one cell of one run. So whether `auto` holds 0.95x the best
+//! backend on a shape is judged over runs. Per cell, with `r_i = ln(best_i / auto_i)` over
+//! the `n` runs that measured it (each a separate process with its own calibration, so its
+//! runs are independent):
+//!
+//! - pooled ratio = `exp(mean r)`, the geometric mean of the runs' ratios;
+//! - its one-sided 95% lower bound = `exp(mean r - t(0.95, n-1) · sd(r) / sqrt(n))`
+//!   (Student's t, [`t95`]; none with one run).
+//!
+//! The control pairs of `--control` runs (`cpu`/`cpu2`, `vulkan`/`vulkan2`: two identical
+//! engines of one cell) give the noise one run's ratio carries: the sample deviation of
+//! their ln ratios over every cell and run, and how many of them read outside
+//! `[0.95, 1/0.95]`.
+
+use foxedge::{Error, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// The bar `auto` is held to against the best single backend.
+const BAR: f64 = 0.95;
+
+/// One run's report, as far as pooling reads it.
+#[derive(Debug, Clone, PartialEq)]
+struct Run {
+    path: PathBuf,
+    method: String,
+    device: String,
+    /// (cell, best median / auto median).
+    ratios: Vec<(String, f64)>,
+    /// (cell, first engine's median / its twin's): cpu/cpu2 and vulkan/vulkan2.
+    controls: Vec<(String, f64)>,
+}
+
+/// One cell pooled over the runs that measured it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Pooled {
+    pub cell: String,
+    /// best / auto of each run, in the order the files were given.
+    pub ratios: Vec<f64>,
+    /// Geometric mean of `ratios`.
+    pub pooled: f64,
+    /// One-sided 95% lower bound of the pooled ratio (None with one run).
+    pub lower95: Option<f64>,
+}
+
+/// Every cell pooled, and the identical engines' noise.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Summary {
+    pub runs: Vec<String>,
+    pub cells: Vec<Pooled>,
+    /// Sample deviation of ln(engine / twin) over the control pairs of every cell and run.
+    pub control_ln_sd: Option<f64>,
+    /// Control pairs read outside [0.95, 1/0.95], of all.
+    pub control_outside: (usize, usize),
+    /// The runs' `method` lines differ (their cells were timed differently).
+    pub methods_differ: bool,
+    /// The runs' devices differ.
+    pub devices_differ: bool,
+}
+
+/// One-sided 95% quantile of Student's t with `df` degrees of freedom (`df >= 1`): table
+/// values to 30, then `1.645 + 1.6 / df` (within 0.002 of the quantile from 40 up).
+fn t95(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771,
+        1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706,
+        1.703, 1.701, 1.699, 1.697,
+    ];
+    match df {
+        0 => f64::INFINITY,
+        1..=30 => T[df - 1],
+        _ => 1.645 + 1.6 / df as f64,
+    }
+}
+
+/// Mean and sample deviation (None below two values).
+fn mean_sd(x: &[f64]) -> (f64, Option<f64>) {
+    let n = x.len() as f64;
+    let m = x.iter().sum::<f64>() / n;
+    let sd = (x.len() >= 2)
+        .then(|| (x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (n - 1.0)).sqrt());
+    (m, sd)
+}
+
+fn bad(path: &Path, why: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "--pool {}: {why} (expected a `foxedge bench --out` report)",
+        path.display()
+    ))
+}
+
+/// A positive finite number at `v[key]`.
+fn positive(v: &Value, key: &str) -> Option<f64> {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .filter(|x| x.is_finite() && *x > 0.0)
+}
+
+/// Reads one report from `text` (`path` for errors).
+fn parse(path: &Path, text: &str) -> Result<Run> {
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(path, &format!("not JSON: {e}")))?;
+    let str_of = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let ratios = v
+        .get("auto_vs_best")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad(path, "no `auto_vs_best` list"))?
+        .iter()
+        .map(|a| {
+            let cell = a.get("cell").and_then(Value::as_str);
+            match (cell, positive(a, "ratio")) {
+                (Some(c), Some(r)) => Ok((c.to_string(), r)),
+                _ => Err(bad(
+                    path,
+                    "an `auto_vs_best` entry without a cell or a ratio > 0",
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cells = v
+        .get("cells")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad(path, "no `cells` list"))?;
+    // (cell, backend) -> median seconds.
+    let mut medians = Vec::new();
+    for c in cells {
+        let (Some(op), Some(len), Some(acp), Some(backend)) = (
+            c.get("op").and_then(Value::as_str),
+            c.get("len").and_then(Value::as_u64),
+            c.get("acp").and_then(Value::as_bool),
+            c.get("backend").and_then(Value::as_str),
+        ) else {
+            return Err(bad(path, "a cell without op, len, acp or backend"));
+        };
+        if let Some(s) = positive(c, "seconds") {
+            let name = format!("{op} L={len} {}", if acp { "acp" } else { "dense" });
+            medians.push((name, backend.to_string(), s));
+        }
+    }
+    let median = |cell: &str, b: &str| {
+        medians
+            .iter()
+            .find(|(c, k, _)| c == cell && k == b)
+            .map(|m| m.2)
+    };
+    let mut controls = Vec::new();
+    for (cell, b, s) in &medians {
+        let twin = format!("{b}2");
+        if (b == "cpu" || b == "vulkan")
+            && let Some(t) = median(cell, &twin)
+        {
+            controls.push((cell.clone(), s / t));
+        }
+    }
+    Ok(Run {
+        path: path.to_path_buf(),
+        method: str_of("method"),
+        device: str_of("device"),
+        ratios,
+        controls,
+    })
+}
+
+/// Pools `runs` (see the module docs). Cells in first-seen order.
+fn pool(runs: &[Run]) -> Summary {
+    let mut names: Vec<&str> = Vec::new();
+    for r in runs {
+        for (c, _) in &r.ratios {
+            if !names.contains(&c.as_str()) {
+                names.push(c);
+            }
+        }
+    }
+    let cells = names
+        .iter()
+        .map(|&name| {
+            let ratios: Vec<f64> = runs
+                .iter()
+                .filter_map(|r| r.ratios.iter().find(|(c, _)| c == name).map(|x| x.1))
+                .collect();
+            let logs: Vec<f64> = ratios.iter().map(|x| x.ln()).collect();
+            let (m, sd) = mean_sd(&logs);
+            let n = logs.len();
+            Pooled {
+                cell: name.to_string(),
+                pooled: m.exp(),
+                lower95: sd.map(|s| (m - t95(n - 1) * s / (n as f64).sqrt()).exp()),
+                ratios,
+            }
+        })
+        .collect();
+    let control_logs: Vec<f64> = runs
+        .iter()
+        .flat_map(|r| r.controls.iter().map(|c| c.1.ln()))
+        .collect();
+    let outside = control_logs.iter().filter(|l| l.abs() > -BAR.ln()).count();
+    Summary {
+        runs: runs.iter().map(|r| r.path.display().to_string()).collect(),
+        cells,
+        control_ln_sd: if control_logs.is_empty() {
+            None
+        } else {
+            mean_sd(&control_logs).1
+        },
+        control_outside: (outside, control_logs.len()),
+        methods_differ: runs.windows(2).any(|w| w[0].method != w[1].method),
+        devices_differ: runs.windows(2).any(|w| w[0].device != w[1].device),
+    }
+}
+
+/// Reads the reports named in `list` (comma-separated paths) and pools them.
+pub fn pool_files(list: &str) -> Result<Summary> {
+    let paths: Vec<PathBuf> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    if paths.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--pool: expected report files, comma-separated".into(),
+        ));
+    }
+    let runs = paths
+        .iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(p).map_err(|e| Error::Io {
+                path: p.clone(),
+                source: e,
+            })?;
+            parse(p, &text)
+        })
+        .collect::<Result<Vec<Run>>>()?;
+    Ok(pool(&runs))
+}
+
+/// The pooled table, in Markdown with `#` summary lines.
+pub fn print(s: &Summary) {
+    println!(
+        "# auto / best single backend pooled over {} runs (geometric mean; one-sided 95% lower \
+         bound, Student's t over the runs): {}",
+        s.runs.len(),
+        s.runs.join(", ")
+    );
+    if s.methods_differ {
+        println!("# note: the runs' timing methods differ");
+    }
+    if s.devices_differ {
+        println!("# note: the runs' devices differ");
+    }
+    println!("| cell | runs | auto/best per run | pooled | 95% lower bound |");
+    println!("| --- | --- | --- | --- | --- |");
+    for c in &s.cells {
+        let per: Vec<String> = c.ratios.iter().map(|r| format!("{r:.3}")).collect();
+        println!(
+            "| {} | {} | {} | {:.3} | {} |",
+            c.cell,
+            c.ratios.len(),
+            per.join(" "),
+            c.pooled,
+            c.lower95.map_or("-".into(), |l| format!("{l:.3}"))
+        );
+    }
+    let n = s.cells.len();
+    let held = s.cells.iter().filter(|c| c.pooled >= BAR).count();
+    let bound = s
+        .cells
+        .iter()
+        .filter(|c| c.lower95.is_some_and(|l| l >= BAR))
+        .count();
+    let (below, all) = s.cells.iter().fold((0, 0), |(b, a), c| {
+        (
+            b + c.ratios.iter().filter(|&&r| r < BAR).count(),
+            a + c.ratios.len(),
+        )
+    });
+    println!(
+        "# pooled >= {BAR} in {held} of {n} cells; 95% lower bound >= {BAR} in {bound} of {n}; \
+         single runs below {BAR} in {below} of {all} cell readings"
+    );
+    match s.control_ln_sd {
+        Some(sd) => println!(
+            "# identical engines (control pairs): ln-ratio deviation {sd:.3} per run and cell; \
+             outside [{BAR}, {:.3}] in {} of {}",
+            1.0 / BAR,
+            s.control_outside.0,
+            s.control_outside.1
+        ),
+        None => println!("# no control pairs (runs without --control)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(ratios: &[(&str, f64)], cpu: f64, cpu2: f64) -> String {
+        let r: Vec<Value> = ratios
+            .iter()
+            .map(|(c, x)| serde_json::json!({"cell": c, "ratio": x, "best": "cpu"}))
+            .collect();
+        serde_json::json!({
+            "method": "m",
+            "device": "d",
+            "auto_vs_best": r,
+            "cells": [
+                {"op": "decode", "len": 1024, "acp": false, "backend": "cpu", "seconds": cpu},
+                {"op": "decode", "len": 1024, "acp": false, "backend": "cpu2", "seconds": cpu2},
+                {"op": "decode", "len": 1024, "acp": false, "backend": "auto", "seconds": 1.0},
+            ],
+        })
+        .to_string()
+    }
+
+    fn run_of(text: &str) -> Run {
+        parse(Path::new("r.json"), text).expect("a valid report")
+    }
+
+    #[test]
+    fn pooled_ratio_is_the_geometric_mean_with_a_t_bound() {
+        let runs: Vec<Run> = [0.9, 1.0, 1.1, 1.0]
+            .iter()
+            .map(|&x| run_of(&report(&[("decode L=1024 dense", x)], 1.0, 1.0)))
+            .collect();
+        let s = pool(&runs);
+        let c = &s.cells[0];
+        let logs: Vec<f64> = [0.9f64, 1.0, 1.1, 1.0].iter().map(|x| x.ln()).collect();
+        let m = logs.iter().sum::<f64>() / 4.0;
+        let sd = (logs.iter().map(|l| (l - m).powi(2)).sum::<f64>() / 3.0).sqrt();
+        assert!((c.pooled - m.exp()).abs() < 1e-12);
+        let lo = (m - 2.353 * sd / 2.0).exp();
+        assert!((c.lower95.expect("4 runs") - lo).abs() < 1e-12);
+        assert_eq!(c.ratios, vec![0.9, 1.0, 1.1, 1.0]);
+    }
+
+    #[test]
+    fn one_run_has_no_bound_and_identical_runs_bound_at_their_ratio() {
+        let one = pool(&[run_of(&report(&[("a", 0.97)], 1.0, 1.0))]);
+        assert_eq!(one.cells[0].lower95, None);
+        let same: Vec<Run> = (0..3)
+            .map(|_| run_of(&report(&[("a", 0.97)], 1.0, 1.0)))
+            .collect();
+        let s = pool(&same);
+        assert!((s.cells[0].lower95.expect("3 runs") - 0.97).abs() < 1e-12);
+        assert!(!s.methods_differ && !s.devices_differ);
+    }
+
+    #[test]
+    fn controls_count_the_pairs_outside_the_bar() {
+        let runs = [
+            run_of(&report(&[("a", 1.0)], 1.0, 1.0)),
+            run_of(&report(&[("a", 1.0)], 1.0, 1.1)),
+            run_of(&report(&[("a", 1.0)], 1.04, 1.0)),
+        ];
+        let s = pool(&runs);
+        assert_eq!(s.control_outside, (1, 3));
+        let logs = [0.0, (1.0f64 / 1.1).ln(), 1.04f64.ln()];
+        let (_, sd) = mean_sd(&logs);
+        assert!((s.control_ln_sd.expect("3 pairs") - sd.expect("3")).abs() < 1e-12);
+    }
+
+    #[test]
+    fn cells_missing_from_some_runs_pool_over_the_others() {
+        let runs = [
+            run_of(&report(&[("a", 1.0), ("b", 0.9)], 1.0, 1.0)),
+            run_of(&report(&[("a", 0.98)], 1.0, 1.0)),
+        ];
+        let s = pool(&runs);
+        assert_eq!(s.cells.len(), 2);
+        assert_eq!(s.cells[1].ratios, vec![0.9]);
+        assert_eq!(s.cells[0].ratios.len(), 2);
+    }
+
+    #[test]
+    fn bad_reports_are_clear_errors() {
+        let p = Path::new("x.json");
+        for text in [
+            "",
+            "{",
+            "[]",
+            r#"{"cells": []}"#,
+            r#"{"auto_vs_best": [{"cell": "a", "ratio": -1}], "cells": []}"#,
+            r#"{"auto_vs_best": [{"cell": "a", "ratio": "x"}], "cells": []}"#,
+            r#"{"auto_vs_best": [], "cells": [{"op": "decode"}]}"#,
+        ] {
+            let e = parse(p, text).expect_err(text);
+            assert!(e.to_string().contains("x.json"), "{e}");
+        }
+        assert!(pool_files("").is_err());
+        assert!(pool_files("/nonexistent/foxedge/run.json").is_err());
+    }
+
+    #[test]
+    fn t_quantiles_fall_toward_the_normal() {
+        assert!(t95(0).is_infinite());
+        let mut prev = f64::INFINITY;
+        for df in 1..200 {
+            let t = t95(df);
+            assert!(t < prev && t > 1.645, "df {df}: {t}");
+            prev = t;
+        }
+        assert!((t95(40) - 1.684).abs() < 0.002);
+        assert!((t95(120) - 1.658).abs() < 0.002);
+    }
+}
