@@ -11,6 +11,12 @@
 //! - its one-sided 95% lower bound = `exp(mean r - t(0.95, n-1) · sd(r) / sqrt(n))`
 //!   (Student's t, [`t95`]; none with one run).
 //!
+//! Beside each cell, what `auto`'s two known costs took, as fractions of the best
+//! backend's median, averaged over the runs: its own time per call (`scheduler_us`), and
+//! its calls on other plans than the best backend's (each all-CPU, all-GPU or split call
+//! costed at the `cpu`, `vulkan` or `hybrid` median less the best: an estimate, as a
+//! split of `auto` need not be `hybrid`'s).
+//!
 //! The control pairs of `--control` runs (`cpu`/`cpu2`, `vulkan`/`vulkan2`: two identical
 //! engines of one cell) give the noise one run's ratio carries: the sample deviation of
 //! their ln ratios over every cell and run, and how many of them read outside
@@ -33,6 +39,8 @@ struct Run {
     ratios: Vec<(String, f64)>,
     /// (cell, first engine's median / its twin's): cpu/cpu2 and vulkan/vulkan2.
     controls: Vec<(String, f64)>,
+    /// (cell, auto's own time, its off-best plans' excess), fractions of the best median.
+    costs: Vec<(String, f64, f64)>,
 }
 
 /// One cell pooled over the runs that measured it.
@@ -45,6 +53,11 @@ pub struct Pooled {
     pub pooled: f64,
     /// One-sided 95% lower bound of the pooled ratio (None with one run).
     pub lower95: Option<f64>,
+    /// auto's own time per call over the best median, mean of the runs that report it.
+    pub own_time: Option<f64>,
+    /// auto's calls on other plans than the best backend's: their estimated excess over
+    /// the best median, per call of auto, over the best median (mean of the runs).
+    pub off_best: Option<f64>,
 }
 
 /// Every cell pooled, and the identical engines' noise.
@@ -146,6 +159,44 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
             .find(|(c, k, _)| c == cell && k == b)
             .map(|m| m.2)
     };
+    let mut costs = Vec::new();
+    for c in cells
+        .iter()
+        .filter(|c| c.get("backend").and_then(Value::as_str) == Some("auto"))
+    {
+        let cell = format!(
+            "{} L={} {}",
+            c.get("op").and_then(Value::as_str).unwrap_or(""),
+            c.get("len").and_then(Value::as_u64).unwrap_or(0),
+            if c.get("acp").and_then(Value::as_bool) == Some(true) {
+                "acp"
+            } else {
+                "dense"
+            }
+        );
+        let plan_t: Vec<Option<f64>> = ["cpu", "vulkan", "hybrid"]
+            .iter()
+            .map(|b| median(&cell, b))
+            .collect();
+        let Some(best) = plan_t.iter().flatten().copied().reduce(f64::min) else {
+            continue;
+        };
+        let plans: Vec<f64> = c
+            .get("plans")
+            .and_then(Value::as_array)
+            .map(|p| p.iter().filter_map(Value::as_f64).collect())
+            .unwrap_or_default();
+        let own = positive(c, "scheduler_us").map_or(0.0, |us| us * 1e-6 / best);
+        let calls: f64 = plans.iter().sum();
+        let excess: f64 = plans
+            .iter()
+            .zip(&plan_t)
+            .map(|(&n, t)| n * t.map_or(0.0, |t| (t - best).max(0.0)))
+            .sum();
+        if plans.len() == 3 && calls > 0.0 {
+            costs.push((cell, own, excess / (calls * best)));
+        }
+    }
     let mut controls = Vec::new();
     for (cell, b, s) in &medians {
         let twin = format!("{b}2");
@@ -161,6 +212,7 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         device: str_of("device"),
         ratios,
         controls,
+        costs,
     })
 }
 
@@ -184,7 +236,16 @@ fn pool(runs: &[Run]) -> Summary {
             let logs: Vec<f64> = ratios.iter().map(|x| x.ln()).collect();
             let (m, sd) = mean_sd(&logs);
             let n = logs.len();
+            let costs: Vec<(f64, f64)> = runs
+                .iter()
+                .filter_map(|r| r.costs.iter().find(|(c, ..)| c == name).map(|x| (x.1, x.2)))
+                .collect();
+            let mean_of = |f: fn(&(f64, f64)) -> f64| {
+                (!costs.is_empty()).then(|| costs.iter().map(f).sum::<f64>() / costs.len() as f64)
+            };
             Pooled {
+                own_time: mean_of(|c| c.0),
+                off_best: mean_of(|c| c.1),
                 cell: name.to_string(),
                 pooled: m.exp(),
                 lower95: sd.map(|s| (m - t95(n - 1) * s / (n as f64).sqrt()).exp()),
@@ -251,17 +312,23 @@ pub fn print(s: &Summary) {
     if s.devices_differ {
         println!("# note: the runs' devices differ");
     }
-    println!("| cell | runs | auto/best per run | pooled | 95% lower bound |");
-    println!("| --- | --- | --- | --- | --- |");
+    println!(
+        "| cell | runs | auto/best per run | pooled | 95% lower bound | auto's own time | \
+         off-best plans (est.) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     for c in &s.cells {
         let per: Vec<String> = c.ratios.iter().map(|r| format!("{r:.3}")).collect();
+        let pct = |x: Option<f64>| x.map_or("-".into(), |x| format!("{:.1}%", 100.0 * x));
         println!(
-            "| {} | {} | {} | {:.3} | {} |",
+            "| {} | {} | {} | {:.3} | {} | {} | {} |",
             c.cell,
             c.ratios.len(),
             per.join(" "),
             c.pooled,
-            c.lower95.map_or("-".into(), |l| format!("{l:.3}"))
+            c.lower95.map_or("-".into(), |l| format!("{l:.3}")),
+            pct(c.own_time),
+            pct(c.off_best)
         );
     }
     let n = s.cells.len();
@@ -372,6 +439,25 @@ mod tests {
         assert_eq!(s.cells.len(), 2);
         assert_eq!(s.cells[1].ratios, vec![0.9]);
         assert_eq!(s.cells[0].ratios.len(), 2);
+    }
+
+    #[test]
+    fn auto_costs_are_fractions_of_the_best_median() {
+        let cell = |b: &str, s: f64| serde_json::json!({"op": "decode", "len": 4096, "acp": true, "backend": b, "seconds": s});
+        let mut auto = cell("auto", 0.5);
+        auto["plans"] = serde_json::json!([90, 6, 4]);
+        auto["scheduler_us"] = serde_json::json!(4.0);
+        let text = serde_json::json!({
+            "auto_vs_best": [{"cell": "decode L=4096 acp", "ratio": 0.8}],
+            "cells": [cell("cpu", 0.4e-3), cell("vulkan", 0.6e-3), cell("hybrid", 0.8e-3), auto],
+        })
+        .to_string();
+        let s = pool(&[run_of(&text), run_of(&text)]);
+        let c = &s.cells[0];
+        // 4 us of 0.4 ms; 6 calls 0.2 ms and 4 calls 0.4 ms over, per call of 100, of 0.4 ms.
+        assert!((c.own_time.expect("reported") - 0.01).abs() < 1e-12);
+        let off = (6.0 * 0.2e-3 + 4.0 * 0.4e-3) / (100.0 * 0.4e-3);
+        assert!((c.off_best.expect("reported") - off).abs() < 1e-12);
     }
 
     #[test]
