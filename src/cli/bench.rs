@@ -895,7 +895,7 @@ fn print_table(r: &Report) {
     let below = r.auto_vs_best.iter().filter(|a| a.ci_hi < 0.95).count();
     println!(
         "# auto / best single backend >= 0.95 in {pass} of {} cells; its whole 90% interval \
-         below 0.95 in {below}",
+         below 0.95 in {below} (one run; repeated runs' --out reports pool with --pool)",
         r.auto_vs_best.len()
     );
     for (one, two) in [("cpu", "cpu2"), ("vulkan", "vulkan2")] {
