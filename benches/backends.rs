@@ -24,9 +24,8 @@ use foxedge::hybrid::{Engine, Problem};
 use std::time::Duration;
 
 fn max_call_s() -> f64 {
-    Some(common::env_or("FOXEDGE_BENCH_MAX_CALL_S", 10.0))
-        .filter(|x: &f64| x.is_finite() && *x > 0.0)
-        .unwrap_or(10.0)
+    let s: f64 = common::env_or("FOXEDGE_BENCH_MAX_CALL_S", 10.0);
+    if s.is_finite() && s > 0.0 { s } else { 10.0 }
 }
 
 /// [`workload`], or `None` after saying why it could not be built.

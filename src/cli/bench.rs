@@ -966,12 +966,13 @@ fn find_cell<'a>(
 }
 
 fn cell_name(c: &Cell) -> String {
-    format!(
-        "{} L={} {}",
-        c.op,
-        c.len,
-        if c.acp { "acp" } else { "dense" }
-    )
+    cell_label(c.op, c.len as u64, c.acp)
+}
+
+/// A cell's name in the table's summary lines and the report's `auto_vs_best`
+/// (`decode L=4096 acp`); `--pool` matches cells across reports by it.
+pub(super) fn cell_label(op: &str, len: u64, acp: bool) -> String {
+    format!("{op} L={len} {}", if acp { "acp" } else { "dense" })
 }
 
 fn len_name(len: usize) -> String {

@@ -137,8 +137,8 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         .get("cells")
         .and_then(Value::as_array)
         .ok_or_else(|| bad(path, "no `cells` list"))?;
-    // (cell, backend) -> median seconds.
-    let mut medians = Vec::new();
+    // (cell, backend, entry) of every cell, named as `bench` names them.
+    let mut named = Vec::with_capacity(cells.len());
     for c in cells {
         let (Some(op), Some(len), Some(acp), Some(backend)) = (
             c.get("op").and_then(Value::as_str),
@@ -148,35 +148,19 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         ) else {
             return Err(bad(path, "a cell without op, len, acp or backend"));
         };
-        if let Some(s) = positive(c, "seconds") {
-            let name = format!("{op} L={len} {}", if acp { "acp" } else { "dense" });
-            medians.push((name, backend.to_string(), s));
-        }
+        named.push((super::bench::cell_label(op, len, acp), backend, c));
     }
     let median = |cell: &str, b: &str| {
-        medians
+        named
             .iter()
-            .find(|(c, k, _)| c == cell && k == b)
-            .map(|m| m.2)
+            .find(|(c, k, _)| c == cell && *k == b)
+            .and_then(|m| positive(m.2, "seconds"))
     };
     let mut costs = Vec::new();
-    for c in cells
-        .iter()
-        .filter(|c| c.get("backend").and_then(Value::as_str) == Some("auto"))
-    {
-        let cell = format!(
-            "{} L={} {}",
-            c.get("op").and_then(Value::as_str).unwrap_or(""),
-            c.get("len").and_then(Value::as_u64).unwrap_or(0),
-            if c.get("acp").and_then(Value::as_bool) == Some(true) {
-                "acp"
-            } else {
-                "dense"
-            }
-        );
+    for (cell, _, c) in named.iter().filter(|(_, b, _)| *b == "auto") {
         let plan_t: Vec<Option<f64>> = ["cpu", "vulkan", "hybrid"]
             .iter()
-            .map(|b| median(&cell, b))
+            .map(|b| median(cell, b))
             .collect();
         let Some(best) = plan_t.iter().flatten().copied().reduce(f64::min) else {
             continue;
@@ -194,14 +178,13 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
             .map(|(&n, t)| n * t.map_or(0.0, |t| (t - best).max(0.0)))
             .sum();
         if plans.len() == 3 && calls > 0.0 {
-            costs.push((cell, own, excess / (calls * best)));
+            costs.push((cell.clone(), own, excess / (calls * best)));
         }
     }
     let mut controls = Vec::new();
-    for (cell, b, s) in &medians {
-        let twin = format!("{b}2");
+    for (cell, b) in named.iter().map(|(c, b, _)| (c, *b)) {
         if (b == "cpu" || b == "vulkan")
-            && let Some(t) = median(cell, &twin)
+            && let (Some(s), Some(t)) = (median(cell, b), median(cell, &format!("{b}2")))
         {
             controls.push((cell.clone(), s / t));
         }
