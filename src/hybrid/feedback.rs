@@ -102,32 +102,6 @@ pub(super) const PROBE_BUDGET: f64 = 0.015;
 pub(super) const RECHECK_GAP: u64 = 4;
 const RECHECK_MAX_DOUBLINGS: u64 = 8;
 
-/// A plan whose last probe lost to a winner whose factor has since fallen by this factor
-/// is re-checked at [`RECHECK_GAP`], expected at its fastest sample or prospect, outside the
-/// budget while that expectation is within [`RECHECK`] of the winner: it lost in a burst
-/// that slowed the winner too, and the burst has ended. On the H100 host beside a noisy
-/// neighbour (trace 79, decode dense 1k) every CPU re-check that lost did so while the GPU's
-/// factor was 2.0-8.9 (its calls slowed too); within 2-21 calls that factor fell below 1/1.3
-/// of it (to 1.1-1.5), and the GPU then ran for 172-1593 calls, 2-3x slower than the CPU,
-/// while the CPU's doubled gaps ran out. Each such re-check needs a lost probe measured
-/// against a winner 1.3x slower than now, so they are at most about as many as the probes
-/// that lost.
-const RECOVERED: f64 = RECHECK;
-
-/// A probe's warm call that takes more than this many times the plan's prospect is a
-/// warm-up, not its sample: the probe runs on while its calls keep getting this many times
-/// faster, up to [`PROBE_MAX_CALLS`] calls, and its last call is the sample. On the H100
-/// host beside a neighbour spinning 12-23 processes on its 16 cores (trace 1213, decode
-/// dense 1k), the CPU plan took 0.15-0.4 ms a call through its stints, but its re-checks
-/// after GPU stints took 4-18 ms on their first call and 0.8-16 ms on their second: each
-/// lost, the re-check gaps doubled, and the GPU (0.36 ms) ran for 70-1024 calls at a time.
-/// Continued calls each take at most half the call before, so a probe's warm-up costs at
-/// most about twice its first warm call.
-const WARMING: f64 = 2.0;
-
-/// The most calls a probe runs (see [`WARMING`]).
-const PROBE_MAX_CALLS: u32 = 6;
-
 /// Warm calls of one kind whose median is its prospect: what it takes outside a burst (a
 /// burst that fills [`WINDOW`] leaves it). Prospects cost a split's two sides, and what a
 /// stale re-check is expected to take: on the H100 host three slow CPU calls (6-16x their
@@ -271,8 +245,6 @@ struct KindRecord {
     /// Its last sample was a probe that beat the winner's prediction: it is re-checked at
     /// its next gap whatever its factor (a leader that lost to a burst wins back).
     promising: bool,
-    /// Its last probe lost: the winner then and that winner's factor (see [`RECOVERED`]).
-    lost_to: Option<(PlanKind, f64)>,
     /// The class's call count at its last sample.
     sampled_at: u64,
     /// Warm calls recorded.
@@ -329,10 +301,6 @@ pub(super) struct ClassRecord {
     gaps: Ring<LONG_WINDOW>,
     /// The next call follows an unusually long gap (see [`IDLE_GAP`]): it is not warm.
     rested: bool,
-    /// Calls of the last call's kind in a row, and the last call's seconds (see
-    /// [`WARMING`]).
-    streak: u32,
-    last_secs: f64,
     /// When the class's last call ended ([`ClassRecord::spanned`]).
     last_end: Option<std::time::Instant>,
 }
@@ -429,13 +397,6 @@ impl ClassRecord {
         }
         let warm = self.last == Some(kind) && !self.rested;
         self.rested = false;
-        let prev_secs = self.last_secs;
-        self.streak = if self.last == Some(kind) {
-            self.streak + 1
-        } else {
-            1
-        };
-        self.last_secs = secs;
         let back = !warm && self.last_probe && probe_of.is_none();
         // A plan's first try (its two calls and the winner's return) is not charged: it is
         // bounded by itself (once per plan and class), and the budget is for re-checks.
@@ -465,9 +426,6 @@ impl ClassRecord {
         if probe_of.is_none() {
             self.incumbent = Some(kind);
         }
-        let winner = self
-            .incumbent
-            .and_then(|w| Some((w, self.kinds[w as usize].factor()?)));
         let k = &mut self.kinds[kind as usize];
         let explored = k.runs == 0;
         k.runs += 1;
@@ -475,25 +433,13 @@ impl ClassRecord {
         self.follow_up = (!warm && (probe_of.is_some() || k.window.len == 0))
             .then(|| (kind, Pick::reason_of(probe_of, explored)));
         if probe_of.is_none() {
-            (k.rechecks, k.promising, k.lost_to) = (0, false, None);
+            (k.rechecks, k.promising) = (0, false);
         }
         if !warm {
             return;
         }
-        // A probe's warm call still far slower than the plan's prospect, and (after the
-        // first) twice as fast as the call before it, is a warm-up: the next call is the
-        // sample.
-        if probe_of.is_some()
-            && self.streak < PROBE_MAX_CALLS
-            && k.prospect().is_some_and(|f| secs > WARMING * f * raw_s)
-            && (self.streak == 2 || secs * WARMING <= prev_secs)
-        {
-            self.follow_up = Some((kind, Pick::reason_of(probe_of, false)));
-            return;
-        }
         if let Some(p) = probe_of {
             k.promising = secs * HYSTERESIS < p.best_s;
-            k.lost_to = (!k.promising).then_some(winner).flatten();
             if !k.promising {
                 k.rechecks += 1;
             }
@@ -722,17 +668,9 @@ impl ClassRecord {
             let r = rec(k);
             let within = if r.window.len <= 1 { explore } else { RECHECK };
             let idle = self.calls.saturating_sub(r.last_call);
-            // Its last loss was to a winner since sped up by RECOVERED: measured in a burst.
-            let recovered = r.lost_to.is_some_and(|(w, f)| {
-                w == best && self.factor(best).is_some_and(|now| now * RECOVERED < f)
-            });
-            let hopeful = r.promising || idle >= STALE_CALLS || recovered;
+            let hopeful = r.promising || idle >= STALE_CALLS;
             let prospect = r.prospect().map(|f| raw_t * f);
-            let gap = if recovered {
-                RECHECK_GAP
-            } else {
-                RECHECK_GAP << r.rechecks.min(RECHECK_MAX_DOUBLINGS)
-            };
+            let gap = RECHECK_GAP << r.rechecks.min(RECHECK_MAX_DOUBLINGS);
             // A hopeful plan is expected at its fastest recent sample or its prospect (a
             // burst may fill its window), or its prior while it has one sample (maybe
             // unlucky); not at the prior after that (a GPU plan 2-3x its model re-checked
@@ -750,11 +688,10 @@ impl ClassRecord {
             };
             let likely =
                 r.long.len >= LIKELY_SAMPLES && prospect.is_some_and(|p| p * RECHECK <= best_t);
-            let near = recovered && expected <= RECHECK * best_t;
             (r.runs > 0
                 && idle >= gap
                 && (t <= within * best_t || hopeful || likely)
-                && (affordable(k, expected) || likely || near))
+                && (affordable(k, expected) || likely))
                 .then_some(expected)
         };
         // The due plan expected fastest goes first: a cheap re-check of a near plan is not
@@ -1165,131 +1102,6 @@ mod tests {
             .expect("back");
         assert!(back <= STALE_CALLS as usize + 4, "{back}: {picks:?}");
         assert!(count(&picks[back..], GPU) <= 2, "{picks:?}");
-    }
-
-    #[test]
-    fn a_plan_that_lost_while_the_winner_was_slow_is_rechecked_when_it_recovers() {
-        // Trace 79's host: quiet, the CPU (0.6 s) leads the GPU (1.4 s); busy for 2000
-        // calls (CPU 3 s, GPU 2 s, every 8th GPU call 9 s), the GPU leads and the CPU's
-        // re-checks lose and thin out; quiet again, the GPU's factor falls from 2 to 1.4 and
-        // the CPU is re-checked within a few calls, not after its doubled gap (up to 1024).
-        let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        let quiet = |k: PlanKind, _| if k == CPU { 0.6 } else { 1.4 };
-        simulate(&mut r, &raw, 2.5, 300, quiet);
-        let mut n = 0;
-        let busy = simulate(&mut r, &raw, 2.5, 2000, |k, _| {
-            n += 1;
-            match k {
-                CPU => 3.0,
-                _ if n % 8 == 0 => 9.0,
-                _ => 2.0,
-            }
-        });
-        assert!(
-            count(&busy[1000..], GPU) >= 990,
-            "the GPU leads through the burst"
-        );
-        assert!(
-            r.kinds[CPU as usize].rechecks >= 6,
-            "{:?}",
-            r.kinds[CPU as usize]
-        );
-        let after = simulate(&mut r, &raw, 2.5, 60, quiet);
-        let back = after
-            .iter()
-            .position(|p| (p.kind, p.reason) == (CPU, Reason::Best))
-            .expect("back");
-        assert!(
-            back <= WINDOW + RECHECK_GAP as usize + 4,
-            "{back}: {after:?}"
-        );
-        // Then only the GPU's own re-checks (two calls each, at gaps 4, 8, ...).
-        assert!(count(&after[back..], GPU) <= 4, "{after:?}");
-    }
-
-    #[test]
-    fn a_probe_runs_on_through_its_warm_up() {
-        // Trace 1213's host: the CPU (0.5 s warm) led, then a burst (3 s) handed the lead to
-        // the GPU (1 s). After it the CPU is warm at 0.5 s again, but each switch to it
-        // takes 20, 4, 1.5 and 0.6 s before 0.5 (its pool's threads win back their cores):
-        // a two-call probe reads 4 s and loses, over and over; run on while its calls keep
-        // halving, it reads 0.6 s and the CPU leads again at its next re-check.
-        let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        sampled(&mut r, GPU, 1.0);
-        sampled(&mut r, CPU, 0.5);
-        for _ in 0..300 {
-            won(&mut r, CPU, 0.5);
-        }
-        simulate(
-            &mut r,
-            &raw,
-            2.5,
-            200,
-            |k, _| if k == CPU { 3.0 } else { 1.0 },
-        );
-        assert_eq!(r.incumbent, Some(GPU));
-        let gap = (RECHECK_GAP << r.kinds[CPU as usize].rechecks) as usize;
-        let mut in_a_row = 0;
-        let mut last = GPU;
-        let after = simulate(&mut r, &raw, 2.5, 600, |k, _| {
-            in_a_row = if k == last { in_a_row + 1 } else { 0 };
-            last = k;
-            match k {
-                GPU => 1.0,
-                _ => [20.0, 4.0, 1.5, 0.6].get(in_a_row).copied().unwrap_or(0.5),
-            }
-        });
-        let back = after
-            .iter()
-            .position(|p| (p.kind, p.reason) == (CPU, Reason::Best))
-            .expect("back");
-        assert!(back <= gap + PROBE_MAX_CALLS as usize, "{back}: {after:?}");
-        // The probe took its warm-up and its sample: at most PROBE_MAX_CALLS calls.
-        let probe = after[..back]
-            .iter()
-            .rev()
-            .take_while(|p| p.kind == CPU)
-            .count();
-        assert!((3..=PROBE_MAX_CALLS as usize).contains(&probe), "{after:?}");
-        assert!(count(&after[back..], GPU) <= 6, "{after:?}");
-    }
-
-    #[test]
-    fn a_probe_near_its_prospect_takes_two_calls() {
-        // The GPU (1.2 s) is re-checked now and then while the CPU (1 s) leads: its samples
-        // sit at its prospect, so each probe is a warm-up and a sample, as before.
-        let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        let picks = simulate(&mut r, &raw, 1.25, 600, |k, warm| match (k, warm) {
-            (CPU, _) => 1.0,
-            (_, false) => 5.0,
-            _ => 1.2,
-        });
-        let mut runs = picks.chunk_by(|a, b| a.kind == b.kind);
-        assert!(runs.all(|c| c[0].kind == CPU || c.len() == 2), "{picks:?}");
-    }
-
-    #[test]
-    fn a_steady_winner_gives_no_recovery_rechecks() {
-        // The GPU leads at a steady 1.0 s; the CPU (1.2 s) loses every re-check: its gaps
-        // double as before (a winner that never speeds up never makes a loss stale).
-        let raw = [(1.0, CPU), (1.0, GPU)];
-        let mut r = ClassRecord::default();
-        sampled(&mut r, CPU, 1.2);
-        sampled(&mut r, GPU, 1.0);
-        let picks = simulate(
-            &mut r,
-            &raw,
-            1.25,
-            1000,
-            |k, _| {
-                if k == CPU { 1.2 } else { 1.0 }
-            },
-        );
-        let rechecks = picks.iter().filter(|p| p.reason == Reason::Recheck).count();
-        assert!((10..=20).contains(&rechecks), "{rechecks}");
     }
 
     #[test]
