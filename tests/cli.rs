@@ -230,6 +230,12 @@ fn bench_and_inspect_write_the_table_and_the_pictures() {
         table.contains("# auto / best single backend >= 0.95 in "),
         "{table}"
     );
+    assert!(
+        table.contains(
+            "# auto / best single backend by total time (mean call time over the samples): "
+        ),
+        "{table}"
+    );
     assert!(table.contains("# control (cpu / cpu2, two identical engines)"));
     assert_eq!(
         table.contains("# control (vulkan / vulkan2, two identical engines)"),
