@@ -988,6 +988,21 @@ fn calibrate_decode(
     Ok((LinearCost { a, b: bb, c }, true))
 }
 
+/// Runs the GPU's kinds of call once each, small (64 tokens), untimed: what an engine whose
+/// calibration came from another engine's (the process-wide cache) does instead of its own
+/// calibration's runs. Each device context compiles its pipelines on first use; on the H100
+/// host that took 192 ms at a decode step's first use and 397 ms at a prefill's
+/// (`FOXEDGE_VULKAN_PROFILE=1`), and `auto`'s first GPU step in a session whose calibration
+/// was cached took 224 ms against 0.44 for the next (trace 141): a stall in the middle of a
+/// stream, moved here to the session's start.
+fn warm_gpu(gpu: &dyn AttentionBackend, heads: usize, d: usize, resident: bool) -> Result<()> {
+    for pruned in [false, true] {
+        prefill_sample(gpu, heads, d, 64, pruned)?;
+        decode_sample(gpu, heads, d, 64, pruned, resident)?;
+    }
+    Ok(())
+}
+
 /// Measures both backends on synthetic calls of `heads` heads of `d` dims.
 fn calibrate(
     cpu: &dyn AttentionBackend,
@@ -1453,9 +1468,18 @@ impl Scheduler {
             return Ok(Some(c.clone()));
         }
         let key = (self.gpu.name.clone(), heads, d);
-        if let Some(c) = lock(calibration_cache())?.get(&key) {
+        let cached = lock(calibration_cache())?.get(&key).cloned();
+        if let Some(c) = cached {
+            match warm_gpu(self.gpu.backend.as_ref(), heads, d, c.gpu_decode_resident) {
+                Ok(()) => {}
+                Err(e) if is_device_failure(&e) => {
+                    self.fall_back(&e);
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            }
             *slot = Some(c.clone());
-            return Ok(Some(c.clone()));
+            return Ok(Some(c));
         }
         match calibrate(
             &self.cpu,
@@ -3585,6 +3609,66 @@ mod tests {
             }
             CpuBackend.decode(call, out)
         }
+    }
+
+    /// The CPU kernels standing in for a GPU, counting the calls made on it.
+    #[derive(Debug)]
+    struct CountingGpu {
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AttentionBackend for CountingGpu {
+        fn kind(&self) -> BackendKind {
+            BackendKind::Vulkan
+        }
+        fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            CpuBackend.prefill(call, out)
+        }
+        fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            CpuBackend.decode(call, out)
+        }
+    }
+
+    #[test]
+    fn an_engine_with_a_cached_calibration_still_warms_its_gpu() {
+        // Two engines on one device: the first calibrates, the second takes the cached
+        // calibration but still runs the GPU's kinds of call once (compiling its own
+        // context's pipelines at the start, not at its first GPU step), and no more.
+        let counting = |calls: &Arc<std::sync::atomic::AtomicUsize>| {
+            Scheduler::new(
+                Mode::Auto,
+                Gpu {
+                    backend: Box::new(CountingGpu {
+                        calls: calls.clone(),
+                    }),
+                    name: "counting test gpu".into(),
+                    concurrent: true,
+                },
+            )
+        };
+        let (first, second) = (
+            Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        );
+        let a = counting(&first);
+        let ca = a.costs(2, 8).unwrap().expect("calibrated");
+        assert!(first.load(Ordering::Relaxed) > 0);
+        let b = counting(&second);
+        let cb = b.costs(2, 8).unwrap().expect("cached");
+        assert_eq!(ca, cb, "the cached calibration");
+        let warm = second.load(Ordering::Relaxed);
+        assert!(
+            warm >= 4,
+            "{warm} GPU calls: a prefill and a decode, dense and pruned"
+        );
+        assert!(
+            warm < first.load(Ordering::Relaxed),
+            "fewer than a calibration"
+        );
+        b.costs(2, 8).unwrap();
+        assert_eq!(second.load(Ordering::Relaxed), warm, "once per engine");
     }
 
     fn scheduler(mode: Mode, fail: &Arc<AtomicBool>) -> Scheduler {

@@ -578,7 +578,8 @@ fn measure(
     let mut prev = String::new();
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
     let mut order: Vec<usize> = (0..k).collect();
-    for _ in 0..method.rounds {
+    let slow_s = slow_call_s();
+    for round in 0..method.rounds {
         // A fresh random order each round (Fisher-Yates, fixed seed): every backend follows
         // every other about equally often, so what one leaves behind (a GPU call's driver
         // work, cache traffic, woken or sleeping threads) is spread over all of them.
@@ -599,8 +600,18 @@ fn measure(
                 run(i, &mut scratch)?;
             }
             let t0 = Instant::now();
-            for _ in 0..ms[i].inner {
+            for call in 0..ms[i].inner {
+                let t = slow_s.map(|s| (s, Instant::now()));
                 run(i, &mut scratch)?;
+                if let Some((s, t)) = t
+                    && t.elapsed().as_secs_f64() > s
+                {
+                    eprintln!(
+                        "[bench] slow call: {} round {round} call {call}: {:.3} ms",
+                        engines[i].0,
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
+                }
             }
             let secs = t0.elapsed().as_secs_f64();
             spent[i] += secs;
@@ -624,6 +635,19 @@ fn measure(
             .then(|| b.scheduler_ns.saturating_sub(a.scheduler_ns) as f64 / calls as f64 / 1e3);
     }
     Ok(ms)
+}
+
+/// `FOXEDGE_BENCH_SLOW_MS`: a timed call longer than this many milliseconds is reported on
+/// stderr with its backend, round and place in its batch (each call then timed alone; unset:
+/// only batches are timed). A batch's mean hides where its time went: auto's decode dense 1k
+/// batches on the H100 host held one of 2.0 ms a call against 0.12 (run 101).
+fn slow_call_s() -> Option<f64> {
+    std::env::var("FOXEDGE_BENCH_SLOW_MS")
+        .ok()?
+        .parse::<f64>()
+        .ok()
+        .filter(|ms| ms.is_finite() && *ms > 0.0)
+        .map(|ms| ms * 1e-3)
 }
 
 /// Most calls per sample (at least 1) for `min_rounds` samples of `e`-second calls to fit

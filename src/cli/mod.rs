@@ -95,9 +95,10 @@ FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backen
 to --reps rounds (default 15, --full 80) with the backends interleaved (random order), samples
 of >= --batch-ms, at most --budget-s (default 3, --full 8) of timed calls per backend; medians,
 min, IQR and auto/best ratios (by median, and by total time); --control adds a second CPU
-engine and, with a Vulkan device, a second Vulkan engine (the noise floor). --pool: auto/best per cell over repeated
---out reports (geometric mean, one-sided 95% lower bound over the runs, the control pairs'
-noise). inspect: decay matrix D with the ACP
+engine and, with a Vulkan device, a second Vulkan engine (the noise floor);
+FOXEDGE_BENCH_SLOW_MS=X reports timed calls over X ms. --pool: auto/best per cell over
+repeated --out reports, by median and by total time (geometric mean, one-sided 95% lower
+bound over the runs, the control pairs' noise). inspect: decay matrix D with the ACP
 boundary.
 logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
 ";

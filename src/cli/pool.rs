@@ -17,6 +17,11 @@
 //! costed at the `cpu`, `vulkan` or `hybrid` median less the best: an estimate, as a
 //! split of `auto` need not be `hybrid`'s).
 //!
+//! The same pooling of each run's ratio by total time (the single backend with the
+//! smallest mean call time over its samples / auto's mean, as `bench` prints it): the
+//! median says what one call usually costs, the mean what the cell's calls cost in all, and
+//! beside a busy neighbour the two part (see `bench`'s `total_ratio`).
+//!
 //! The control pairs of `--control` runs (`cpu`/`cpu2`, `vulkan`/`vulkan2`: two identical
 //! engines of one cell) give the noise one run's ratio carries: the sample deviation of
 //! their ln ratios over every cell and run, and how many of them read outside
@@ -37,6 +42,8 @@ struct Run {
     device: String,
     /// (cell, best median / auto median).
     ratios: Vec<(String, f64)>,
+    /// (cell, best mean / auto mean over the samples): by total time.
+    totals: Vec<(String, f64)>,
     /// (cell, first engine's median / its twin's): cpu/cpu2 and vulkan/vulkan2.
     controls: Vec<(String, f64)>,
     /// (cell, auto's own time, its off-best plans' excess), fractions of the best median.
@@ -58,6 +65,11 @@ pub struct Pooled {
     /// auto's calls on other plans than the best backend's: their estimated excess over
     /// the best median, per call of auto, over the best median (mean of the runs).
     pub off_best: Option<f64>,
+    /// By total time: each run's ratio, their geometric mean and its lower bound (None
+    /// without samples; no bound with one run).
+    pub totals: Vec<f64>,
+    pub total_pooled: Option<f64>,
+    pub total_lower95: Option<f64>,
 }
 
 /// Every cell pooled, and the identical engines' noise.
@@ -156,8 +168,29 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
             .find(|(c, k, _)| c == cell && *k == b)
             .and_then(|m| positive(m.2, "seconds"))
     };
+    let mean = |cell: &str, b: &str| {
+        let m = named.iter().find(|(c, k, _)| c == cell && *k == b)?.2;
+        let v: Vec<f64> = m
+            .get("samples")?
+            .as_array()?
+            .iter()
+            .filter_map(Value::as_f64)
+            .collect();
+        let x = v.iter().sum::<f64>() / v.len() as f64;
+        (x.is_finite() && x > 0.0).then_some(x)
+    };
+    let mut totals = Vec::new();
     let mut costs = Vec::new();
     for (cell, _, c) in named.iter().filter(|(_, b, _)| *b == "auto") {
+        if let (Some(best), Some(a)) = (
+            ["cpu", "vulkan", "hybrid"]
+                .iter()
+                .filter_map(|b| mean(cell, b))
+                .reduce(f64::min),
+            mean(cell, "auto"),
+        ) {
+            totals.push((cell.clone(), best / a));
+        }
         let plan_t: Vec<Option<f64>> = ["cpu", "vulkan", "hybrid"]
             .iter()
             .map(|b| median(cell, b))
@@ -194,9 +227,22 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         method: str_of("method"),
         device: str_of("device"),
         ratios,
+        totals,
         controls,
         costs,
     })
+}
+
+/// The geometric mean of `ratios` and its one-sided 95% lower bound (see the module docs;
+/// none with fewer than two).
+fn geo_bound(ratios: &[f64]) -> (f64, Option<f64>) {
+    let logs: Vec<f64> = ratios.iter().map(|x| x.ln()).collect();
+    let (m, sd) = mean_sd(&logs);
+    let n = logs.len();
+    (
+        m.exp(),
+        sd.map(|s| (m - t95(n - 1) * s / (n as f64).sqrt()).exp()),
+    )
 }
 
 /// Pools `runs` (see the module docs). Cells in first-seen order.
@@ -216,9 +262,12 @@ fn pool(runs: &[Run]) -> Summary {
                 .iter()
                 .filter_map(|r| r.ratios.iter().find(|(c, _)| c == name).map(|x| x.1))
                 .collect();
-            let logs: Vec<f64> = ratios.iter().map(|x| x.ln()).collect();
-            let (m, sd) = mean_sd(&logs);
-            let n = logs.len();
+            let (m, lower95) = geo_bound(&ratios);
+            let totals: Vec<f64> = runs
+                .iter()
+                .filter_map(|r| r.totals.iter().find(|(c, _)| c == name).map(|x| x.1))
+                .collect();
+            let (tm, total_lower95) = geo_bound(&totals);
             let costs: Vec<(f64, f64)> = runs
                 .iter()
                 .filter_map(|r| r.costs.iter().find(|(c, ..)| c == name).map(|x| (x.1, x.2)))
@@ -230,9 +279,12 @@ fn pool(runs: &[Run]) -> Summary {
                 own_time: mean_of(|c| c.0),
                 off_best: mean_of(|c| c.1),
                 cell: name.to_string(),
-                pooled: m.exp(),
-                lower95: sd.map(|s| (m - t95(n - 1) * s / (n as f64).sqrt()).exp()),
+                pooled: m,
+                lower95,
                 ratios,
+                total_pooled: (!totals.is_empty()).then_some(tm),
+                total_lower95,
+                totals,
             }
         })
         .collect();
@@ -331,6 +383,28 @@ pub fn print(s: &Summary) {
         "# pooled >= {BAR} in {held} of {n} cells; 95% lower bound >= {BAR} in {bound} of {n}; \
          single runs below {BAR} in {below} of {all} cell readings"
     );
+    let totals: Vec<String> = s
+        .cells
+        .iter()
+        .filter_map(|c| {
+            let p = c.total_pooled?;
+            let l = c.total_lower95.map_or("-".into(), |l| format!("{l:.3}"));
+            Some(format!("{} {p:.3} [{l}]", c.cell))
+        })
+        .collect();
+    if !totals.is_empty() {
+        let bound = s
+            .cells
+            .iter()
+            .filter(|c| c.total_lower95.is_some_and(|l| l >= BAR))
+            .count();
+        println!(
+            "# by total time (mean call time over each run's samples), pooled [95% lower \
+             bound]: {}; lower bound >= {BAR} in {bound} of {}",
+            totals.join(", "),
+            totals.len()
+        );
+    }
     match s.control_ln_sd {
         Some(sd) => println!(
             "# identical engines (control pairs): ln-ratio deviation {sd:.3} per run and cell; \
@@ -441,6 +515,41 @@ mod tests {
         assert!((c.own_time.expect("reported") - 0.01).abs() < 1e-12);
         let off = (6.0 * 0.2e-3 + 4.0 * 0.4e-3) / (100.0 * 0.4e-3);
         assert!((c.off_best.expect("reported") - off).abs() < 1e-12);
+    }
+
+    #[test]
+    fn total_time_ratios_pool_from_the_samples() {
+        // Run 119's pattern: by the median auto loses to the CPU, by total time it beats
+        // every backend (the CPU's slow rounds count).
+        let cell = |b: &str, samples: &[f64]| {
+            let mut v = samples.to_vec();
+            v.sort_by(f64::total_cmp);
+            serde_json::json!({"op": "decode", "len": 1024, "acp": false, "backend": b,
+                "seconds": v[v.len() / 2], "samples": samples})
+        };
+        let text = serde_json::json!({
+            "auto_vs_best": [{"cell": "decode L=1024 dense", "ratio": 0.5}],
+            "cells": [
+                cell("cpu", &[0.1, 0.1, 0.1, 2.0, 2.0]),
+                cell("vulkan", &[0.3, 0.3, 0.3, 0.5, 0.5]),
+                cell("auto", &[0.1, 0.3, 0.3, 0.5, 0.5]),
+            ],
+        })
+        .to_string();
+        let one = run_of(&text);
+        assert_eq!(one.totals.len(), 1);
+        assert!(
+            (one.totals[0].1 - 1.9 / 1.7).abs() < 1e-12,
+            "{:?}",
+            one.totals
+        );
+        let s = pool(&[one.clone(), one]);
+        let c = &s.cells[0];
+        assert!((c.total_pooled.expect("pooled") - 1.9 / 1.7).abs() < 1e-12);
+        assert!((c.total_lower95.expect("two runs") - 1.9 / 1.7).abs() < 1e-12);
+        // Reports without samples pool no total.
+        let s = pool(&[run_of(&report(&[("c", 1.0)], 1.0, 1.0))]);
+        assert!(s.cells[0].total_pooled.is_none());
     }
 
     #[test]
