@@ -991,7 +991,7 @@ fn calibrate_decode(
 /// Runs the GPU's kinds of call once each, small (64 tokens), untimed: what an engine whose
 /// calibration came from another engine's (the process-wide cache) does instead of its own
 /// calibration's runs. Each device context compiles its pipelines on first use; on the H100
-/// host that took 192 ms at a decode step's first use and 397 ms at a prefill's
+/// host that took 128-192 ms at a decode step's first use and 254-397 ms at a prefill's
 /// (`FOXEDGE_VULKAN_PROFILE=1`), and `auto`'s first GPU step in a session whose calibration
 /// was cached took 224 ms against 0.44 for the next (trace 141): a stall in the middle of a
 /// stream, moved here to the session's start.
