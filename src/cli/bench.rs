@@ -351,9 +351,13 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     }
     let mut auto_vs_best = Vec::new();
     for c in cells.iter().filter(|c| c.backend == "auto") {
-        let Some(best) = ["cpu", "vulkan", "hybrid"]
+        let singles: Vec<&Cell> = ["cpu", "vulkan", "hybrid"]
             .iter()
             .filter_map(|b| find_cell(&cells, c.op, c.len, c.acp, b))
+            .collect();
+        let Some(best) = singles
+            .iter()
+            .copied()
             .min_by(|x, y| x.seconds.total_cmp(&y.seconds))
         else {
             continue;
@@ -366,10 +370,6 @@ pub fn run(rest: Vec<String>) -> Result<()> {
             .collect();
         paired.sort_by(f64::total_cmp);
         let (ci_lo, ci_hi) = ratio_interval(&best.samples, &c.samples);
-        let singles: Vec<&Cell> = ["cpu", "vulkan", "hybrid"]
-            .iter()
-            .filter_map(|b| find_cell(&cells, c.op, c.len, c.acp, b))
-            .collect();
         let (best_total, total_ratio) = total_ratio(&singles, c);
         auto_vs_best.push(AutoRatio {
             cell: cell_name(c),
@@ -603,14 +603,15 @@ fn measure(
             for call in 0..ms[i].inner {
                 let t = slow_s.map(|s| (s, Instant::now()));
                 run(i, &mut scratch)?;
-                if let Some((s, t)) = t
-                    && t.elapsed().as_secs_f64() > s
-                {
-                    eprintln!(
-                        "[bench] slow call: {} round {round} call {call}: {:.3} ms",
-                        engines[i].0,
-                        t.elapsed().as_secs_f64() * 1e3
-                    );
+                if let Some((s, t)) = t {
+                    let took = t.elapsed().as_secs_f64();
+                    if took > s {
+                        eprintln!(
+                            "[bench] slow call: {} round {round} call {call}: {:.3} ms",
+                            engines[i].0,
+                            took * 1e3
+                        );
+                    }
                 }
             }
             let secs = t0.elapsed().as_secs_f64();
@@ -746,15 +747,21 @@ fn ratio_interval(best: &[f64], auto: &[f64]) -> (f64, f64) {
 /// processes, decode dense 1k read >= 0.95 by the median in 4 of 16 runs and by total time
 /// in 13 (runs 112-127). ("-", NaN) when no backend has samples.
 fn total_ratio(singles: &[&Cell], auto: &Cell) -> (String, f64) {
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let auto_mean = sample_mean(&auto.samples).unwrap_or(f64::NAN);
     singles
         .iter()
-        .filter(|c| !c.samples.is_empty())
-        .map(|c| (c, mean(&c.samples)))
+        .filter_map(|c| Some((c, sample_mean(&c.samples)?)))
         .min_by(|x, y| x.1.total_cmp(&y.1))
         .map_or(("-".to_string(), f64::NAN), |(c, m)| {
-            (c.backend.clone(), m / mean(&auto.samples))
+            (c.backend.clone(), m / auto_mean)
         })
+}
+
+/// Mean seconds a call over a cell's samples (each a batch's seconds per call, all batches
+/// of a cell the same length): None without samples or when not finite and > 0.
+pub(super) fn sample_mean(samples: &[f64]) -> Option<f64> {
+    let m = samples.iter().sum::<f64>() / samples.len() as f64;
+    (m.is_finite() && m > 0.0).then_some(m)
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {

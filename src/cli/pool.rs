@@ -162,22 +162,21 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         };
         named.push((super::bench::cell_label(op, len, acp), backend, c));
     }
-    let median = |cell: &str, b: &str| {
+    let entry = |cell: &str, b: &str| {
         named
             .iter()
             .find(|(c, k, _)| c == cell && *k == b)
-            .and_then(|m| positive(m.2, "seconds"))
+            .map(|m| m.2)
     };
+    let median = |cell: &str, b: &str| entry(cell, b).and_then(|m| positive(m, "seconds"));
     let mean = |cell: &str, b: &str| {
-        let m = named.iter().find(|(c, k, _)| c == cell && *k == b)?.2;
-        let v: Vec<f64> = m
+        let v: Vec<f64> = entry(cell, b)?
             .get("samples")?
             .as_array()?
             .iter()
             .filter_map(Value::as_f64)
             .collect();
-        let x = v.iter().sum::<f64>() / v.len() as f64;
-        (x.is_finite() && x > 0.0).then_some(x)
+        super::bench::sample_mean(&v)
     };
     let mut totals = Vec::new();
     let mut costs = Vec::new();
