@@ -42,7 +42,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 mod feedback;
+mod share;
 use feedback::{ClassRecord, Pick, Probe, Reason, Shortcut};
+use share::Remeasure;
 
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub const BLOCK: usize = 64;
@@ -124,6 +126,13 @@ pub struct Calibration {
     pub split_row_prefill: f64,
     /// Wall time the calibration took (seconds).
     pub seconds: f64,
+    /// The fraction of a core the CPU pool's threads got when they wanted one, around the
+    /// CPU's prefill and decode samples (the lower of a probe before and one after; None
+    /// where the platform gives no thread CPU time). Below 0.75 the samples met a busy
+    /// host, and the CPU's costs are measured again later in the engine's life (see the
+    /// `share` module).
+    pub cpu_prefill_share: Option<f64>,
+    pub cpu_decode_share: Option<f64>,
 }
 
 impl fmt::Display for Calibration {
@@ -139,7 +148,7 @@ impl fmt::Display for Calibration {
         write!(
             f,
             "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us + {:.1} ns/row; \
-             {} ({:.2} s)",
+             {} ({:.2} s); CPU share prefill {}, decode {}",
             g(&self.cpu_prefill),
             g(&self.gpu_prefill),
             g(&self.cpu_decode),
@@ -156,8 +165,59 @@ impl fmt::Display for Calibration {
             } else {
                 "shared cores"
             },
-            self.seconds
+            self.seconds,
+            share_words(self.cpu_prefill_share),
+            share_words(self.cpu_decode_share)
         )
+    }
+}
+
+/// The calibration's CPU share of decode (`decode`) or prefill.
+fn cpu_share(c: &Calibration, decode: bool) -> Option<f64> {
+    if decode {
+        c.cpu_decode_share
+    } else {
+        c.cpu_prefill_share
+    }
+}
+
+/// What `cost` predicts for a reference call of `heads` heads, to compare two quiet
+/// measurements: a dense decode step over 1024 and one over 16384 entries per head (the
+/// decode calibration's sizes), or a dense prefill of 1024 tokens.
+fn reference_seconds(cost: LinearCost, heads: usize, decode: bool) -> f64 {
+    let h = heads as u64;
+    if decode {
+        [1024u64, 16384]
+            .iter()
+            .map(|&n| cost.predict(n * h, n * h, false))
+            .sum()
+    } else {
+        cost.predict(1024 * 1025 / 2 * h, 1024 * h, false)
+    }
+}
+
+/// The calibration's CPU cost of decode or prefill.
+fn cpu_cost(c: &Calibration, decode: bool) -> LinearCost {
+    if decode { c.cpu_decode } else { c.cpu_prefill }
+}
+
+/// Sets the CPU's cost and share of decode or prefill.
+fn set_cpu(c: &mut Calibration, decode: bool, cost: LinearCost, share: Option<f64>) {
+    if decode {
+        c.cpu_decode = cost;
+        c.cpu_decode_share = share;
+    } else {
+        c.cpu_prefill = cost;
+        c.cpu_prefill_share = share;
+    }
+}
+
+/// A CPU share in words: its value, and whether it met a busy host.
+fn share_words(s: Option<f64>) -> String {
+    match s {
+        Some(x) if share::busy(s) => format!("{x:.2} (busy host)"),
+        Some(x) => format!("{x:.2}"),
+        None => "unknown".into(),
     }
 }
 
@@ -1003,6 +1063,33 @@ fn warm_gpu(gpu: &dyn AttentionBackend, heads: usize, d: usize, resident: bool) 
     Ok(())
 }
 
+/// The CPU's costs of decode (`decode`) or prefill, and the pool's CPU share: the lower
+/// of [`share::probe`]'s before and after the samples (None where unknown). `probed`: the
+/// probe before, if already taken.
+fn calibrate_cpu(
+    cpu: &dyn AttentionBackend,
+    heads: usize,
+    d: usize,
+    decode: bool,
+    probed: Option<Option<f64>>,
+) -> Result<(LinearCost, Option<f64>)> {
+    let before = probed.unwrap_or_else(share::probe);
+    let cost = if decode {
+        calibrate_decode(cpu, heads, d, false)?.0
+    } else {
+        calibrate_prefill(cpu, heads, d)?
+    };
+    let after = share::probe();
+    Ok((
+        cost,
+        before
+            .zip(after)
+            .map(|(a, b)| a.min(b))
+            .or(before)
+            .or(after),
+    ))
+}
+
 /// Measures both backends on synthetic calls of `heads` heads of `d` dims.
 fn calibrate(
     cpu: &dyn AttentionBackend,
@@ -1014,16 +1101,21 @@ fn calibrate(
     let t0 = Instant::now();
     let (split_fixed, split_row_prefill) = calibrate_split(heads, d)?;
     let (gpu_decode, gpu_decode_resident) = calibrate_decode(gpu, heads, d, true)?;
+    let (cpu_prefill, cpu_prefill_share) = calibrate_cpu(cpu, heads, d, false, None)?;
+    let gpu_prefill = calibrate_prefill(gpu, heads, d)?;
+    let (cpu_decode, cpu_decode_share) = calibrate_cpu(cpu, heads, d, true, None)?;
     Ok(Calibration {
-        cpu_prefill: calibrate_prefill(cpu, heads, d)?,
-        gpu_prefill: calibrate_prefill(gpu, heads, d)?,
-        cpu_decode: calibrate_decode(cpu, heads, d, false)?.0,
+        cpu_prefill,
+        gpu_prefill,
+        cpu_decode,
         gpu_decode,
         gpu_decode_resident,
         concurrent,
         split_fixed,
         split_row_prefill,
         seconds: t0.elapsed().as_secs_f64(),
+        cpu_prefill_share,
+        cpu_decode_share,
     })
 }
 
@@ -1074,6 +1166,9 @@ pub(crate) struct Scheduler {
     /// Set once the GPU failed: every later call runs on the CPU only.
     fallen_back: AtomicBool,
     calibration: Mutex<Option<Calibration>>,
+    /// When the CPU's (prefill, decode) costs are measured again: after a calibration that
+    /// met a busy host (see [`share`]).
+    remeasure: Mutex<[Remeasure; 2]>,
     last_split: Mutex<Option<Split>>,
     /// Calls run all on the CPU, all on the GPU, split.
     plan_counts: [AtomicU64; 3],
@@ -1341,6 +1436,7 @@ impl Scheduler {
             gpu,
             fallen_back: AtomicBool::new(false),
             calibration: Mutex::new(None),
+            remeasure: Mutex::default(),
             last_split: Mutex::new(None),
             plan_counts: Default::default(),
             scheduler_ns: AtomicU64::new(0),
@@ -1449,13 +1545,143 @@ impl Scheduler {
         }
     }
 
-    /// The calibration a call plans with: [`Scheduler::costs`] unless the scheduler
-    /// runs the GPU alone or has fallen back to the CPU (then None, and no calibration).
-    fn planned_costs(&self, heads: usize, d: usize) -> Result<Option<Calibration>> {
+    /// The calibration a call (a decode step if `decode`, else a prefill) plans with:
+    /// [`Scheduler::costs`], its CPU costs of that kind measured again first when due
+    /// ([`Scheduler::remeasure`]); None when the scheduler runs the GPU alone or has fallen
+    /// back to the CPU (and no calibration).
+    fn planned_costs(&self, heads: usize, d: usize, decode: bool) -> Result<Option<Calibration>> {
         if self.mode == Mode::GpuOnly || self.fell_back() {
             return Ok(None);
         }
-        self.costs(heads, d)
+        match self.costs(heads, d)? {
+            Some(c) if share::busy(cpu_share(&c, decode)) => {
+                Ok(Some(self.remeasure(c, heads, d, decode)?))
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Measures the CPU's costs of one kind of call again when the calibration's were
+    /// measured on a busy host and a re-measure is due ([`Remeasure`]), and keeps the
+    /// better of the two ([`share::better`]), here and in the process-wide cache. A better
+    /// one that another engine put in the cache is taken without measuring; a host whose
+    /// [`share::probe`] still reads busy is not measured (on the H100 host, tries that
+    /// measured there added 95-145 us to every step of a decode dense 1k cell: runs
+    /// 167-172). When the costs change, what was learned against the old ones goes: the
+    /// kind's CPU and split factors, the CPU shortcut's, the kept split searches. A
+    /// re-measure that fails leaves the calibration as it was. Returns the calibration to
+    /// plan with.
+    fn remeasure(
+        &self,
+        c: Calibration,
+        heads: usize,
+        d: usize,
+        decode: bool,
+    ) -> Result<Calibration> {
+        let mut sched = lock(&self.remeasure)?;
+        let now = Instant::now();
+        let k = decode as usize;
+        if !sched[k].is_due(now) {
+            return Ok(c);
+        }
+        let key = (self.gpu.name.clone(), heads, d);
+        let old = cpu_share(&c, decode);
+        // A measurement's share, and what its costs predict for a reference call.
+        let judged =
+            |cost: LinearCost, share: Option<f64>| (share, reference_seconds(cost, heads, decode));
+        let mine = judged(cpu_cost(&c, decode), old);
+        let cached = lock(calibration_cache())?
+            .get(&key)
+            .filter(|x| share::better(judged(cpu_cost(x, decode), cpu_share(x, decode)), mine))
+            .map(|x| {
+                let split = (x.split_fixed, x.split_row_prefill);
+                ((cpu_cost(x, decode), cpu_share(x, decode)), Some(split))
+            });
+        // The share this try read: a cached one's, a probe's that found the host still
+        // busy (no samples then), or the measurement's (None if it failed).
+        // With a new measurement, the split's own costs (CPU work too: a thread's spawn,
+        // gathers), measured again or the cache's.
+        let (fresh, read, split) = match cached {
+            Some((x, split)) => (Some(x), x.1, split),
+            None => match share::probe() {
+                p if share::busy(p) => (None, p, None),
+                p => {
+                    let m = calibrate_cpu(&self.cpu, heads, d, decode, Some(p)).ok();
+                    (m, m.and_then(|x| x.1), calibrate_split(heads, d).ok())
+                }
+            },
+        };
+        let mut kept = c;
+        if let Some((cost, share)) = fresh
+            && share::better(judged(cost, share), mine)
+        {
+            // The lower split costs: a split priced too low is tried, and its factor
+            // corrects it; one priced too high (on a busy host: 3.9 ms for a thread's
+            // spawn and join, runs 160 and 166, against 57-144 us in quiet runs 91-150)
+            // never runs.
+            let least = |c: &mut Calibration| {
+                if let Some((f, r)) = split {
+                    c.split_fixed = c.split_fixed.min(f);
+                    c.split_row_prefill = c.split_row_prefill.min(r);
+                }
+            };
+            set_cpu(&mut kept, decode, cost, share);
+            least(&mut kept);
+            *lock(&self.calibration)? = Some(kept.clone());
+            let mut cache = lock(calibration_cache())?;
+            if let Some(x) = cache.get_mut(&key) {
+                if share::better(
+                    judged(cost, share),
+                    judged(cpu_cost(x, decode), cpu_share(x, decode)),
+                ) {
+                    set_cpu(x, decode, cost, share);
+                }
+                least(x);
+            }
+            drop(cache);
+            self.forget_cpu_factors(decode);
+        }
+        if trace_auto() {
+            eprintln!(
+                "[auto] CPU {} re-measure (try {}): share {} -> {}{}; {kept}",
+                if decode { "decode" } else { "prefill" },
+                sched[k].tries() + 1,
+                share_words(old),
+                share_words(read),
+                if fresh.is_none() {
+                    " (not measured)"
+                } else {
+                    ""
+                },
+            );
+        }
+        sched[k].tried(read, now);
+        Ok(kept)
+    }
+
+    /// Forgets what was learned against the CPU's old costs of one kind of call.
+    fn forget_cpu_factors(&self, decode: bool) {
+        if let Ok(mut s) = self.shortcut.lock() {
+            s[decode as usize] = Shortcut::default();
+        }
+        if let Ok(mut fb) = self.feedback.lock() {
+            for (class, rec) in fb.iter_mut() {
+                if class.0 == decode {
+                    rec.forget_cpu();
+                }
+            }
+        }
+        if decode && let Ok(mut s) = self.searches.lock() {
+            s.clear();
+        }
+    }
+
+    /// Re-measures for a calibration just taken: due for each kind whose CPU share was busy.
+    fn schedule_remeasure(&self, c: &Calibration) -> Result<()> {
+        let now = Instant::now();
+        *lock(&self.remeasure)? =
+            [false, true].map(|decode| Remeasure::after(cpu_share(c, decode), now));
+        Ok(())
     }
 
     /// The calibration for (heads, d), measuring it on first use.
@@ -1479,6 +1705,7 @@ impl Scheduler {
                 Err(e) => return Err(e),
             }
             *slot = Some(c.clone());
+            self.schedule_remeasure(&c)?;
             return Ok(Some(c));
         }
         match calibrate(
@@ -1491,6 +1718,7 @@ impl Scheduler {
             Ok(c) => {
                 lock(calibration_cache())?.insert(key, c.clone());
                 *slot = Some(c.clone());
+                self.schedule_remeasure(&c)?;
                 Ok(Some(c))
             }
             Err(e) if is_device_failure(&e) => {
@@ -1971,7 +2199,7 @@ impl AttentionBackend for Scheduler {
             gpu_rows: rows,
         };
         let mut decided = None;
-        let cal = self.planned_costs(nh, d)?;
+        let cal = self.planned_costs(nh, d, false)?;
         let choice = self.choose((nh, false), cal, entered, (upper, 0), None, || {
             // Dense: every head keeps every causal pair; the kernels form their own c.
             if matches!(call.acp, Acp::Off) {
@@ -2029,7 +2257,7 @@ impl AttentionBackend for Scheduler {
         }
         let entered = Instant::now();
         // Measured on first use: residency is known before the work is counted.
-        let cal = self.planned_costs(nh, d)?;
+        let cal = self.planned_costs(nh, d, true)?;
         let resident = cal.as_ref().is_some_and(|c| c.gpu_decode_resident);
         let (sends, catch_up) = self.sends(call, resident)?;
         let nq = nq as u64;
@@ -3493,6 +3721,8 @@ mod tests {
             split_fixed: 0.0,
             split_row_prefill: 0.0,
             seconds: 0.0,
+            cpu_prefill_share: None,
+            cpu_decode_share: None,
         };
         *s.calibration.lock().unwrap() = Some(cal.clone());
         // 2 heads x 512 entries: 1024 pairs, 1 ns predicted.
@@ -3519,6 +3749,63 @@ mod tests {
         eng.decode(&d, AcpMode::Off, &mut out).unwrap();
         assert_eq!(planned(), after, "the shortcut ran again");
         assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
+    }
+
+    /// A calibration whose CPU decode costs met a busy host (share 0, costs 50x, a split's
+    /// fixed cost 1 s) is measured again at the first decode step once due: the costs come
+    /// back to the calibration's, the share is measured, the split's cost is measured
+    /// again, the CPU shortcut's measure of the old costs is forgotten, and no further
+    /// re-measure is due right away. Then a calmer calibration in
+    /// the process-wide cache is taken as it is, without measuring.
+    #[test]
+    fn a_cpu_calibration_from_a_busy_host_is_measured_again() {
+        let eng = Engine::auto_over_idle_device();
+        let EngineInner::Sched(s) = &eng.inner else {
+            panic!("auto is a scheduler");
+        };
+        let (heads, d) = (3, 8);
+        let real = s.costs(heads, d).unwrap().unwrap();
+        let mut busy = real.clone();
+        busy.cpu_decode.a *= 50.0;
+        busy.cpu_decode.b *= 50.0;
+        busy.cpu_decode.c *= 50.0;
+        busy.cpu_decode_share = Some(0.0);
+        busy.split_fixed = 1.0;
+        let past = Instant::now()
+            .checked_sub(std::time::Duration::from_secs(2))
+            .unwrap();
+        let make_busy = || {
+            *s.calibration.lock().unwrap() = Some(busy.clone());
+            s.remeasure.lock().unwrap()[1] = Remeasure::after(Some(0.0), past);
+            s.shortcut.lock().unwrap()[1].record(0.02);
+        };
+        make_busy();
+        let p = problem(256, heads, d).decode_at(256).unwrap();
+        let mut out = vec![0.0f32; p.q.len()];
+        eng.decode(&p, AcpMode::Off, &mut out).unwrap();
+        let now = s.calibration.lock().unwrap().clone().unwrap();
+        assert!(now.cpu_decode_share.unwrap() > 0.0, "{now}");
+        let (b0, b1) = (busy.cpu_decode, now.cpu_decode);
+        assert!(
+            b1.a + b1.b * 1e6 + b1.c * 1e4 < (b0.a + b0.b * 1e6 + b0.c * 1e4) / 5.0,
+            "measured again: {b1:?}, busy: {b0:?}"
+        );
+        assert_eq!(now.cpu_prefill, real.cpu_prefill, "prefill untouched");
+        assert!(now.split_fixed < 0.1, "split measured again: {now}");
+        assert!(s.shortcut.lock().unwrap()[1].factor() > 0.1);
+        assert!(!s.remeasure.lock().unwrap()[1].is_due(Instant::now()));
+        assert!(!s.remeasure.lock().unwrap()[0].is_due(Instant::now()));
+
+        // The process-wide cache holds a calmer one (the first calibration's, or this
+        // re-measure's): taken as it is.
+        let key = (s.gpu.name.clone(), heads, d);
+        let cached = calibration_cache().lock().unwrap()[&key].clone();
+        assert!(cached.cpu_decode_share.unwrap() > 0.0);
+        make_busy();
+        eng.decode(&p, AcpMode::Off, &mut out).unwrap();
+        let taken = s.calibration.lock().unwrap().clone().unwrap();
+        assert_eq!(taken.cpu_decode, cached.cpu_decode);
+        assert_eq!(taken.cpu_decode_share, cached.cpu_decode_share);
     }
 
     /// ACP with `d`'s bounds and `ln eps = -10`.

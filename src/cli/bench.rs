@@ -84,6 +84,9 @@ struct Report {
     head_dim: usize,
     device: Option<String>,
     calibration: Option<String>,
+    /// The same engine's calibration after the last cell, where it changed (its CPU costs
+    /// measured again after a calibration on a busy host).
+    calibration_end: Option<String>,
     /// Timing method, in words.
     method: String,
     cells: Vec<Cell>,
@@ -243,10 +246,12 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         }
     }
     let mut calibration = None;
-    for (k, e) in &engines {
+    let mut calibrated = None;
+    for (i, (k, e)) in engines.iter().enumerate() {
         if let Some(c) = e.calibrate(big.heads, big.head_dim)? {
             eprintln!("[bench] {k} calibration: {c}");
             calibration = Some(c.to_string());
+            calibrated = Some(i);
         }
     }
     let device_name = engines.iter().find_map(|(_, e)| e.device());
@@ -386,6 +391,10 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         });
     }
 
+    let calibration_end = calibrated
+        .and_then(|i| engines[i].1.calibration())
+        .map(|c| c.to_string())
+        .filter(|c| Some(c) != calibration.as_ref());
     let report = Report {
         machine_peak_gflops: peak,
         threads,
@@ -393,6 +402,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         head_dim: big.head_dim,
         device: device_name,
         calibration,
+        calibration_end,
         method: format!(
             "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
              interleaved (a random order each round), each sample a batch of calls after one \
@@ -861,6 +871,9 @@ fn print_table(r: &Report) {
     );
     if let Some(c) = &r.calibration {
         println!("# calibration: {c}");
+    }
+    if let Some(c) = &r.calibration_end {
+        println!("# calibration after the last cell: {c}");
     }
     println!("# method: {}", r.method);
     println!(

@@ -507,6 +507,17 @@ impl ClassRecord {
         self.sides_version += 1;
     }
 
+    /// Forgets the CPU and split plans' measurements (their factors, prospects, re-check
+    /// state and a split's sides): they were ratios to CPU costs that changed. The class's
+    /// calls, time and the GPU plan's record stay.
+    pub(super) fn forget_cpu(&mut self) {
+        for k in [PlanKind::Cpu, PlanKind::Split] {
+            self.kinds[k as usize] = KindRecord::default();
+        }
+        self.sides.clear();
+        self.sides_version += 1;
+    }
+
     /// Calls recorded in this class (all kinds).
     pub(super) fn calls(&self) -> u64 {
         self.calls
@@ -774,6 +785,25 @@ mod tests {
     /// Picks of `kind`.
     fn count(picks: &[Pick], kind: PlanKind) -> usize {
         picks.iter().filter(|p| p.kind == kind).count()
+    }
+
+    /// Forgetting the CPU's measurements leaves the GPU plan's and the class's time.
+    #[test]
+    fn forgetting_the_cpu_keeps_the_gpu() {
+        let mut r = ClassRecord::default();
+        for k in [PlanKind::Cpu, PlanKind::Gpu, PlanKind::Split] {
+            won(&mut r, k, 1.0);
+            won(&mut r, k, 1.0);
+        }
+        r.record_sides(2, 1.0, 1.0);
+        assert!(r.factor(PlanKind::Cpu).is_some() && r.side_factors(2).is_some());
+        let (spent, gpu, version) = (r.spent(), r.factor(PlanKind::Gpu), r.sides_version());
+        r.forget_cpu();
+        assert_eq!(r.factor(PlanKind::Cpu), None);
+        assert_eq!(r.factor(PlanKind::Split), None);
+        assert_eq!(r.side_factors(2), None);
+        assert!(r.sides_version() > version);
+        assert_eq!((r.spent(), r.factor(PlanKind::Gpu)), (spent, gpu));
     }
 
     #[test]

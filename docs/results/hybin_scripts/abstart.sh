@@ -14,6 +14,8 @@ while [ $(( $(date +%s) - start )) -lt $LIM ]; do
     for j in $(seq ${NS:-20}); do timeout ${SS:-10} sh -c 'while :; do :; done' & done
     BIN=$bin T=${T:-200} bash .hybin/full.sh $N "$@" > /dev/null 2>&1
     echo "# run $N $b ($(( $(date +%s) - t0 )) s) $(zcat $OUT/run${N}_stderr.txt.gz | grep -m1 'auto calibration' | grep -o 'decode cpu [^|]*')" | tee -a $OUT/abs.txt
+    grep -o "CPU share.*" $OUT/run${N}_table.txt | sed 's/^/#   /' | tee -a $OUT/abs.txt
+    grep -o "after the last cell.*decode cpu [^|]*" $OUT/run${N}_table.txt | grep -o "decode cpu.*" | sed 's/^/#   end: /' | tee -a $OUT/abs.txt
     grep "^| decode" $OUT/run${N}_table.txt | tee -a $OUT/abs.txt
     N=$((N+1))
   done

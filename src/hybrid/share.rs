@@ -1,0 +1,240 @@
+//! Whether a CPU measurement met a busy host, and when to measure again.
+//!
+//! The CPU share is the fraction of a core the pool's threads get while they want one:
+//! each thread spins until its own CPU clock has advanced [`PROBE_CPU_S`], and the share
+//! is their CPU seconds over their wall seconds ([`probe`]). Alone on its cores a thread
+//! gets all of one (the share is close to 1); a thread that shares its core with other
+//! runnable threads waits for its turns. On the dev machine's 2 cores (2 pool threads) it
+//! read 0.97-1.0 quiet, 0.52 beside 1 process spinning, 0.25-0.36 beside 4 and 0.18-0.22
+//! beside 8 (fair shares 2/3, 1/3, 1/5). The share of the pool's time over the samples
+//! themselves says less: a short call's serial part (a decode step's set-up on the calling
+//! thread) leaves the pool idle, and on the dev machine's 2 quiet cores it read 0.36-0.51
+//! for steps under 0.3 ms.
+//!
+//! A calibration whose CPU samples met a busy host prices the CPU too high, and that error
+//! does not correct itself: `auto` measures only the plans it runs, and a CPU priced 20x
+//! too high is never run (on the H100 host a calibration beside 20 spinning processes put
+//! the CPU's decode at 30-102 ns a pair against 1.8-2.6 quiet, and `auto` ran the GPU
+//! alone at 0.38x the CPU's speed). A CPU priced too low is tried, measured, and corrected
+//! by the plan's factor. So a CPU calibration below [`BUSY_SHARE`] is measured again
+//! later ([`Remeasure`]) until two measurements were quiet, and the less busy one is kept
+//! (of two quiet ones, the faster). One quiet re-measure is not enough: on the H100 host
+//! one whose probes both read 0.99 (run 163) fitted the CPU's fixed cost of a decode step
+//! at 342 us against 85 on quiet runs, and `auto` ran a third of its dense 1k steps on the
+//! GPU.
+
+use std::time::{Duration, Instant};
+
+/// A CPU measurement with a share below this met a busy host.
+pub(super) const BUSY_SHARE: f64 = 0.75;
+
+/// Seconds from a busy calibration to its first re-measure; each later one waits twice as
+/// long as the one before.
+const FIRST_WAIT_S: f64 = 1.0;
+
+/// Re-measures at most, per kind of call: six cover about a minute (1 + 2 + ... + 32 s) and
+/// cost one CPU calibration each.
+const MAX_TRIES: u32 = 6;
+
+/// Quiet measurements after which no more re-measures are due.
+const QUIET_NEEDED: u32 = 2;
+
+/// The calling thread's CPU seconds, where the platform gives them.
+fn thread_cpu_seconds() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// CPU seconds each pool thread spins for in [`probe`]: a few scheduler slices.
+/// A woken thread gets more than its fair share at first: on the dev machine beside 4
+/// spinning processes a 3 ms probe read 0.57 where 10 ms read 0.25-0.36 (fair: 0.33).
+const PROBE_CPU_S: f64 = 10e-3;
+
+/// Wall seconds after which a probing thread stops, whatever it got.
+const PROBE_WALL_S: f64 = 0.1;
+
+/// The CPU share of the current pool's threads (the global pool outside any): each spins
+/// until its CPU clock has advanced [`PROBE_CPU_S`] (or [`PROBE_WALL_S`] passed), and the
+/// share is the sum of their CPU seconds over the sum of their wall seconds. None where the
+/// platform gives no thread CPU time. Costs about [`PROBE_CPU_S`] of wall time on a quiet
+/// host, on every pool thread.
+pub(super) fn probe() -> Option<f64> {
+    let each = rayon::broadcast(|_| {
+        let (c0, w0) = (thread_cpu_seconds()?, Instant::now());
+        loop {
+            for _ in 0..256 {
+                std::hint::spin_loop();
+            }
+            let (cpu, wall) = (thread_cpu_seconds()? - c0, w0.elapsed().as_secs_f64());
+            if cpu >= PROBE_CPU_S || wall >= PROBE_WALL_S {
+                return Some((cpu, wall));
+            }
+        }
+    });
+    let (cpu, wall) = each
+        .into_iter()
+        .try_fold((0.0, 0.0), |(c, w), x| x.map(|(xc, xw)| (c + xc, w + xw)))?;
+    (wall > 0.0).then(|| (cpu / wall).min(1.0))
+}
+
+/// Whether a measurement of share `a` that predicts `a_s` seconds for a reference call
+/// should replace one of share `b` predicting `b_s`: the calmer (a share measured beats
+/// none), and of two quiet ones the faster.
+pub(super) fn better((a, a_s): (Option<f64>, f64), (b, b_s): (Option<f64>, f64)) -> bool {
+    match (a, b) {
+        (Some(_), Some(_)) if !busy(a) && !busy(b) => a_s < b_s,
+        (Some(x), Some(y)) => x > y,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// Whether a calibration whose CPU share was `share` should be measured again.
+pub(super) fn busy(share: Option<f64>) -> bool {
+    share.is_some_and(|s| s < BUSY_SHARE)
+}
+
+/// The re-measure schedule of one kind of call (prefill or decode): due [`FIRST_WAIT_S`]
+/// after a busy calibration, then at doubling waits, at most [`MAX_TRIES`] times, and no
+/// more once [`QUIET_NEEDED`] re-measures were quiet.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Remeasure {
+    /// When the next re-measure is due (None: none is).
+    due: Option<Instant>,
+    tries: u32,
+    quiet: u32,
+}
+
+impl Remeasure {
+    /// The schedule after a calibration whose CPU share was `share`, made at `now`.
+    pub(super) fn after(share: Option<f64>, now: Instant) -> Remeasure {
+        Remeasure {
+            due: busy(share).then(|| now + Duration::from_secs_f64(FIRST_WAIT_S)),
+            tries: 0,
+            quiet: 0,
+        }
+    }
+
+    pub(super) fn is_due(&self, now: Instant) -> bool {
+        self.due.is_some_and(|d| now >= d)
+    }
+
+    /// A re-measure ran at `now` and read the CPU share `share` (None: it failed, or the
+    /// platform gives no share; counted as busy).
+    pub(super) fn tried(&mut self, share: Option<f64>, now: Instant) {
+        self.tries += 1;
+        if share.is_some() && !busy(share) {
+            self.quiet += 1;
+        }
+        self.due = (self.quiet < QUIET_NEEDED && self.tries < MAX_TRIES)
+            .then(|| now + Duration::from_secs_f64(FIRST_WAIT_S * f64::from(1u32 << self.tries)));
+    }
+
+    pub(super) fn tries(&self) -> u32 {
+        self.tries
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quiet_calibration_is_never_measured_again() {
+        let now = Instant::now();
+        let r = Remeasure::after(Some(0.95), now);
+        assert!(!r.is_due(now + Duration::from_secs(1000)));
+        assert!(!Remeasure::after(None, now).is_due(now + Duration::from_secs(1000)));
+    }
+
+    #[test]
+    fn busy_calibrations_are_measured_again_at_doubling_waits_until_quiet() {
+        let t0 = Instant::now();
+        let mut r = Remeasure::after(Some(0.3), t0);
+        assert!(!r.is_due(t0 + Duration::from_millis(999)));
+        let mut now = t0 + Duration::from_secs(1);
+        let mut waits = Vec::new();
+        while r.is_due(now) {
+            r.tried(Some(0.4), now);
+            let mut w = 0;
+            while !r.is_due(now) && w < 1000 {
+                now += Duration::from_secs(1);
+                w += 1;
+            }
+            waits.push(w);
+        }
+        assert_eq!(r.tries(), MAX_TRIES);
+        assert_eq!(waits, [2, 4, 8, 16, 32, 1000]);
+        // Two quiet re-measures end it.
+        let mut r = Remeasure::after(Some(0.3), t0);
+        r.tried(Some(0.9), t0 + Duration::from_secs(1));
+        assert!(
+            r.is_due(t0 + Duration::from_secs(3)),
+            "one quiet: once more"
+        );
+        r.tried(Some(0.3), t0 + Duration::from_secs(3));
+        r.tried(Some(0.95), t0 + Duration::from_secs(7));
+        assert!(!r.is_due(t0 + Duration::from_secs(1000)), "two quiet: done");
+        // A failed re-measure (no share) counts as busy.
+        let mut r = Remeasure::after(Some(0.3), t0);
+        r.tried(None, t0 + Duration::from_secs(1));
+        r.tried(None, t0 + Duration::from_secs(3));
+        assert!(r.is_due(t0 + Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn the_calmer_measurement_wins_and_of_two_quiet_ones_the_faster() {
+        assert!(better((Some(0.5), 9.0), (Some(0.3), 1.0)));
+        assert!(!better((Some(0.3), 1.0), (Some(0.5), 9.0)));
+        assert!(better((Some(0.9), 1.0), (Some(0.3), 0.5)));
+        assert!(
+            better((Some(0.8), 1.0), (Some(0.99), 2.0)),
+            "both quiet: faster"
+        );
+        assert!(!better((Some(0.99), 2.0), (Some(0.8), 1.0)));
+        assert!(better((Some(0.3), 1.0), (None, 0.5)));
+        assert!(!better((None, 0.5), (Some(0.3), 1.0)));
+        assert!(!better((None, 0.5), (None, 1.0)));
+    }
+
+    /// The share reads what the pool got: near 1 alone on the cores, and far lower with
+    /// four spinning threads per core beside it (a fair share of 1/5).
+    #[cfg(unix)]
+    #[test]
+    fn the_share_falls_when_other_threads_take_the_cores() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let stop = AtomicBool::new(false);
+        let busy = std::thread::scope(|s| {
+            for _ in 0..4 * cores {
+                s.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            let b = probe().expect("unix gives thread CPU time");
+            stop.store(true, Ordering::Relaxed);
+            b
+        });
+        let quiet = probe().expect("unix gives thread CPU time");
+        assert!(busy < BUSY_SHARE, "busy share {busy}");
+        assert!(
+            quiet > busy && quiet <= 1.0,
+            "quiet share {quiet}, busy {busy}"
+        );
+    }
+}
