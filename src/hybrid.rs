@@ -7,7 +7,8 @@
 //! section 3: work is proportional to the kept pairs, FLOPs = `4 · head_dim · P`). `a` and
 //! `b` come from a short calibration (two or three dense sizes per call kind on synthetic
 //! data, the minimum of a few runs), made once per process for each (device, heads, head_dim) and
-//! kept for the backend's life.
+//! kept for the backend's life; the CPU's costs of a calibration that met a busy host are
+//! measured again once the host is quiet (see `share`).
 //!
 //! # Split
 //! ACP's boundary (foxedge-core's `start_blocks` / `count_pairs`) gives each head's kept
