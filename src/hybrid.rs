@@ -173,6 +173,22 @@ impl fmt::Display for Calibration {
     }
 }
 
+/// What `cost` predicts for a reference call of `heads` heads, to compare two quiet
+/// measurements: a dense decode step over 1024 and one over 16384 entries per head (the
+/// decode calibration's sizes; one row sent per head where the GPU keeps caches
+/// resident), or a dense prefill of 1024 tokens.
+fn reference_seconds(cost: LinearCost, heads: usize, decode: bool, resident: bool) -> f64 {
+    let h = heads as u64;
+    if decode {
+        [1024u64, 16384]
+            .iter()
+            .map(|&n| cost.predict(n * h, if resident { h } else { n * h }, false))
+            .sum()
+    } else {
+        cost.predict(1024 * 1025 / 2 * h, 1024 * h, false)
+    }
+}
+
 /// The calibration's CPU share of decode (`decode`) or prefill.
 fn cpu_share(c: &Calibration, decode: bool) -> Option<f64> {
     if decode {
@@ -182,34 +198,66 @@ fn cpu_share(c: &Calibration, decode: bool) -> Option<f64> {
     }
 }
 
-/// What `cost` predicts for a reference call of `heads` heads, to compare two quiet
-/// measurements: a dense decode step over 1024 and one over 16384 entries per head (the
-/// decode calibration's sizes), or a dense prefill of 1024 tokens.
-fn reference_seconds(cost: LinearCost, heads: usize, decode: bool) -> f64 {
-    let h = heads as u64;
+/// The calibration's costs of decode or prefill.
+fn kind_costs(c: &Calibration, decode: bool) -> KindCosts {
     if decode {
-        [1024u64, 16384]
-            .iter()
-            .map(|&n| cost.predict(n * h, n * h, false))
-            .sum()
+        KindCosts {
+            cpu: c.cpu_decode,
+            gpu: c.gpu_decode,
+            resident: c.gpu_decode_resident,
+            share: c.cpu_decode_share,
+        }
     } else {
-        cost.predict(1024 * 1025 / 2 * h, 1024 * h, false)
+        KindCosts {
+            cpu: c.cpu_prefill,
+            gpu: c.gpu_prefill,
+            resident: false,
+            share: c.cpu_prefill_share,
+        }
     }
 }
 
-/// The calibration's CPU cost of decode or prefill.
-fn cpu_cost(c: &Calibration, decode: bool) -> LinearCost {
-    if decode { c.cpu_decode } else { c.cpu_prefill }
+/// Whether `new`'s CPU and GPU costs should replace `old`'s ([`share::better`], each
+/// judged by its prediction for the reference call); a GPU decode measured with another
+/// residency never replaces (its per-row cost means another thing).
+fn improves(new: &KindCosts, old: &KindCosts, heads: usize, decode: bool) -> (bool, bool) {
+    let judged = |k: &KindCosts, gpu: bool| {
+        let cost = if gpu { k.gpu } else { k.cpu };
+        (
+            k.share,
+            reference_seconds(cost, heads, decode, gpu && k.resident),
+        )
+    };
+    (
+        share::better(judged(new, false), judged(old, false)),
+        new.resident == old.resident && share::better(judged(new, true), judged(old, true)),
+    )
 }
 
-/// Sets the CPU's cost and share of decode or prefill.
-fn set_cpu(c: &mut Calibration, decode: bool, cost: LinearCost, share: Option<f64>) {
-    if decode {
-        c.cpu_decode = cost;
-        c.cpu_decode_share = share;
+/// Sets the CPU's (`cpu`) and the GPU's (`gpu`) costs of decode or prefill to `new`'s;
+/// the kind's share becomes the calmer of the two.
+fn set_kind(c: &mut Calibration, decode: bool, new: &KindCosts, cpu: bool, gpu: bool) {
+    let (cc, gc, sh) = if decode {
+        (
+            &mut c.cpu_decode,
+            &mut c.gpu_decode,
+            &mut c.cpu_decode_share,
+        )
     } else {
-        c.cpu_prefill = cost;
-        c.cpu_prefill_share = share;
+        (
+            &mut c.cpu_prefill,
+            &mut c.gpu_prefill,
+            &mut c.cpu_prefill_share,
+        )
+    };
+    if cpu {
+        *cc = new.cpu;
+    }
+    if gpu {
+        *gc = new.gpu;
+    }
+    if (cpu || gpu) && share::better((new.share, 0.0), (*sh, 0.0)) {
+        *sh = new.share;
     }
 }
 
@@ -1064,31 +1112,53 @@ fn warm_gpu(gpu: &dyn AttentionBackend, heads: usize, d: usize, resident: bool) 
     Ok(())
 }
 
-/// The CPU's costs of decode (`decode`) or prefill, and the pool's CPU share: the lower
-/// of [`share::probe`]'s before and after the samples (None where unknown). `probed`: the
-/// probe before, if already taken.
-fn calibrate_cpu(
+/// One kind of call's costs on both backends (see [`calibrate_kind`]).
+#[derive(Debug, Clone, Copy)]
+struct KindCosts {
+    cpu: LinearCost,
+    gpu: LinearCost,
+    /// Decode: the GPU keeps caches resident (its `c` is per row sent).
+    resident: bool,
+    /// The CPU share around the samples.
+    share: Option<f64>,
+}
+
+/// Both backends' costs of decode (`decode`) or prefill, and the CPU pool's share: the
+/// lower of [`share::probe`]'s before and after the samples (None where unknown). The
+/// GPU's fixed and per-row costs are host work too (packing, uploads, submission): on the
+/// H100 host a calibration beside 20 spinning processes priced a GPU prefill at 0.7-3.1 us
+/// a row (runs 160-177) against 51 ns quiet (run 150). `probed`: the probe before, if
+/// already taken.
+fn calibrate_kind(
     cpu: &dyn AttentionBackend,
+    gpu: &dyn AttentionBackend,
     heads: usize,
     d: usize,
     decode: bool,
     probed: Option<Option<f64>>,
-) -> Result<(LinearCost, Option<f64>)> {
+) -> Result<KindCosts> {
     let before = probed.unwrap_or_else(share::probe);
-    let cost = if decode {
+    let (gpu_cost, resident) = if decode {
+        calibrate_decode(gpu, heads, d, true)?
+    } else {
+        (calibrate_prefill(gpu, heads, d)?, false)
+    };
+    let cpu_cost = if decode {
         calibrate_decode(cpu, heads, d, false)?.0
     } else {
         calibrate_prefill(cpu, heads, d)?
     };
     let after = share::probe();
-    Ok((
-        cost,
-        before
+    Ok(KindCosts {
+        cpu: cpu_cost,
+        gpu: gpu_cost,
+        resident,
+        share: before
             .zip(after)
             .map(|(a, b)| a.min(b))
             .or(before)
             .or(after),
-    ))
+    })
 }
 
 /// Measures both backends on synthetic calls of `heads` heads of `d` dims.
@@ -1101,22 +1171,20 @@ fn calibrate(
 ) -> Result<Calibration> {
     let t0 = Instant::now();
     let (split_fixed, split_row_prefill) = calibrate_split(heads, d)?;
-    let (gpu_decode, gpu_decode_resident) = calibrate_decode(gpu, heads, d, true)?;
-    let (cpu_prefill, cpu_prefill_share) = calibrate_cpu(cpu, heads, d, false, None)?;
-    let gpu_prefill = calibrate_prefill(gpu, heads, d)?;
-    let (cpu_decode, cpu_decode_share) = calibrate_cpu(cpu, heads, d, true, None)?;
+    let dec = calibrate_kind(cpu, gpu, heads, d, true, None)?;
+    let pre = calibrate_kind(cpu, gpu, heads, d, false, None)?;
     Ok(Calibration {
-        cpu_prefill,
-        gpu_prefill,
-        cpu_decode,
-        gpu_decode,
-        gpu_decode_resident,
+        cpu_prefill: pre.cpu,
+        gpu_prefill: pre.gpu,
+        cpu_decode: dec.cpu,
+        gpu_decode: dec.gpu,
+        gpu_decode_resident: dec.resident,
         concurrent,
         split_fixed,
         split_row_prefill,
         seconds: t0.elapsed().as_secs_f64(),
-        cpu_prefill_share,
-        cpu_decode_share,
+        cpu_prefill_share: pre.share,
+        cpu_decode_share: dec.share,
     })
 }
 
@@ -1562,16 +1630,15 @@ impl Scheduler {
         }
     }
 
-    /// Measures the CPU's costs of one kind of call again when the calibration's were
-    /// measured on a busy host and a re-measure is due ([`Remeasure`]), and keeps the
-    /// better of the two ([`share::better`]), here and in the process-wide cache. A better
-    /// one that another engine put in the cache is taken without measuring; a host whose
-    /// [`share::probe`] still reads busy is not measured (on the H100 host, tries that
-    /// measured there added 95-145 us to every step of a decode dense 1k cell: runs
-    /// 167-172). When the costs change, what was learned against the old ones goes: the
-    /// kind's CPU and split factors, the CPU shortcut's, the kept split searches. A
-    /// re-measure that fails leaves the calibration as it was. Returns the calibration to
-    /// plan with.
+    /// Measures both backends' costs of one kind of call again when the calibration's
+    /// were measured on a busy host and a re-measure is due ([`Remeasure`]), and keeps for
+    /// each backend the better of the two ([`share::better`]), here and in the
+    /// process-wide cache. A better one that another engine put in the cache is taken
+    /// without measuring; a host whose [`share::probe`] still reads busy is not measured
+    /// (on the H100 host, tries that measured there added 95-145 us to every step of a
+    /// decode dense 1k cell: runs 167-172). When a backend's costs change, what was learned
+    /// against the old ones goes ([`Scheduler::forget_factors`]). A re-measure that fails
+    /// leaves the calibration as it was. Returns the calibration to plan with.
     fn remeasure(
         &self,
         c: Calibration,
@@ -1587,64 +1654,66 @@ impl Scheduler {
         }
         let key = (self.gpu.name.clone(), heads, d);
         let old = cpu_share(&c, decode);
-        // A measurement's share, and what its costs predict for a reference call.
-        let judged =
-            |cost: LinearCost, share: Option<f64>| (share, reference_seconds(cost, heads, decode));
-        let mine = judged(cpu_cost(&c, decode), old);
-        let cached = lock(calibration_cache())?
-            .get(&key)
-            .filter(|x| share::better(judged(cpu_cost(x, decode), cpu_share(x, decode)), mine))
-            .map(|x| {
-                let split = (x.split_fixed, x.split_row_prefill);
-                ((cpu_cost(x, decode), cpu_share(x, decode)), Some(split))
-            });
+        let cached = lock(calibration_cache())?.get(&key).cloned();
+        let from_cache = cached.as_ref().map(|x| kind_costs(x, decode)).filter(|x| {
+            let (cpu, gpu) = improves(x, &kind_costs(&c, decode), heads, decode);
+            cpu || gpu
+        });
         // The share this try read: a cached one's, a probe's that found the host still
-        // busy (no samples then), or the measurement's (None if it failed).
-        // With a new measurement, the split's own costs (CPU work too: a thread's spawn,
-        // gathers), measured again or the cache's.
-        let (fresh, read, split) = match cached {
-            Some((x, split)) => (Some(x), x.1, split),
+        // busy (no samples then), or the measurement's (None if it failed). With a new
+        // measurement, the split's own costs (CPU work too: a thread's spawn, gathers),
+        // measured again or the cache's.
+        let (fresh, read, split) = match from_cache {
+            Some(x) => (
+                Some(x),
+                x.share,
+                cached.map(|x| (x.split_fixed, x.split_row_prefill)),
+            ),
             None => match share::probe() {
                 p if share::busy(p) => (None, p, None),
                 p => {
-                    let m = calibrate_cpu(&self.cpu, heads, d, decode, Some(p)).ok();
-                    (m, m.and_then(|x| x.1), calibrate_split(heads, d).ok())
+                    let m = calibrate_kind(
+                        &self.cpu,
+                        self.gpu.backend.as_ref(),
+                        heads,
+                        d,
+                        decode,
+                        Some(p),
+                    )
+                    .ok();
+                    (m, m.and_then(|x| x.share), calibrate_split(heads, d).ok())
                 }
             },
         };
         let mut kept = c;
-        if let Some((cost, share)) = fresh
-            && share::better(judged(cost, share), mine)
-        {
-            // The lower split costs: a split priced too low is tried, and its factor
-            // corrects it; one priced too high (on a busy host: 3.9 ms for a thread's
-            // spawn and join, runs 160 and 166, against 57-144 us in quiet runs 91-150)
-            // never runs.
-            let least = |c: &mut Calibration| {
-                if let Some((f, r)) = split {
-                    c.split_fixed = c.split_fixed.min(f);
-                    c.split_row_prefill = c.split_row_prefill.min(r);
+        if let Some(new) = fresh {
+            let (cpu, gpu) = improves(&new, &kind_costs(&kept, decode), heads, decode);
+            if cpu || gpu {
+                // The lower split costs: a split priced too low is tried, and its factor
+                // corrects it; one priced too high (on a busy host: 3.9 ms for a thread's
+                // spawn and join, runs 160 and 166, against 57-144 us in quiet runs
+                // 91-150) never runs.
+                let adopt = |x: &mut Calibration, cpu: bool, gpu: bool| {
+                    set_kind(x, decode, &new, cpu, gpu);
+                    if let Some((f, r)) = split {
+                        x.split_fixed = x.split_fixed.min(f);
+                        x.split_row_prefill = x.split_row_prefill.min(r);
+                    }
+                };
+                adopt(&mut kept, cpu, gpu);
+                *lock(&self.calibration)? = Some(kept.clone());
+                let mut cache = lock(calibration_cache())?;
+                if let Some(x) = cache.get_mut(&key) {
+                    let (cc, gc) = improves(&new, &kind_costs(x, decode), heads, decode);
+                    adopt(x, cc, gc);
                 }
-            };
-            set_cpu(&mut kept, decode, cost, share);
-            least(&mut kept);
-            *lock(&self.calibration)? = Some(kept.clone());
-            let mut cache = lock(calibration_cache())?;
-            if let Some(x) = cache.get_mut(&key) {
-                if share::better(
-                    judged(cost, share),
-                    judged(cpu_cost(x, decode), cpu_share(x, decode)),
-                ) {
-                    set_cpu(x, decode, cost, share);
-                }
-                least(x);
+                drop(cache);
+                self.forget_factors(decode, cpu, gpu);
             }
-            drop(cache);
-            self.forget_cpu_factors(decode);
         }
         if trace_auto() {
             eprintln!(
-                "[auto] CPU {} re-measure (try {}): share {} -> {}{}; {kept}",
+                "[auto] {} re-measure (try {}): share {} -> {}{}; {kept}",
                 if decode { "decode" } else { "prefill" },
                 sched[k].tries() + 1,
                 share_words(old),
@@ -1660,15 +1729,23 @@ impl Scheduler {
         Ok(kept)
     }
 
-    /// Forgets what was learned against the CPU's old costs of one kind of call.
-    fn forget_cpu_factors(&self, decode: bool) {
-        if let Ok(mut s) = self.shortcut.lock() {
+    /// Forgets what was learned against one kind's old costs of the CPU (`cpu`) and the
+    /// GPU (`gpu`): those plans' factors (and the split's, which has a side on each), the
+    /// CPU shortcut's window, the kept split searches.
+    fn forget_factors(&self, decode: bool, cpu: bool, gpu: bool) {
+        if cpu && let Ok(mut s) = self.shortcut.lock() {
             s[decode as usize] = Shortcut::default();
         }
+        let kinds: Vec<PlanKind> = [(cpu, PlanKind::Cpu), (gpu, PlanKind::Gpu)]
+            .into_iter()
+            .filter(|&(on, _)| on)
+            .map(|(_, k)| k)
+            .chain([PlanKind::Split])
+            .collect();
         if let Ok(mut fb) = self.feedback.lock() {
             for (class, rec) in fb.iter_mut() {
                 if class.0 == decode {
-                    rec.forget_cpu();
+                    rec.forget(&kinds);
                 }
             }
         }
@@ -3752,14 +3829,16 @@ mod tests {
         assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
     }
 
-    /// A calibration whose CPU decode costs met a busy host (share 0, costs 50x, a split's
+    /// A calibration whose decode costs met a busy host (share 0, CPU costs 50x, a split's
     /// fixed cost 1 s) is measured again at the first decode step once due: the costs come
     /// back to the calibration's, the share is measured, the split's cost is measured
     /// again, the CPU shortcut's measure of the old costs is forgotten, and no further
-    /// re-measure is due right away. Then a calmer calibration in
-    /// the process-wide cache is taken as it is, without measuring.
+    /// re-measure is due right away. Then a calmer calibration in the process-wide cache
+    /// is taken as it is, without measuring. Then a busy prefill calibration (the GPU's
+    /// fixed cost 1 s) is measured again on both backends at the first prefill.
     #[test]
-    fn a_cpu_calibration_from_a_busy_host_is_measured_again() {
+    fn a_calibration_from_a_busy_host_is_measured_again() {
+        share::ASSUME_QUIET.with(|q| q.set(true));
         let eng = Engine::auto_over_idle_device();
         let EngineInner::Sched(s) = &eng.inner else {
             panic!("auto is a scheduler");
@@ -3807,6 +3886,29 @@ mod tests {
         let taken = s.calibration.lock().unwrap().clone().unwrap();
         assert_eq!(taken.cpu_decode, cached.cpu_decode);
         assert_eq!(taken.cpu_decode_share, cached.cpu_decode_share);
+
+        // Prefill: both backends' costs (the GPU's fixed cost priced at 1 s) are measured
+        // again at the first prefill once due, whatever the cache holds.
+        calibration_cache().lock().unwrap().remove(&key);
+        let mut busy = s.calibration.lock().unwrap().clone().unwrap();
+        busy.cpu_prefill.b *= 50.0;
+        busy.cpu_prefill.c *= 50.0;
+        busy.gpu_prefill.a = 1.0;
+        busy.cpu_prefill_share = Some(0.0);
+        *s.calibration.lock().unwrap() = Some(busy.clone());
+        s.remeasure.lock().unwrap()[0] = Remeasure::after(Some(0.0), past);
+        let pp = problem(128, heads, d);
+        let mut out = vec![0.0f32; pp.q.len()];
+        eng.prefill(&pp, AcpMode::Off, &mut out).unwrap();
+        let now = s.calibration.lock().unwrap().clone().unwrap();
+        assert!(now.gpu_prefill.a < 0.1, "GPU measured again: {now}");
+        let refs = |c: LinearCost| reference_seconds(c, heads, false, false);
+        assert!(
+            refs(now.cpu_prefill) < refs(busy.cpu_prefill) / 5.0,
+            "{now}"
+        );
+        assert!(now.cpu_prefill_share.unwrap() > 0.0);
+        assert_eq!(now.cpu_decode, busy.cpu_decode, "decode untouched");
     }
 
     /// ACP with `d`'s bounds and `ln eps = -10`.

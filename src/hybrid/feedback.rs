@@ -507,15 +507,17 @@ impl ClassRecord {
         self.sides_version += 1;
     }
 
-    /// Forgets the CPU and split plans' measurements (their factors, prospects, re-check
-    /// state and a split's sides): they were ratios to CPU costs that changed. The class's
-    /// calls, time and the GPU plan's record stay.
-    pub(super) fn forget_cpu(&mut self) {
-        for k in [PlanKind::Cpu, PlanKind::Split] {
+    /// Forgets the measurements of the plans `kinds` (their factors, prospects, re-check
+    /// state, and a split's sides): they were ratios to costs that changed. The class's
+    /// calls, time and the other plans' records stay.
+    pub(super) fn forget(&mut self, kinds: &[PlanKind]) {
+        for &k in kinds {
             self.kinds[k as usize] = KindRecord::default();
+            if k == PlanKind::Split {
+                self.sides.clear();
+                self.sides_version += 1;
+            }
         }
-        self.sides.clear();
-        self.sides_version += 1;
     }
 
     /// Calls recorded in this class (all kinds).
@@ -798,7 +800,7 @@ mod tests {
         r.record_sides(2, 1.0, 1.0);
         assert!(r.factor(PlanKind::Cpu).is_some() && r.side_factors(2).is_some());
         let (spent, gpu, version) = (r.spent(), r.factor(PlanKind::Gpu), r.sides_version());
-        r.forget_cpu();
+        r.forget(&[PlanKind::Cpu, PlanKind::Split]);
         assert_eq!(r.factor(PlanKind::Cpu), None);
         assert_eq!(r.factor(PlanKind::Split), None);
         assert_eq!(r.side_factors(2), None);

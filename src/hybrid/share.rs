@@ -71,6 +71,10 @@ const PROBE_WALL_S: f64 = 0.1;
 /// platform gives no thread CPU time. Costs about [`PROBE_CPU_S`] of wall time on a quiet
 /// host, on every pool thread.
 pub(super) fn probe() -> Option<f64> {
+    #[cfg(test)]
+    if ASSUME_QUIET.with(|q| q.get()) {
+        return Some(1.0);
+    }
     let each = rayon::broadcast(|_| {
         let (c0, w0) = (thread_cpu_seconds()?, Instant::now());
         loop {
@@ -87,6 +91,13 @@ pub(super) fn probe() -> Option<f64> {
         .into_iter()
         .try_fold((0.0, 0.0), |(c, w), x| x.map(|(xc, xw)| (c + xc, w + xw)))?;
     (wall > 0.0).then(|| (cpu / wall).min(1.0))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by a test of the scheduler on its thread: [`probe`] reads 1 there, whatever the
+    /// other tests running beside it do to the cores (the probe itself is tested below).
+    pub(super) static ASSUME_QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Whether a measurement of share `a` that predicts `a_s` seconds for a reference call
@@ -230,7 +241,8 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             b
         });
-        let quiet = probe().expect("unix gives thread CPU time");
+        // The best of three: other tests may run beside this one.
+        let quiet = (0..3).filter_map(|_| probe()).fold(0.0f64, f64::max);
         assert!(busy < BUSY_SHARE, "busy share {busy}");
         assert!(
             quiet > busy && quiet <= 1.0,
