@@ -217,20 +217,17 @@ fn kind_costs(c: &Calibration, decode: bool) -> KindCosts {
     }
 }
 
-/// Whether `new`'s CPU and GPU costs should replace `old`'s ([`share::better`], each
-/// judged by its prediction for the reference call); a GPU decode measured with another
-/// residency never replaces (its per-row cost means another thing).
+/// Whether `new`'s CPU and GPU costs should replace `old`'s: each where it predicts less
+/// for the reference call (see `share`: contention only slows a measurement); a GPU decode
+/// measured with another residency never replaces (its per-row cost means another thing).
 fn improves(new: &KindCosts, old: &KindCosts, heads: usize, decode: bool) -> (bool, bool) {
     let judged = |k: &KindCosts, gpu: bool| {
         let cost = if gpu { k.gpu } else { k.cpu };
-        (
-            k.share,
-            reference_seconds(cost, heads, decode, gpu && k.resident),
-        )
+        reference_seconds(cost, heads, decode, gpu && k.resident)
     };
     (
-        share::better(judged(new, false), judged(old, false)),
-        new.resident == old.resident && share::better(judged(new, true), judged(old, true)),
+        judged(new, false) < judged(old, false),
+        new.resident == old.resident && judged(new, true) < judged(old, true),
     )
 }
 
@@ -256,8 +253,8 @@ fn set_kind(c: &mut Calibration, decode: bool, new: &KindCosts, cpu: bool, gpu: 
     if gpu {
         *gc = new.gpu;
     }
-    if (cpu || gpu) && share::better((new.share, 0.0), (*sh, 0.0)) {
-        *sh = new.share;
+    if cpu || gpu {
+        *sh = share::calmer(new.share, *sh);
     }
 }
 
@@ -1126,8 +1123,8 @@ struct KindCosts {
 /// Both backends' costs of decode (`decode`) or prefill, and the CPU pool's share: the
 /// lower of [`share::probe`]'s before and after the samples (None where unknown). The
 /// GPU's fixed and per-row costs are host work too (packing, uploads, submission): on the
-/// H100 host a calibration beside 20 spinning processes priced a GPU prefill at 0.7-3.1 us
-/// a row (runs 160-177) against 51 ns quiet (run 150). `probed`: the probe before, if
+/// H100 host calibrations beside 20 spinning processes priced a GPU prefill at 0.7-3.1 us
+/// a row (14 of runs 160-177) against 51 ns quiet (run 150). `probed`: the probe before, if
 /// already taken.
 fn calibrate_kind(
     cpu: &dyn AttentionBackend,
@@ -1632,8 +1629,8 @@ impl Scheduler {
 
     /// Measures both backends' costs of one kind of call again when the calibration's
     /// were measured on a busy host and a re-measure is due ([`Remeasure`]), and keeps for
-    /// each backend the better of the two ([`share::better`]), here and in the
-    /// process-wide cache. A better one that another engine put in the cache is taken
+    /// each backend the faster of the two ([`improves`]), here and in the
+    /// process-wide cache. A faster one that another engine put in the cache is taken
     /// without measuring; a host whose [`share::probe`] still reads busy is not measured
     /// (on the H100 host, tries that measured there added 95-145 us to every step of a
     /// decode dense 1k cell: runs 167-172). When a backend's costs change, what was learned
@@ -3829,13 +3826,14 @@ mod tests {
         assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
     }
 
-    /// A calibration whose decode costs met a busy host (share 0, CPU costs 50x, a split's
+    /// A calibration whose decode costs met a busy host (share 0, CPU costs 1000x, a split's
     /// fixed cost 1 s) is measured again at the first decode step once due: the costs come
-    /// back to the calibration's, the share is measured, the split's cost is measured
+    /// down (the faster replace them), the share is measured, the split's cost is measured
     /// again, the CPU shortcut's measure of the old costs is forgotten, and no further
-    /// re-measure is due right away. Then a calmer calibration in the process-wide cache
+    /// re-measure is due right away. Then a faster calibration in the process-wide cache
     /// is taken as it is, without measuring. Then a busy prefill calibration (the GPU's
-    /// fixed cost 1 s) is measured again on both backends at the first prefill.
+    /// fixed cost 100 s) is measured again on both backends at the first prefill. (The
+    /// margins are wide: other tests load the cores while this one measures.)
     #[test]
     fn a_calibration_from_a_busy_host_is_measured_again() {
         share::ASSUME_QUIET.with(|q| q.set(true));
@@ -3846,9 +3844,9 @@ mod tests {
         let (heads, d) = (3, 8);
         let real = s.costs(heads, d).unwrap().unwrap();
         let mut busy = real.clone();
-        busy.cpu_decode.a *= 50.0;
-        busy.cpu_decode.b *= 50.0;
-        busy.cpu_decode.c *= 50.0;
+        busy.cpu_decode.a *= 1000.0;
+        busy.cpu_decode.b *= 1000.0;
+        busy.cpu_decode.c *= 1000.0;
         busy.cpu_decode_share = Some(0.0);
         busy.split_fixed = 1.0;
         let past = Instant::now()
@@ -3857,7 +3855,9 @@ mod tests {
         let make_busy = || {
             *s.calibration.lock().unwrap() = Some(busy.clone());
             s.remeasure.lock().unwrap()[1] = Remeasure::after(Some(0.0), past);
-            s.shortcut.lock().unwrap()[1].record(0.02);
+            for _ in 0..3 {
+                s.shortcut.lock().unwrap()[1].record(1e6);
+            }
         };
         make_busy();
         let p = problem(256, heads, d).decode_at(256).unwrap();
@@ -3865,19 +3865,20 @@ mod tests {
         eng.decode(&p, AcpMode::Off, &mut out).unwrap();
         let now = s.calibration.lock().unwrap().clone().unwrap();
         assert!(now.cpu_decode_share.unwrap() > 0.0, "{now}");
-        let (b0, b1) = (busy.cpu_decode, now.cpu_decode);
+        let refd = |c: LinearCost| reference_seconds(c, heads, true, false);
         assert!(
-            b1.a + b1.b * 1e6 + b1.c * 1e4 < (b0.a + b0.b * 1e6 + b0.c * 1e4) / 5.0,
-            "measured again: {b1:?}, busy: {b0:?}"
+            refd(now.cpu_decode) < refd(busy.cpu_decode),
+            "measured again: {now}"
         );
         assert_eq!(now.cpu_prefill, real.cpu_prefill, "prefill untouched");
         assert!(now.split_fixed < 0.1, "split measured again: {now}");
-        assert!(s.shortcut.lock().unwrap()[1].factor() > 0.1);
+        // Forgotten: three ratios of 1e6 would stay the window's lower median.
+        assert!(s.shortcut.lock().unwrap()[1].factor() < 1e5);
         assert!(!s.remeasure.lock().unwrap()[1].is_due(Instant::now()));
         assert!(!s.remeasure.lock().unwrap()[0].is_due(Instant::now()));
 
-        // The process-wide cache holds a calmer one (the first calibration's, or this
-        // re-measure's): taken as it is.
+        // The process-wide cache holds faster costs than the busy ones (the first
+        // calibration's, or this re-measure's): taken as they are.
         let key = (s.gpu.name.clone(), heads, d);
         let cached = calibration_cache().lock().unwrap()[&key].clone();
         assert!(cached.cpu_decode_share.unwrap() > 0.0);
@@ -3891,9 +3892,9 @@ mod tests {
         // again at the first prefill once due, whatever the cache holds.
         calibration_cache().lock().unwrap().remove(&key);
         let mut busy = s.calibration.lock().unwrap().clone().unwrap();
-        busy.cpu_prefill.b *= 50.0;
-        busy.cpu_prefill.c *= 50.0;
-        busy.gpu_prefill.a = 1.0;
+        busy.cpu_prefill.b *= 1000.0;
+        busy.cpu_prefill.c *= 1000.0;
+        busy.gpu_prefill.a = 100.0;
         busy.cpu_prefill_share = Some(0.0);
         *s.calibration.lock().unwrap() = Some(busy.clone());
         s.remeasure.lock().unwrap()[0] = Remeasure::after(Some(0.0), past);
@@ -3901,12 +3902,9 @@ mod tests {
         let mut out = vec![0.0f32; pp.q.len()];
         eng.prefill(&pp, AcpMode::Off, &mut out).unwrap();
         let now = s.calibration.lock().unwrap().clone().unwrap();
-        assert!(now.gpu_prefill.a < 0.1, "GPU measured again: {now}");
+        assert!(now.gpu_prefill.a < 1.0, "GPU measured again: {now}");
         let refs = |c: LinearCost| reference_seconds(c, heads, false, false);
-        assert!(
-            refs(now.cpu_prefill) < refs(busy.cpu_prefill) / 5.0,
-            "{now}"
-        );
+        assert!(refs(now.cpu_prefill) < refs(busy.cpu_prefill), "{now}");
         assert!(now.cpu_prefill_share.unwrap() > 0.0);
         assert_eq!(now.cpu_decode, busy.cpu_decode, "decode untouched");
     }
