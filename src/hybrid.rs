@@ -1780,6 +1780,8 @@ impl Scheduler {
                 Err(e) => return Err(e),
             }
             *slot = Some(c.clone());
+            // (Locks in one order: the re-measure schedule before the calibration.)
+            drop(slot);
             self.schedule_remeasure(&c)?;
             return Ok(Some(c));
         }
@@ -1793,6 +1795,7 @@ impl Scheduler {
             Ok(c) => {
                 lock(calibration_cache())?.insert(key, c.clone());
                 *slot = Some(c.clone());
+                drop(slot);
                 self.schedule_remeasure(&c)?;
                 Ok(Some(c))
             }
