@@ -128,10 +128,10 @@ pub struct Calibration {
     /// Wall time the calibration took (seconds).
     pub seconds: f64,
     /// The fraction of a core the CPU pool's threads got when they wanted one, around the
-    /// CPU's prefill and decode samples (the lower of a probe before and one after; None
-    /// where the platform gives no thread CPU time). Below 0.75 the samples met a busy
-    /// host, and the CPU's costs are measured again later in the engine's life (see the
-    /// `share` module).
+    /// prefill and the decode samples of both backends (the lower of a probe before and
+    /// one after; None where the platform gives no thread CPU time). Below 0.75 the
+    /// samples met a busy host, and both backends' costs of that kind are measured again
+    /// later in the engine's life, the faster kept (see the `share` module).
     pub cpu_prefill_share: Option<f64>,
     pub cpu_decode_share: Option<f64>,
 }

@@ -204,6 +204,37 @@ mod tests {
         assert!(r.is_due(t0 + Duration::from_secs(7)));
     }
 
+    proptest::proptest! {
+        /// Whatever the shares read, a schedule is due at most [`MAX_TRIES`] times, each
+        /// wait at least twice the one before, and never again after [`QUIET_NEEDED`]
+        /// quiet reads.
+        #[test]
+        fn a_schedule_is_bounded_and_stops_once_quiet(
+            first in proptest::option::of(0.0f64..1.0),
+            reads in proptest::collection::vec(proptest::option::of(0.0f64..1.0), 0..12),
+        ) {
+            let t0 = Instant::now();
+            let mut r = Remeasure::after(first, t0);
+            proptest::prop_assert_eq!(r.due.is_some(), busy(first));
+            let (mut now, mut quiet, mut last_wait) = (t0, 0, 0.0);
+            for &x in &reads {
+                let Some(due) = r.due else { break };
+                let wait = due.duration_since(now).as_secs_f64();
+                proptest::prop_assert!(wait >= 2.0 * last_wait - 1e-9);
+                last_wait = wait;
+                now = due;
+                r.tried(x, now);
+                if x.is_some() && !busy(x) {
+                    quiet += 1;
+                }
+                proptest::prop_assert!(r.tries() <= MAX_TRIES);
+                if quiet >= QUIET_NEEDED || r.tries() == MAX_TRIES {
+                    proptest::prop_assert!(r.due.is_none());
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_calmer_share_is_the_larger() {
         assert_eq!(calmer(Some(0.3), Some(0.9)), Some(0.9));
