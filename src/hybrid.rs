@@ -7,7 +7,7 @@
 //! section 3: work is proportional to the kept pairs, FLOPs = `4 · head_dim · P`). `a` and
 //! `b` come from a short calibration (two or three dense sizes per call kind on synthetic
 //! data, the minimum of a few runs), made once per process for each (device, heads, head_dim) and
-//! kept for the backend's life; the CPU's costs of a calibration that met a busy host are
+//! kept for the backend's life; the costs of a calibration that met a busy host are
 //! measured again once the host is quiet (see `share`).
 //!
 //! # Split
@@ -186,15 +186,6 @@ fn reference_seconds(cost: LinearCost, heads: usize, decode: bool, resident: boo
             .sum()
     } else {
         cost.predict(1024 * 1025 / 2 * h, 1024 * h, false)
-    }
-}
-
-/// The calibration's CPU share of decode (`decode`) or prefill.
-fn cpu_share(c: &Calibration, decode: bool) -> Option<f64> {
-    if decode {
-        c.cpu_decode_share
-    } else {
-        c.cpu_prefill_share
     }
 }
 
@@ -1232,8 +1223,8 @@ pub(crate) struct Scheduler {
     /// Set once the GPU failed: every later call runs on the CPU only.
     fallen_back: AtomicBool,
     calibration: Mutex<Option<Calibration>>,
-    /// When the CPU's (prefill, decode) costs are measured again: after a calibration that
-    /// met a busy host (see [`share`]).
+    /// When the (prefill, decode) costs are measured again: after a calibration that met a
+    /// busy host (see [`share`]).
     remeasure: Mutex<[Remeasure; 2]>,
     last_split: Mutex<Option<Split>>,
     /// Calls run all on the CPU, all on the GPU, split.
@@ -1612,15 +1603,17 @@ impl Scheduler {
     }
 
     /// The calibration a call (a decode step if `decode`, else a prefill) plans with:
-    /// [`Scheduler::costs`], its CPU costs of that kind measured again first when due
+    /// [`Scheduler::costs`], its costs of that kind measured again first when due
     /// ([`Scheduler::remeasure`]); None when the scheduler runs the GPU alone or has fallen
-    /// back to the CPU (and no calibration).
+    /// back to the CPU (and no calibration). The schedule is consulted only while the
+    /// kind's share reads busy: a kept measurement that read quiet ends the re-measures,
+    /// whatever [`Remeasure`] would still ask for.
     fn planned_costs(&self, heads: usize, d: usize, decode: bool) -> Result<Option<Calibration>> {
         if self.mode == Mode::GpuOnly || self.fell_back() {
             return Ok(None);
         }
         match self.costs(heads, d)? {
-            Some(c) if share::busy(cpu_share(&c, decode)) => {
+            Some(c) if share::busy(kind_costs(&c, decode).share) => {
                 Ok(Some(self.remeasure(c, heads, d, decode)?))
             }
             other => Ok(other),
@@ -1650,10 +1643,10 @@ impl Scheduler {
             return Ok(c);
         }
         let key = (self.gpu.name.clone(), heads, d);
-        let old = cpu_share(&c, decode);
+        let mine = kind_costs(&c, decode);
         let cached = lock(calibration_cache())?.get(&key).cloned();
         let from_cache = cached.as_ref().map(|x| kind_costs(x, decode)).filter(|x| {
-            let (cpu, gpu) = improves(x, &kind_costs(&c, decode), heads, decode);
+            let (cpu, gpu) = improves(x, &mine, heads, decode);
             cpu || gpu
         });
         // The share this try read: a cached one's, a probe's that found the host still
@@ -1684,7 +1677,7 @@ impl Scheduler {
         };
         let mut kept = c;
         if let Some(new) = fresh {
-            let (cpu, gpu) = improves(&new, &kind_costs(&kept, decode), heads, decode);
+            let (cpu, gpu) = improves(&new, &mine, heads, decode);
             if cpu || gpu {
                 // The lower split costs: a split priced too low is tried, and its factor
                 // corrects it; one priced too high (on a busy host: 3.9 ms for a thread's
@@ -1713,7 +1706,7 @@ impl Scheduler {
                 "[auto] {} re-measure (try {}): share {} -> {}{}; {kept}",
                 if decode { "decode" } else { "prefill" },
                 sched[k].tries() + 1,
-                share_words(old),
+                share_words(mine.share),
                 share_words(read),
                 if fresh.is_none() {
                     " (not measured)"
@@ -1755,7 +1748,7 @@ impl Scheduler {
     fn schedule_remeasure(&self, c: &Calibration) -> Result<()> {
         let now = Instant::now();
         *lock(&self.remeasure)? =
-            [false, true].map(|decode| Remeasure::after(cpu_share(c, decode), now));
+            [false, true].map(|decode| Remeasure::after(kind_costs(c, decode).share, now));
         Ok(())
     }
 

@@ -84,7 +84,7 @@ struct Report {
     head_dim: usize,
     device: Option<String>,
     calibration: Option<String>,
-    /// The same engine's calibration after the last cell, where it changed (its CPU costs
+    /// The same engine's calibration after the last cell, where it changed (its costs
     /// measured again after a calibration on a busy host).
     calibration_end: Option<String>,
     /// Timing method, in words.

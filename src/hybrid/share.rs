@@ -17,14 +17,15 @@
 //! the CPU's decode at 30-102 ns a pair against 1.8-2.6 quiet, and `auto` ran the GPU
 //! alone at 0.38x the CPU's speed). A CPU priced too low is tried, measured, and corrected
 //! by the plan's factor. So a CPU calibration below [`BUSY_SHARE`] is measured again
-//! later ([`Remeasure`]) until two measurements were quiet, and of each backend's costs the
-//! faster are kept: contention only slows a measurement, so of two the faster is nearer the
-//! host's own speed (keeping the calmer kept, on a host busy throughout, a re-measure that
-//! priced the CPU's decode at 5.18 ns a pair over the calibration's 2.45: run 192). One
-//! quiet re-measure is not enough: on the H100 host
-//! one whose probes both read 0.99 (run 163) fitted the CPU's fixed cost of a decode step
-//! at 342 us against 85 on quiet runs, and `auto` ran a third of its dense 1k steps on the
-//! GPU.
+//! later ([`Remeasure`]), and of each backend's costs the faster are kept: contention only
+//! slows a measurement, so of two the faster is nearer the host's own speed (keeping the
+//! calmer kept, on a host busy throughout, a re-measure that priced the CPU's decode at
+//! 5.18 ns a pair over the calibration's 2.45: run 192). The schedule asks for two quiet
+//! measurements, as one may not be enough (on the H100 host one whose probes both read 0.99,
+//! run 163, fitted the CPU's fixed cost of a decode step at 342 us against 85 on quiet
+//! runs, and `auto` ran a third of its dense 1k steps on the GPU); but the scheduler
+//! consults it only while the calibration's share reads busy, so a kept quiet measurement
+//! ends the re-measures and a second comes only when the first quiet one was not kept.
 
 use std::time::{Duration, Instant};
 
