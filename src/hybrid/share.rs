@@ -137,6 +137,11 @@ impl Remeasure {
         }
     }
 
+    /// Whether a re-measure is still to come (due now or later).
+    pub(super) fn pending(&self) -> bool {
+        self.due.is_some()
+    }
+
     pub(super) fn is_due(&self, now: Instant) -> bool {
         self.due.is_some_and(|d| now >= d)
     }
@@ -175,6 +180,7 @@ mod tests {
         let now = Instant::now();
         let r = Remeasure::after(Some(0.95), now);
         assert!(!r.is_due(now + Duration::from_secs(1000)));
+        assert!(!r.pending());
         assert!(!Remeasure::after(None, now).is_due(now + Duration::from_secs(1000)));
     }
 
@@ -206,6 +212,7 @@ mod tests {
         r.tried(Some(0.3), t0 + Duration::from_secs(3));
         r.tried(Some(0.95), t0 + Duration::from_secs(7));
         assert!(!r.is_due(t0 + Duration::from_secs(1000)), "two quiet: done");
+        assert!(!r.pending());
         // A failed re-measure (no share) counts as busy.
         let mut r = Remeasure::after(Some(0.3), t0);
         r.tried(None, t0 + Duration::from_secs(1));
