@@ -4,6 +4,7 @@
 # the run's first SS (default 10) seconds (its calibration), then a quiet host; no new pair
 # after SECONDS.
 N=$1; LIM=$2; shift 2
+source .hybin/setup.sh
 xz -dc .hybin/foxedge_old.xz > /tmp/foxedge_old; chmod +x /tmp/foxedge_old
 start=$(date +%s); i=0
 while [ $(( $(date +%s) - start )) -lt $LIM ]; do
