@@ -1062,7 +1062,7 @@ fn decode_sample(
 /// [`DecodeFit::Resident`] (a re-measure of a device known to keep caches resident) takes
 /// the resident samples alone: the whole sends of 16384 entries are what make a GPU decode
 /// calibration long (on the H100 host a re-measure with them stalled its decode step
-/// 1.1-1.4 s, traces 209-210; without them 340-612 ms, traces 211-212).
+/// 1.1-1.4 s, traces 209-210; without them 340-646 ms, traces 211-213).
 fn calibrate_decode(
     b: &dyn AttentionBackend,
     heads: usize,
@@ -1691,8 +1691,8 @@ impl Scheduler {
                 p => {
                     // After a quiet measurement, the CPU's costs alone: a fit gone wrong on
                     // a quiet host (run 163) was the CPU's, and a GPU decode measurement
-                    // stalls the step far longer (H100 host, decode: both backends 340-612
-                    // ms, the CPU alone 63-70 ms; traces 211-212).
+                    // stalls the step far longer (H100 host, decode: both backends 340-646
+                    // ms, the CPU alone 63-70 ms; traces 211-213).
                     let cpu_only = sched[k].quiet() > 0;
                     let m = calibrate_kind(
                         &self.cpu,
