@@ -329,6 +329,14 @@ const EXPLORE: f64 = 1.25;
 /// extrapolates from synthetic steps (its CPU/GPU crossover was off by 2-3x on the H100 host).
 const EXPLORE_DECODE: f64 = 2.5;
 
+/// [`EXPLORE_DECODE`] while the decode costs come from a busy host (their CPU share below
+/// [`share::BUSY_SHARE`]): every plan gets its first try in a class, whatever its prediction.
+/// Such costs price the CPU 20-60x too high, and a plan priced out of reach is never run to
+/// correct them (on the H100 host, while the re-measure waited for a quiet host, `auto` ran
+/// 1918-2440 of a dense 1k cell's steps on the GPU at 0.35 ms while the CPU took 0.14-0.16:
+/// traces 211 and 213). A first try is two steps.
+const EXPLORE_BUSY_DECODE: f64 = 1e12;
+
 /// One head's work in a call: kept query-key pairs, rows the CPU reads (tokens or cache
 /// entries), rows the GPU must be sent (all of them, but only the changed ones of a decode
 /// head resident on the device).
@@ -1953,7 +1961,11 @@ impl Scheduler {
             cands
         };
         drop(searches);
-        let explore = if decode { EXPLORE_DECODE } else { EXPLORE };
+        let explore = match (decode, share::busy(kind_costs(&c, decode).share)) {
+            (true, true) => EXPLORE_BUSY_DECODE,
+            (true, false) => EXPLORE_DECODE,
+            (false, _) => EXPLORE,
+        };
         let catch_up_s = catch_up_rows as f64 * gc.c;
         let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
         let (kind, why) = (pick.kind, pick.reason);
@@ -3915,8 +3927,11 @@ mod tests {
         // (The GPU's costs priced high too, and the cache's faster costs gone: the second
         // re-measure measures the CPU alone.)
         let mut bad = now.clone();
-        bad.cpu_decode.a = 100.0 * bad.cpu_decode.a.max(1e-5);
-        bad.gpu_decode.a = 100.0 * bad.gpu_decode.a.max(1e-5);
+        for c in [&mut bad.cpu_decode, &mut bad.gpu_decode] {
+            c.a = 100.0 * c.a.max(1e-5);
+            c.b *= 100.0;
+            c.c *= 100.0;
+        }
         assert!(!share::busy(bad.cpu_decode_share));
         let key = (s.gpu.name.clone(), heads, d);
         let cached_before = calibration_cache().lock().unwrap().remove(&key);
@@ -3972,6 +3987,40 @@ mod tests {
         assert!(refs(now.cpu_prefill) < refs(busy.cpu_prefill), "{now}");
         assert!(now.cpu_prefill_share.unwrap() > 0.0);
         assert_eq!(now.cpu_decode, busy.cpu_decode, "decode untouched");
+    }
+
+    /// While the decode costs read busy, `auto` gives every plan its first try in a class
+    /// whatever it predicts: a CPU priced 1000x too high still runs (two steps) and then
+    /// loses to the idle GPU on its measured time. The same costs read quiet: never run.
+    #[test]
+    fn busy_decode_costs_let_every_plan_be_tried() {
+        share::ASSUME_QUIET.with(|q| q.set(true));
+        for busy in [true, false] {
+            let eng = Engine::auto_over_idle_device();
+            let EngineInner::Sched(s) = &eng.inner else {
+                panic!("auto is a scheduler");
+            };
+            let (heads, d) = (5, 8);
+            let mut c = s.costs(heads, d).unwrap().unwrap();
+            c.cpu_decode.a = 1000.0 * c.cpu_decode.a.max(1e-5);
+            c.cpu_decode.b *= 1000.0;
+            c.cpu_decode.c *= 1000.0;
+            c.cpu_decode_share = Some(if busy { 0.2 } else { 0.95 });
+            *s.calibration.lock().unwrap() = Some(c);
+            // Nothing pending: the costs stay as planted.
+            *s.remeasure.lock().unwrap() = [Remeasure::default(); 2];
+            let p = problem(256, heads, d).decode_at(256).unwrap();
+            let mut out = vec![0.0f32; p.q.len()];
+            for _ in 0..24 {
+                eng.decode(&p, AcpMode::Off, &mut out).unwrap();
+            }
+            let n = eng.plan_counts();
+            if busy {
+                assert!(n.cpu >= 1 && n.gpu > n.cpu, "busy: {n:?}");
+            } else {
+                assert_eq!(n.cpu, 0, "quiet: {n:?}");
+            }
+        }
     }
 
     /// A re-measure's resident-only fit ([`DecodeFit::Resident`]) on a device that keeps
