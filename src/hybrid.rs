@@ -1651,10 +1651,10 @@ impl Scheduler {
         }
     }
 
-    /// Measures both backends' costs of one kind of call again when the calibration's
-    /// were measured on a busy host and a re-measure is due ([`Remeasure`]), and keeps for
-    /// each backend the faster of the two ([`improves`]), here and in the
-    /// process-wide cache. A faster one that another engine put in the cache is taken
+    /// Measures the costs of one kind of call again when the calibration's were measured
+    /// on a busy host and a re-measure is due ([`Remeasure`]): both backends' until one
+    /// measurement read quiet, then the CPU's alone. Keeps for each backend the faster of
+    /// the two ([`improves`]), here and in the process-wide cache. A faster one that another engine put in the cache is taken
     /// without measuring; a host whose [`share::probe`] still reads busy is not measured
     /// (on the H100 host, tries that measured there added 95-145 us to every step of a
     /// decode dense 1k cell: runs 167-172). When a backend's costs change, what was learned
@@ -1961,10 +1961,10 @@ impl Scheduler {
             cands
         };
         drop(searches);
-        let explore = match (decode, share::busy(kind_costs(&c, decode).share)) {
-            (true, true) => EXPLORE_BUSY_DECODE,
-            (true, false) => EXPLORE_DECODE,
-            (false, _) => EXPLORE,
+        let explore = match decode {
+            true if share::busy(c.cpu_decode_share) => EXPLORE_BUSY_DECODE,
+            true => EXPLORE_DECODE,
+            false => EXPLORE,
         };
         let catch_up_s = catch_up_rows as f64 * gc.c;
         let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
