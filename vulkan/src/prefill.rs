@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::pack::{pack_f16_into, pack_f32_into, split_f64, unpack_rows};
 use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::{AttentionShape, Layout, gate, threshold};
+use foxedge_cpu::SERIAL_DECISIONS;
 use half::slice::HalfBitsSliceExt;
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -520,17 +521,27 @@ pub(crate) fn prepare<T: Storage>(
     let slabs = sh.batch * sh.heads_q;
 
     // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts;
-    // slabs in parallel, each writing its own parts of c_pairs and first_key. Statistics
-    // stay in slab order and the first failing slab's error is returned, as serially.
+    // slabs in parallel where that pays for the pool's wake-up, each writing its own parts
+    // of c_pairs and first_key. Statistics stay in slab order and the first failing slab's
+    // error is returned, as serially.
     let t_dec = Instant::now();
     let decided = match opts.acp {
         Acp::Decided(dec) => {
             foxedge_cpu::check_decisions(&dec, &grid, slabs, sh.seq_k)?;
             Some(dec)
         }
-        _ => {
-            gate::validate_log_gates(args.log_fgate)?;
-            None
+        _ => None,
+    };
+    // The caller's c (checked above) is read in place; else every slab's is formed here, in
+    // one pass over the gates.
+    let formed;
+    let c_all: &[f64] = match decided {
+        Some(dec) => dec.c,
+        None => {
+            let mut c = vec![0.0f64; slabs * sh.seq_k];
+            gate::cumsum_heads(&sh, args.log_fgate, &mut c)?;
+            formed = c;
+            &formed
         }
     };
     let key_start: Vec<usize> = args
@@ -538,49 +549,52 @@ pub(crate) fn prepare<T: Storage>(
         .map_or_else(|| vec![0; sh.batch], <[usize]>::to_vec);
     let mut c_pairs = vec![0u32; slabs * sh.seq_k * 2];
     let mut first_key = vec![0u32; slabs * nqb];
-    let heads: Vec<Result<HeadStats>> = c_pairs
-        .par_chunks_mut(sh.seq_k * 2)
-        .zip(first_key.par_chunks_mut(nqb))
-        .enumerate()
-        .map_init(
-            || (vec![0.0f64; sh.seq_k], vec![0u32; nqb]),
-            |(c_buf, st_buf), (bh, (cw, fk))| -> Result<HeadStats> {
-                let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-                let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-                // The caller's decisions (checked above) are read in place: no gates read,
-                // nothing formed.
-                let (c, starts): (&[f64], &[u32]) = match decided {
-                    Some(dec) => (
-                        &dec.c[bh * sh.seq_k..][..sh.seq_k],
-                        &dec.start_blocks[bh * nqb..][..nqb],
-                    ),
-                    None => {
-                        gate::cumsum_strided(
-                            &args.log_fgate[sh.gate_at(b, 0, h)..],
-                            sh.gate_stride(),
-                            0.0,
-                            c_buf,
-                        )?;
-                        boundary::start_blocks(&grid, c_buf, delta, key_start[b], st_buf)?;
-                        (c_buf, st_buf)
-                    }
-                };
-                let pc = boundary::count_pairs(&grid, starts, key_start[b]);
-                for (f, &s) in fk.iter_mut().zip(starts.iter()) {
-                    let tok = (s as usize * opts.block_k).max(key_start[b]);
-                    *f = u32::try_from(tok).unwrap_or(u32::MAX);
+    // Each slab's start blocks when it forms them (the caller's are read in place).
+    let mut own_starts = vec![0u32; slabs * nqb];
+    let one =
+        |bh: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32]| -> Result<HeadStats> {
+            let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+            let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
+            let c = &c_all[bh * sh.seq_k..][..sh.seq_k];
+            let starts: &[u32] = match decided {
+                Some(dec) => &dec.start_blocks[bh * nqb..][..nqb],
+                None => {
+                    boundary::start_blocks(&grid, c, delta, key_start[b], st_buf)?;
+                    st_buf
                 }
-                split_f64(c, cw);
-                Ok(HeadStats {
-                    kept_pairs: pc.kept_pairs,
-                    total_pairs: pc.total_pairs,
-                    kept_blocks: pc.kept_blocks,
-                    total_blocks: pc.total_blocks,
-                    delta,
-                })
-            },
-        )
-        .collect();
+            };
+            let pc = boundary::count_pairs(&grid, starts, key_start[b]);
+            for (f, &s) in fk.iter_mut().zip(starts.iter()) {
+                let tok = (s as usize * opts.block_k).max(key_start[b]);
+                *f = u32::try_from(tok).unwrap_or(u32::MAX);
+            }
+            split_f64(c, cw);
+            Ok(HeadStats {
+                kept_pairs: pc.kept_pairs,
+                total_pairs: pc.total_pairs,
+                kept_blocks: pc.kept_blocks,
+                total_blocks: pc.total_blocks,
+                delta,
+            })
+        };
+    let heavy = matches!(opts.acp, Acp::ObservedNorms { .. });
+    let heads: Vec<Result<HeadStats>> = if heavy || slabs * sh.seq_k > SERIAL_DECISIONS {
+        c_pairs
+            .par_chunks_mut(sh.seq_k * 2)
+            .zip(first_key.par_chunks_mut(nqb))
+            .zip(own_starts.par_chunks_mut(nqb))
+            .enumerate()
+            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st))
+            .collect()
+    } else {
+        c_pairs
+            .chunks_mut(sh.seq_k * 2)
+            .zip(first_key.chunks_mut(nqb))
+            .zip(own_starts.chunks_mut(nqb))
+            .enumerate()
+            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st))
+            .collect()
+    };
     let stats = AttentionStats {
         heads: heads.into_iter().collect::<Result<Vec<_>>>()?,
     };
