@@ -619,22 +619,32 @@ pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary
         c: vec![0.0; nh * t],
     };
     // `auto` and the split run this before every prefill they plan (the CPU plan and both
-    // sides of a split then reuse it through `PrefillCall::decided`). Every head's `c` in
-    // one pass over the gate rows; then each head's threshold and start blocks, in parallel
-    // only where that pays for the pool's wake-up (`foxedge_cpu::SERIAL_DECISIONS`).
-    gate::cumsum_rows(call.log_f, nh, 0.0, &mut pb.c).map_err(core_err)?;
-    let c = &pb.c;
-    let one = |(h, st): (usize, &mut [u32])| -> Result<(Option<f64>, boundary::PairCounts)> {
-        let delta = head_boundary(call, &grid, h, &c[h * t..][..t], st)?;
-        Ok((delta, boundary::count_pairs(&grid, st, 0)))
-    };
+    // sides of a split then reuse it through `PrefillCall::decided`). A small call is
+    // decided on this thread, every head's `c` in one pass over the gate rows; a large one
+    // head by head on the pool (`foxedge_cpu::SERIAL_DECISIONS`).
     let heavy = matches!(call.acp, Acp::ObservedNorms { .. });
-    let heads: Vec<_> = if heavy || t * nh > foxedge_cpu::SERIAL_DECISIONS {
-        let starts = pb.start_blocks.par_chunks_mut(nqb.max(1));
-        starts.enumerate().map(one).collect()
+    let serial = !heavy && t * nh <= foxedge_cpu::SERIAL_DECISIONS;
+    if serial {
+        gate::cumsum_rows(call.log_f, nh, 0.0, &mut pb.c).map_err(core_err)?;
     } else {
-        let starts = pb.start_blocks.chunks_mut(nqb.max(1));
-        starts.enumerate().map(one).collect()
+        gate::validate_log_gates(call.log_f.get(..t * nh).unwrap_or(call.log_f))
+            .map_err(core_err)?;
+    }
+    let one = |(h, (c, st)): (usize, (&mut [f64], &mut [u32]))| {
+        if !serial {
+            gate::cumsum_strided(&call.log_f[h..], nh, 0.0, c).map_err(core_err)?;
+        }
+        let delta = head_boundary(call, &grid, h, c, st)?;
+        Ok::<_, Error>((delta, boundary::count_pairs(&grid, st, 0)))
+    };
+    let heads: Vec<_> = if serial {
+        let parts =
+            pb.c.chunks_mut(t.max(1))
+                .zip(pb.start_blocks.chunks_mut(nqb.max(1)));
+        parts.enumerate().map(one).collect()
+    } else {
+        let parts = (pb.c.par_chunks_mut(t.max(1))).zip(pb.start_blocks.par_chunks_mut(nqb.max(1)));
+        parts.enumerate().map(one).collect()
     };
     for (h, r) in heads.into_iter().enumerate() {
         let (delta, pc) = r?;

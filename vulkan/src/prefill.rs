@@ -520,28 +520,28 @@ pub(crate) fn prepare<T: Storage>(
     let nqb = grid.q_blocks();
     let slabs = sh.batch * sh.heads_q;
 
-    // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts;
-    // slabs in parallel where that pays for the pool's wake-up, each writing its own parts
-    // of c_pairs and first_key. Statistics stay in slab order and the first failing slab's
+    // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts. A
+    // small call is decided on this thread, every slab's `c` in one pass over the gates; a
+    // large one slab by slab on the pool (`SERIAL_DECISIONS`), each writing its own parts of
+    // c_pairs and first_key. Statistics stay in slab order and the first failing slab's
     // error is returned, as serially.
     let t_dec = Instant::now();
+    let heavy = matches!(opts.acp, Acp::ObservedNorms { .. });
+    let serial = !heavy && slabs * sh.seq_k <= SERIAL_DECISIONS;
+    let mut formed = Vec::new();
     let decided = match opts.acp {
         Acp::Decided(dec) => {
             foxedge_cpu::check_decisions(&dec, &grid, slabs, sh.seq_k)?;
             Some(dec)
         }
-        _ => None,
-    };
-    // The caller's c (checked above) is read in place; else every slab's is formed here, in
-    // one pass over the gates.
-    let formed;
-    let c_all: &[f64] = match decided {
-        Some(dec) => dec.c,
-        None => {
-            let mut c = vec![0.0f64; slabs * sh.seq_k];
-            gate::cumsum_heads(&sh, args.log_fgate, &mut c)?;
-            formed = c;
-            &formed
+        _ if serial => {
+            formed = vec![0.0f64; slabs * sh.seq_k];
+            gate::cumsum_heads(&sh, args.log_fgate, &mut formed)?;
+            None
+        }
+        _ => {
+            gate::validate_log_gates(args.log_fgate)?;
+            None
         }
     };
     let key_start: Vec<usize> = args
@@ -551,48 +551,60 @@ pub(crate) fn prepare<T: Storage>(
     let mut first_key = vec![0u32; slabs * nqb];
     // Each slab's start blocks when it forms them (the caller's are read in place).
     let mut own_starts = vec![0u32; slabs * nqb];
-    let one =
-        |bh: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32]| -> Result<HeadStats> {
-            let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-            let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-            let c = &c_all[bh * sh.seq_k..][..sh.seq_k];
-            let starts: &[u32] = match decided {
-                Some(dec) => &dec.start_blocks[bh * nqb..][..nqb],
-                None => {
-                    boundary::start_blocks(&grid, c, delta, key_start[b], st_buf)?;
-                    st_buf
-                }
-            };
-            let pc = boundary::count_pairs(&grid, starts, key_start[b]);
-            for (f, &s) in fk.iter_mut().zip(starts.iter()) {
-                let tok = (s as usize * opts.block_k).max(key_start[b]);
-                *f = u32::try_from(tok).unwrap_or(u32::MAX);
+    // `c_buf`: a slab's `c` when it is formed here slab by slab (parallel calls).
+    let one = |bh: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32], c_buf: &mut [f64]| {
+        let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+        let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
+        let (c, starts): (&[f64], &[u32]) = match decided {
+            Some(dec) => (
+                &dec.c[bh * sh.seq_k..][..sh.seq_k],
+                &dec.start_blocks[bh * nqb..][..nqb],
+            ),
+            None => {
+                let c: &[f64] = if serial {
+                    &formed[bh * sh.seq_k..][..sh.seq_k]
+                } else {
+                    let gates = &args.log_fgate[sh.gate_at(b, 0, h)..];
+                    gate::cumsum_strided(gates, sh.gate_stride(), 0.0, c_buf)?;
+                    c_buf
+                };
+                boundary::start_blocks(&grid, c, delta, key_start[b], st_buf)?;
+                (c, st_buf)
             }
-            split_f64(c, cw);
-            Ok(HeadStats {
-                kept_pairs: pc.kept_pairs,
-                total_pairs: pc.total_pairs,
-                kept_blocks: pc.kept_blocks,
-                total_blocks: pc.total_blocks,
-                delta,
-            })
         };
-    let heavy = matches!(opts.acp, Acp::ObservedNorms { .. });
-    let heads: Vec<Result<HeadStats>> = if heavy || slabs * sh.seq_k > SERIAL_DECISIONS {
-        c_pairs
-            .par_chunks_mut(sh.seq_k * 2)
-            .zip(first_key.par_chunks_mut(nqb))
-            .zip(own_starts.par_chunks_mut(nqb))
-            .enumerate()
-            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st))
-            .collect()
-    } else {
+        let pc = boundary::count_pairs(&grid, starts, key_start[b]);
+        for (f, &s) in fk.iter_mut().zip(starts.iter()) {
+            let tok = (s as usize * opts.block_k).max(key_start[b]);
+            *f = u32::try_from(tok).unwrap_or(u32::MAX);
+        }
+        split_f64(c, cw);
+        Ok::<_, Error>(HeadStats {
+            kept_pairs: pc.kept_pairs,
+            total_pairs: pc.total_pairs,
+            kept_blocks: pc.kept_blocks,
+            total_blocks: pc.total_blocks,
+            delta,
+        })
+    };
+    let heads: Vec<Result<HeadStats>> = if serial {
         c_pairs
             .chunks_mut(sh.seq_k * 2)
             .zip(first_key.chunks_mut(nqb))
             .zip(own_starts.chunks_mut(nqb))
             .enumerate()
-            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st))
+            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st, &mut []))
+            .collect()
+    } else {
+        let c_need = if decided.is_some() { 0 } else { sh.seq_k };
+        c_pairs
+            .par_chunks_mut(sh.seq_k * 2)
+            .zip(first_key.par_chunks_mut(nqb))
+            .zip(own_starts.par_chunks_mut(nqb))
+            .enumerate()
+            .map_init(
+                || vec![0.0f64; c_need],
+                |c_buf, (bh, ((cw, fk), st))| one(bh, cw, fk, st, c_buf),
+            )
             .collect()
     };
     let stats = AttentionStats {
