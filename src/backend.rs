@@ -194,8 +194,8 @@ pub(crate) struct PrefillCall<'a> {
 impl<'a> PrefillCall<'a> {
     /// The kernels' pruning mode for this call: the caller's decisions when it made them on
     /// the kernels' tile grid (the scheduler planned the call from them; at 1k tokens x 16
-    /// heads they cost ~80 us, 5% of an ACP prefill on the H100 host's CPU, and the GPU
-    /// path then reads no gates either), else the call's own mode.
+    /// heads they cost 28-47 us on the H100 host's CPU, 2-3% of an ACP prefill there, and
+    /// the GPU path then reads no gates either), else the call's own mode.
     pub(crate) fn kernel_acp(&self) -> foxedge_cpu::Acp<'_> {
         match self.decided {
             Some(b) if b.block == foxedge_cpu::PrefillOptions::default().block_q => {
