@@ -4098,6 +4098,32 @@ mod tests {
     }
 
     #[test]
+    fn boundary_equals_each_heads_own_serially_and_on_the_pool() {
+        // 700 x 5 gate entries are decided on this thread; 4200 x 16 on the pool.
+        for (t, nh) in [(700, 5), (4200, 16)] {
+            let p = problem(t, nh, 8);
+            let b = p.boundary(AcpMode::Bound { ln_eps: -10.0 }).unwrap();
+            let grid = BlockGrid::new(BLOCK, BLOCK, t, t).unwrap();
+            let nqb = grid.q_blocks();
+            let (mut c, mut st) = (vec![0.0; t], vec![0u32; nqb]);
+            for h in 0..nh {
+                gate::cumsum_strided(&p.log_f[h..], nh, 0.0, &mut c).unwrap();
+                let delta = threshold::threshold(p.u[h], t, -10.0).unwrap();
+                boundary::start_blocks(&grid, &c, Some(delta), 0, &mut st).unwrap();
+                let pc = boundary::count_pairs(&grid, &st, 0);
+                assert_eq!(&b.c[h * t..][..t], &c[..]);
+                assert_eq!(&b.start_blocks[h * nqb..][..nqb], &st[..]);
+                assert_eq!(b.delta[h], Some(delta));
+                assert_eq!(
+                    (b.kept_pairs[h], b.total_pairs[h]),
+                    (pc.kept_pairs, pc.total_pairs)
+                );
+            }
+            assert!(b.kept_pairs.iter().zip(&b.total_pairs).any(|(k, n)| k < n));
+        }
+    }
+
+    #[test]
     fn boundary_counts_equal_the_cpu_kernels() {
         let p = problem(700, 5, 16);
         for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {

@@ -322,3 +322,48 @@ fn decided_prefill_equals_the_threshold_call_bit_for_bit() {
     };
     assert!(call(Acp::Decided(late)).is_err());
 }
+
+#[test]
+fn decisions_above_the_serial_limit_equal_the_cpus() {
+    use foxedge_vulkan::Acp;
+    let Some(vk) = device() else { return };
+    // 17 heads x 4096 tokens: past `SERIAL_DECISIONS`, so the slabs are decided on the pool
+    // (each forming its own `c`), in both layouts; the CPU decides serially in one pass.
+    let t = 4096;
+    assert!(17 * t > foxedge_cpu::SERIAL_DECISIONS);
+    for layout in [Layout::SeqFirst, Layout::HeadFirst] {
+        let case = Case::<f32>::new(shape(1, 17, 1, t, t, 8, layout), 77);
+        let delta: Vec<f64> = (0..17).map(|h| -6.0 - h as f64).collect();
+        let opts = PrefillOptions {
+            acp: Acp::Threshold(&delta),
+            ..Default::default()
+        };
+        let run = |cpu: bool| {
+            let mut out = vec![f32::NAN; case.sh.q_len()];
+            let stats = if cpu {
+                foxedge_cpu::prefill(&case.args(), &opts, &mut out, None).map_err(|e| e.to_string())
+            } else {
+                vk.prefill(&case.args(), &opts, &mut out, None)
+                    .map_err(|e| e.to_string())
+            }
+            .expect("prefill");
+            (out, stats)
+        };
+        let ((co, cs), (vo, vs)) = (run(true), run(false));
+        assert_eq!(cs, vs, "{layout:?}: the same decisions");
+        assert!(
+            vs.kept_fraction() < 0.1,
+            "{layout:?}: kept {}",
+            vs.kept_fraction()
+        );
+        let worst = co
+            .iter()
+            .zip(&vo)
+            .map(|(a, b)| (a - b).abs())
+            .fold(
+                0.0f32,
+                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+            );
+        assert!(worst <= 4e-5, "{layout:?}: max |vulkan - cpu| {worst}");
+    }
+}
