@@ -105,9 +105,9 @@ impl BlockGrid {
     }
 }
 
-/// Checks that `c` is finite and non-increasing (what validated log gates produce).
-/// `c` finite and non-increasing. A branch-free pass first (it vectorizes); only a `c` that
-/// fails it is walked again for the first fault's message.
+/// Checks that `c` is finite and non-increasing (what validated log gates produce): a
+/// branch-free pass first (it vectorizes); only a `c` that fails it is walked again for the
+/// first fault's message.
 fn check_c(c: &[f64]) -> Result<()> {
     let finite = c.iter().fold(true, |ok, x| ok & x.is_finite());
     let falling = c

@@ -117,13 +117,8 @@ fn sum_rows(log_f: &[f32], heads: usize, origin: f64, out: &mut [f64]) {
         if w == ROW_LANES {
             sum_lanes::<ROW_LANES>(log_f, heads, h0, origin, group);
         } else {
-            for l in 0..w {
-                let o = &mut group[l * rows..(l + 1) * rows];
-                let mut acc = origin;
-                for (r, x) in o.iter_mut().enumerate() {
-                    acc += f64::from(log_f[r * heads + h0 + l].max(LOG_GATE_FLOOR));
-                    *x = acc;
-                }
+            for (l, o) in group.chunks_exact_mut(rows.max(1)).enumerate() {
+                sum_lanes::<1>(log_f, heads, h0 + l, origin, o);
             }
         }
         h0 += w;
@@ -132,8 +127,9 @@ fn sum_rows(log_f: &[f32], heads: usize, origin: f64, out: &mut [f64]) {
 
 /// `c` of every (batch, query head) of a call: `out[(b * heads_q + h) * seq_k + t] =
 /// sum_{l<=t} max(log_f[gate_at(b, l, h)], LOG_GATE_FLOOR)` (`out` is `[batch * heads_q,
-/// seq_k]`), each head bit-identical to [`cumsum_strided`] of it. A `SeqFirst` tensor is
-/// summed by rows ([`cumsum_rows`], one batch at a time), a `HeadFirst` one head by head.
+/// seq_k]`), each head bit-identical to [`cumsum_strided`] of it. The gates are checked
+/// once; a `SeqFirst` tensor is then summed by rows ([`cumsum_rows`], one batch at a time),
+/// a `HeadFirst` one head by head.
 ///
 /// Errors: `log_f.len() != shape.gate_len()` or `out.len()` not that ([`Error::BadLength`]);
 /// a bad gate ([`Error::BadLogGate`] with its index into `log_f`, the first in memory
@@ -163,7 +159,7 @@ pub fn cumsum_heads(shape: &AttentionShape, log_f: &[f32], out: &mut [f64]) -> R
         }
         Layout::HeadFirst => {
             for (g, o) in log_f.chunks(seq).zip(out.chunks_mut(seq)) {
-                cumsum_strided(g, 1, 0.0, o)?;
+                sum_rows(g, 1, 0.0, o);
             }
         }
     }

@@ -356,14 +356,7 @@ fn decisions_above_the_serial_limit_equal_the_cpus() {
             "{layout:?}: kept {}",
             vs.kept_fraction()
         );
-        let worst = co
-            .iter()
-            .zip(&vo)
-            .map(|(a, b)| (a - b).abs())
-            .fold(
-                0.0f32,
-                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
-            );
+        let (worst, _) = errors(&vo, &to_f64(&co));
         assert!(worst <= 4e-5, "{layout:?}: max |vulkan - cpu| {worst}");
     }
 }
