@@ -2,8 +2,8 @@
 //!
 //! [`pack_rows`] is the plain serial packer (decode and the resident cache use it; it is
 //! also the reference the parallel packers are tested against). Prefill packs with
-//! [`pack_f32_into`] / [`pack_f16_into`] straight into mapped staging memory, rows in
-//! parallel, and unpacks with [`unpack_rows`] straight from mapped readback memory.
+//! [`pack_f32_into`] / [`pack_f16_into`] straight into mapped staging memory, tiles of
+//! rows in parallel, and unpacks with [`unpack_rows`] straight from mapped readback memory.
 
 use crate::api::Storage;
 use half::f16;
@@ -34,6 +34,52 @@ fn for_rows<E: Send>(dst: &mut [E], d: usize, f: impl Fn(usize, &mut [E]) + Sync
     }
 }
 
+/// Tokens per packing tile: a tile is this many consecutive rows of every slab.
+const TILE_ROWS: usize = 16;
+
+/// `f(row index, row)` over the `d`-element rows of `dst`, which holds slabs of `seq` rows
+/// (row `r = slab * seq + t`), in parallel when large, by tiles of [`TILE_ROWS`] tokens
+/// across all slabs. A sequence-first source holds a token's heads side by side, so a tile
+/// reads `slabs * TILE_ROWS` rows from a few contiguous runs; walking one slab at a time
+/// instead reads one row per `heads * d`-element stride (a new page each row at 16 x 64
+/// f32): packing a 16-head x 16K x 64 prefill's q, k and v (f32 to f16) took 10.7 ms that
+/// way against 4.9 by tiles on the H100 host (BENCHMARKS.md, run 280).
+fn for_tiles<E: Send>(
+    dst: &mut [E],
+    d: usize,
+    seq: usize,
+    f: impl Fn(usize, &mut [E]) + Sync + Send,
+) {
+    let slab_len = seq * d;
+    if dst.len() < PAR_MIN_ELEMS || slab_len == 0 || dst.len() % slab_len != 0 {
+        return for_rows(dst, d, f);
+    }
+    let slabs = dst.len() / slab_len;
+    let per_slab = seq.div_ceil(TILE_ROWS);
+    // Tile `b` of slab `s` at `tiles[b * slabs + s]` (every slab has `per_slab` tiles).
+    let mut cuts: Vec<_> = dst
+        .chunks_exact_mut(slab_len)
+        .map(|slab| slab.chunks_mut(TILE_ROWS * d))
+        .collect();
+    let mut tiles = Vec::with_capacity(per_slab * slabs);
+    for _ in 0..per_slab {
+        tiles.extend(cuts.iter_mut().filter_map(Iterator::next));
+    }
+    let min_tiles = rows_per_task(d).div_ceil(slabs * TILE_ROWS);
+    tiles
+        .par_chunks_mut(slabs)
+        .with_min_len(min_tiles)
+        .enumerate()
+        .for_each(|(b, tile)| {
+            for (s, part) in tile.iter_mut().enumerate() {
+                let r0 = s * seq + b * TILE_ROWS;
+                for (i, row) in part.chunks_exact_mut(d).enumerate() {
+                    f(r0 + i, row);
+                }
+            }
+        });
+}
+
 /// `src` as `&[f16]` when `T` is `f16`.
 fn as_f16<T: Storage>(src: &[T]) -> Option<&[f16]> {
     if TypeId::of::<T>() != TypeId::of::<f16>() {
@@ -45,19 +91,22 @@ fn as_f16<T: Storage>(src: &[T]) -> Option<&[f16]> {
 }
 
 /// Packs `dst.len() / d` rows of `d` elements as f32, row `r` from `src[at(r)..][..d]`
-/// (rows in parallel when large). Same values as [`pack_rows`] with `f16 = false`
+/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]). Same values as [`pack_rows`] with `f16 = false`
 /// (widening f16 or bf16 is exact; only NaN payloads may differ).
 pub(crate) fn pack_f32_into<T: Storage>(
     src: &[T],
     dst: &mut [f32],
     d: usize,
+    seq: usize,
     at: impl Fn(usize) -> usize + Sync + Send,
 ) {
-    for_rows(dst, d, |r, row| T::to_f32_slice(&src[at(r)..][..d], row));
+    for_tiles(dst, d, seq, |r, row| {
+        T::to_f32_slice(&src[at(r)..][..d], row);
+    });
 }
 
 /// Packs `dst.len() / d` rows of `d` elements as f16, row `r` from `src[at(r)..][..d]`
-/// (rows in parallel when large): f16 input is copied bit for bit, f32 rounds to nearest
+/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]): f16 input is copied bit for bit, f32 rounds to nearest
 /// even through `half`'s slice conversion (F16C where the CPU has it, detected at run
 /// time; the same rounding as `f16::from_f32`), other types widen to f32 first. Same
 /// bits as [`pack_rows`] with `f16 = true`, except NaN payloads (the serial packer's
@@ -66,16 +115,17 @@ pub(crate) fn pack_f16_into<T: Storage>(
     src: &[T],
     dst: &mut [f16],
     d: usize,
+    seq: usize,
     at: impl Fn(usize) -> usize + Sync + Send,
 ) {
     if let Some(s) = as_f16(src) {
-        for_rows(dst, d, |r, row| row.copy_from_slice(&s[at(r)..][..d]));
+        for_tiles(dst, d, seq, |r, row| row.copy_from_slice(&s[at(r)..][..d]));
     } else if let Some(s) = T::as_f32(src) {
-        for_rows(dst, d, |r, row| {
+        for_tiles(dst, d, seq, |r, row| {
             row.convert_from_f32_slice(&s[at(r)..][..d]);
         });
     } else {
-        for_rows(dst, d, |r, row| {
+        for_tiles(dst, d, seq, |r, row| {
             let mut buf = [0.0f32; 64];
             let s = &src[at(r)..][..d];
             for (i, o) in s.chunks(64).zip(row.chunks_mut(64)) {
@@ -154,17 +204,23 @@ mod tests {
         a == b || (f32::from_bits(a).is_nan() && f32::from_bits(b).is_nan())
     }
 
-    /// Both parallel packers against `pack_rows` on one source and row map.
-    fn check<T: Storage>(src: &[T], rows: usize, d: usize, at: &(dyn Fn(usize) -> usize + Sync)) {
+    /// Both parallel packers against `pack_rows` on one source and row map (`rows` in
+    /// slabs of `seq`).
+    fn check<T: Storage>(
+        src: &[T],
+        (rows, seq): (usize, usize),
+        d: usize,
+        at: &(dyn Fn(usize) -> usize + Sync),
+    ) {
         let want32 = pack_rows(src, false, rows, d, at).words;
         let mut got32 = vec![f32::NAN; rows * d];
-        pack_f32_into(src, &mut got32, d, at);
+        pack_f32_into(src, &mut got32, d, seq, at);
         for (i, (g, w)) in got32.iter().zip(&want32).enumerate() {
             assert!(same32(g.to_bits(), *w), "f32 {:?} element {i}", T::DTYPE);
         }
         let want16 = pack_rows(src, true, rows, d, at).words;
         let mut got16 = vec![f16::NAN; rows * d];
-        pack_f16_into(src, &mut got16, d, at);
+        pack_f16_into(src, &mut got16, d, seq, at);
         for (i, pair) in got16.chunks_exact(2).enumerate() {
             let w = want16[i];
             assert!(
@@ -179,16 +235,19 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
         /// The parallel packers write what the serial reference packs, for f32, f16 and bf16
         /// input, any bit pattern (NaN, inf, subnormals, values that round to a tie), rows
-        /// gathered at any stride, offset and order, sizes on both sides of the serial cutoff.
+        /// gathered at any stride, offset and order, in slabs of any length (partial last
+        /// tiles), sizes on both sides of the serial cutoff.
         #[test]
         fn parallel_packing_equals_the_serial_reference(
-            rows in 1usize..800,
+            slabs in 1usize..6,
+            seq in 1usize..300,
             d8 in 1usize..17,
             gap in 0usize..70,
             off in 0usize..100,
             order in 0u8..3,
             seed in any::<u64>(),
         ) {
+            let rows = slabs * seq;
             let d = 8 * d8;
             let stride = d + gap;
             let n = off + rows * stride;
@@ -205,12 +264,22 @@ mod tests {
                 if r.r#gen::<bool>() { r.r#gen() } else { (r.r#gen::<f32>() * 4.0 - 2.0).to_bits() }
             };
             let s32: Vec<f32> = (0..n).map(|_| f32::from_bits(mix(&mut r))).collect();
-            check(&s32, rows, d, &at);
+            check(&s32, (rows, seq), d, &at);
             let s16: Vec<f16> = (0..n).map(|_| f16::from_bits(r.r#gen())).collect();
-            check(&s16, rows, d, &at);
+            check(&s16, (rows, seq), d, &at);
             let sb: Vec<bf16> = (0..n).map(|_| bf16::from_bits(r.r#gen())).collect();
-            check(&sb, rows, d, &at);
+            check(&sb, (rows, seq), d, &at);
         }
+    }
+
+    /// A sequence-first gather large enough for the tiled path, the last tile partial.
+    #[test]
+    fn tiled_packing_of_a_sequence_first_source() {
+        let (heads, seq, d) = (3, 16 * 40 + 5, 64);
+        assert!(heads * seq * d >= PAR_MIN_ELEMS);
+        let src: Vec<f32> = (0..heads * seq * d).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let at = |r: usize| ((r % seq) * heads + r / seq) * d;
+        check(&src, (heads * seq, seq), d, &at);
     }
 
     #[test]
@@ -228,7 +297,7 @@ mod tests {
             0.0,
         ];
         let mut got = [f16::ZERO; 8];
-        pack_f16_into(&x, &mut got, 8, |_| 0);
+        pack_f16_into(&x, &mut got, 8, 1, |_| 0);
         assert_eq!(got[0], f16::ONE);
         assert_eq!(got[1].to_f32(), 1.0 + 2f32.powi(-9));
         assert!(got[2].is_infinite());

@@ -851,9 +851,10 @@ pub(crate) fn prepare<T: Storage>(
     }
     phases.setup = t_setup.elapsed();
 
-    // Packing straight into the mapped staging buffers (rows in parallel). Device slabs
-    // are in (b, kv head, group member) order = (b, q head) order. The tensor-core kernels'
-    // slack after q, k and v is zeroed: stale words there could be NaN, and 0 * NaN is NaN.
+    // Packing straight into the mapped staging buffers, by tiles of tokens across slabs in
+    // parallel (`pack::for_tiles`). Device slabs are in (b, kv head, group member) order =
+    // (b, q head) order. The tensor-core kernels' slack after q, k and v is zeroed: stale
+    // words there could be NaN, and 0 * NaN is NaN.
     let t_pack = Instant::now();
     for (kv0, nkv, items, up, _) in &staged {
         let (kv0, nkv) = (*kv0, *nkv);
@@ -866,9 +867,10 @@ pub(crate) fn prepare<T: Storage>(
             let (s, t) = (kv0 + r / sh.seq_k, r % sh.seq_k);
             sh.kv_at(s / sh.heads_kv, t, s % sh.heads_kv)
         };
-        stage_rows(&up[0], args.q, f16, ns * sh.seq_q * d, d, q_row)?;
-        stage_rows(&up[1], args.k, f16, nkv * sh.seq_k * d, d, kv_row)?;
-        stage_rows(&up[2], args.v, f16, nkv * sh.seq_k * d, d, kv_row)?;
+        let (q_slabs, kv_slabs) = ((d, sh.seq_q), (d, sh.seq_k));
+        stage_rows(&up[0], args.q, f16, ns * sh.seq_q * d, q_slabs, q_row)?;
+        stage_rows(&up[1], args.k, f16, nkv * sh.seq_k * d, kv_slabs, kv_row)?;
+        stage_rows(&up[2], args.v, f16, nkv * sh.seq_k * d, kv_slabs, kv_row)?;
         let small: [&[u32]; 4] = [
             &c_pairs[s0 * sh.seq_k * 2..(s0 + ns) * sh.seq_k * 2],
             &first_key[s0 * nqb..(s0 + ns) * nqb],
@@ -930,27 +932,27 @@ fn host_err(e: HostAccessError) -> Error {
     Error::Vulkan(e.to_string())
 }
 
-/// Packs `elems` elements (rows of `d`, row `r` at `src[at(r)..]`) into the staging words
-/// `buf` as f16 or f32, and zeroes the words after them.
+/// Packs `elems` elements (slabs of `seq` rows of `d`, row `r` at `src[at(r)..]`) into the
+/// staging words `buf` as f16 or f32, and zeroes the words after them.
 fn stage_rows<T: Storage>(
     buf: &Subbuffer<[u32]>,
     src: &[T],
     f16: bool,
     elems: usize,
-    d: usize,
+    (d, seq): (usize, usize),
     at: impl Fn(usize) -> usize + Sync + Send,
 ) -> Result<()> {
     if f16 {
         let b = buf.clone().reinterpret::<[u16]>();
         let mut w = b.write().map_err(host_err)?;
         let (data, slack) = w.split_at_mut(elems);
-        pack_f16_into(src, data.reinterpret_cast_mut::<half::f16>(), d, at);
+        pack_f16_into(src, data.reinterpret_cast_mut::<half::f16>(), d, seq, at);
         slack.fill(0);
     } else {
         let b = buf.clone().reinterpret::<[f32]>();
         let mut w = b.write().map_err(host_err)?;
         let (data, slack) = w.split_at_mut(elems);
-        pack_f32_into(src, data, d, at);
+        pack_f32_into(src, data, d, seq, at);
         slack.fill(0.0);
     }
     Ok(())
