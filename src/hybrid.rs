@@ -1293,6 +1293,11 @@ pub(crate) struct Scheduler {
     /// `auto`'s all-CPU calls' measured / predicted seconds (of their upper bounds), for
     /// (prefill, decode): the CPU shortcut's check.
     shortcut: Mutex<[Shortcut; 2]>,
+    /// (prefill, decode): the fastest GPU call or split GPU side measured so far, in
+    /// nanoseconds (u64::MAX: none), an upper bound on the GPU's fixed cost that the
+    /// shortcut trusts over a calibration's (run 291: a fit of 2586 us + 0 ns a row, while
+    /// the GPU ran dense 1k prefills in 1.2 ms, held ACP 1k on the CPU at 1.5x the time).
+    gpu_fastest_ns: [AtomicU64; 2],
     /// The CPU side of a split on a concurrent device: one thread fewer than the machine
     /// has, so the GPU submission thread (host packing, uploads) keeps a core.
     split_pool: OnceLock<Option<rayon::ThreadPool>>,
@@ -1552,6 +1557,7 @@ impl Scheduler {
             kept_counts: Mutex::default(),
             searches: Mutex::default(),
             shortcut: Mutex::default(),
+            gpu_fastest_ns: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
             split_pool: OnceLock::new(),
         }
     }
@@ -1593,6 +1599,15 @@ impl Scheduler {
         sides: Option<(f64, f64)>,
     ) {
         let secs = ran.1.as_secs_f64();
+        let gpu_s = match choice.kind {
+            PlanKind::Gpu => Some(secs),
+            PlanKind::Split => sides.map(|(_, g)| g),
+            PlanKind::Cpu => None,
+        };
+        if let Some(g) = gpu_s.filter(|g| g.is_finite() && *g > 0.0) {
+            // (A saturating cast: seconds past u64 nanoseconds read as u64::MAX.)
+            self.gpu_fastest_ns[decode as usize].fetch_min((g * 1e9) as u64, Ordering::Relaxed);
+        }
         if let Some(cpu_s) = choice.cpu_upper_s
             && let Ok(mut s) = self.shortcut.lock()
         {
@@ -1940,7 +1955,10 @@ impl Scheduler {
             // (on the H100 host a calibration that predicted a dense 4k step at 350 us
             // against a GPU fixed cost of 362 us kept auto on the CPU, 0.78 ms a step, while
             // the GPU took 0.40: run 67).
-            if lock(&self.shortcut)?[decode as usize].factor() * cpu_upper_s <= gc.a {
+            // The GPU's fixed cost: the calibration's, or less where a GPU call ran faster.
+            let fastest = self.gpu_fastest_ns[decode as usize].load(Ordering::Relaxed);
+            let gpu_fixed = gc.a.min(fastest as f64 * 1e-9);
+            if lock(&self.shortcut)?[decode as usize].factor() * cpu_upper_s <= gpu_fixed {
                 return Ok(Choice {
                     cpu_upper_s: Some(cpu_upper_s),
                     ..side(false)
@@ -3885,6 +3903,64 @@ mod tests {
         eng.decode(&d, AcpMode::Off, &mut out).unwrap();
         assert_eq!(planned(), after, "the shortcut ran again");
         assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
+    }
+
+    /// A calibration whose GPU fixed cost is far above what GPU calls take does not hold
+    /// auto on the CPU shortcut: once a GPU call ran faster than the shortcut's bound, the
+    /// full plan runs (with its probes and class records); GPU calls and split GPU sides
+    /// are what set that bound.
+    #[test]
+    fn a_measured_gpu_call_bounds_the_shortcuts_fixed_cost() {
+        let eng = Engine::auto_over_idle_device();
+        let EngineInner::Sched(s) = &eng.inner else {
+            panic!("auto is a scheduler");
+        };
+        let cal = Calibration {
+            cpu_prefill: cost(0.0, 0.0),
+            gpu_prefill: cost(0.0, 0.0),
+            cpu_decode: cost(0.0, 1e-12),
+            gpu_decode: cost(1.0, 0.0),
+            gpu_decode_resident: true,
+            concurrent: true,
+            split_fixed: 0.0,
+            split_row_prefill: 0.0,
+            seconds: 0.0,
+            cpu_prefill_share: None,
+            cpu_decode_share: None,
+        };
+        *s.calibration.lock().unwrap() = Some(cal);
+        let d = problem(512, 2, 16).decode_at(512).unwrap();
+        let mut out = vec![0.0f32; d.q.len()];
+        let planned = || -> f64 { s.feedback.lock().unwrap().values().map(|r| r.spent()).sum() };
+        for _ in 0..3 {
+            eng.decode(&d, AcpMode::Off, &mut out).unwrap();
+        }
+        assert_eq!(planned(), 0.0, "a 1 s fixed cost: the shortcut ran");
+        // A GPU decode step of 1 us: the shortcut's bound is now 1 us, below the CPU's.
+        s.gpu_fastest_ns[1].store(1_000, Ordering::Relaxed);
+        eng.decode(&d, AcpMode::Off, &mut out).unwrap();
+        assert!(planned() > 0.0, "the full plan ran");
+        assert_eq!(s.gpu_fastest_ns[0].load(Ordering::Relaxed), u64::MAX);
+        // learn() keeps the fastest of GPU calls and split GPU sides, per kind.
+        let mut choice = Choice {
+            split: Split::whole(2, true, 1e-3),
+            kind: PlanKind::Gpu,
+            probe_of: None,
+            class: None,
+            sides: (0.0, 0.0),
+            started: Instant::now(),
+            cpu_upper_s: None,
+        };
+        let ran = |us: u64| (Instant::now(), std::time::Duration::from_micros(us));
+        s.learn(&choice, false, ran(700), None);
+        s.learn(&choice, false, ran(900), None);
+        assert_eq!(s.gpu_fastest_ns[0].load(Ordering::Relaxed), 700_000);
+        choice.kind = PlanKind::Split;
+        s.learn(&choice, false, ran(100), Some((1e-4, 5e-4)));
+        assert_eq!(s.gpu_fastest_ns[0].load(Ordering::Relaxed), 500_000);
+        choice.kind = PlanKind::Cpu;
+        s.learn(&choice, false, ran(1), None);
+        assert_eq!(s.gpu_fastest_ns[0].load(Ordering::Relaxed), 500_000);
     }
 
     /// A calibration whose decode costs met a busy host (share 0, CPU costs 1000x, a split's
