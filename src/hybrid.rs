@@ -3854,6 +3854,24 @@ mod tests {
         }
     }
 
+    /// A calibration under which auto's decode takes the CPU shortcut: the CPU predicted
+    /// at 1e-12 s a pair, the GPU at a fixed `gpu_fixed` seconds a step.
+    fn shortcut_calibration(gpu_fixed: f64) -> Calibration {
+        Calibration {
+            cpu_prefill: cost(0.0, 0.0),
+            gpu_prefill: cost(0.0, 0.0),
+            cpu_decode: cost(0.0, 1e-12),
+            gpu_decode: cost(gpu_fixed, 0.0),
+            gpu_decode_resident: true,
+            concurrent: true,
+            split_fixed: 0.0,
+            split_row_prefill: 0.0,
+            seconds: 0.0,
+            cpu_prefill_share: None,
+            cpu_decode_share: None,
+        }
+    }
+
     /// A calibration that predicts the CPU far faster than it runs does not hold auto on
     /// the CPU shortcut: a step predicted at 1 ns on the CPU against a GPU fixed cost of
     /// 100 ns takes the shortcut until its measured time (>= 100 ns for any real step)
@@ -3865,19 +3883,7 @@ mod tests {
         let EngineInner::Sched(s) = &eng.inner else {
             panic!("auto is a scheduler");
         };
-        let mut cal = Calibration {
-            cpu_prefill: cost(0.0, 0.0),
-            gpu_prefill: cost(0.0, 0.0),
-            cpu_decode: cost(0.0, 1e-12),
-            gpu_decode: cost(1e-7, 0.0),
-            gpu_decode_resident: true,
-            concurrent: true,
-            split_fixed: 0.0,
-            split_row_prefill: 0.0,
-            seconds: 0.0,
-            cpu_prefill_share: None,
-            cpu_decode_share: None,
-        };
+        let mut cal = shortcut_calibration(1e-7);
         *s.calibration.lock().unwrap() = Some(cal.clone());
         // 2 heads x 512 entries: 1024 pairs, 1 ns predicted.
         let d = problem(512, 2, 16).decode_at(512).unwrap();
@@ -3915,20 +3921,7 @@ mod tests {
         let EngineInner::Sched(s) = &eng.inner else {
             panic!("auto is a scheduler");
         };
-        let cal = Calibration {
-            cpu_prefill: cost(0.0, 0.0),
-            gpu_prefill: cost(0.0, 0.0),
-            cpu_decode: cost(0.0, 1e-12),
-            gpu_decode: cost(1.0, 0.0),
-            gpu_decode_resident: true,
-            concurrent: true,
-            split_fixed: 0.0,
-            split_row_prefill: 0.0,
-            seconds: 0.0,
-            cpu_prefill_share: None,
-            cpu_decode_share: None,
-        };
-        *s.calibration.lock().unwrap() = Some(cal);
+        *s.calibration.lock().unwrap() = Some(shortcut_calibration(1.0));
         let d = problem(512, 2, 16).decode_at(512).unwrap();
         let mut out = vec![0.0f32; d.q.len()];
         let planned = || -> f64 { s.feedback.lock().unwrap().values().map(|r| r.spent()).sum() };
