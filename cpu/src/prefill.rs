@@ -288,7 +288,7 @@ pub fn check_decisions(
             });
         }
     }
-    // Branch-free, so it vectorizes (16K values: ~1 us, against ~6 us for `any`).
+    // Branch-free (16K values on the dev machine: 3.8 us, against 5.3 us for `any`).
     if !dec.c.iter().fold(true, |ok, x| ok & x.is_finite()) {
         return Err(Error::BadArgument("Decided c must be finite"));
     }

@@ -91,8 +91,9 @@ fn as_f16<T: Storage>(src: &[T]) -> Option<&[f16]> {
 }
 
 /// Packs `dst.len() / d` rows of `d` elements as f32, row `r` from `src[at(r)..][..d]`
-/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]). Same values as [`pack_rows`] with `f16 = false`
-/// (widening f16 or bf16 is exact; only NaN payloads may differ).
+/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]). Same
+/// values as [`pack_rows`] with `f16 = false` (widening f16 or bf16 is exact; only NaN
+/// payloads may differ).
 pub(crate) fn pack_f32_into<T: Storage>(
     src: &[T],
     dst: &mut [f32],
@@ -106,11 +107,12 @@ pub(crate) fn pack_f32_into<T: Storage>(
 }
 
 /// Packs `dst.len() / d` rows of `d` elements as f16, row `r` from `src[at(r)..][..d]`
-/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]): f16 input is copied bit for bit, f32 rounds to nearest
-/// even through `half`'s slice conversion (F16C where the CPU has it, detected at run
-/// time; the same rounding as `f16::from_f32`), other types widen to f32 first. Same
-/// bits as [`pack_rows`] with `f16 = true`, except NaN payloads (the serial packer's
-/// f16 -> f32 -> f16 round trip quiets signalling NaNs).
+/// (`dst` in slabs of `seq` rows, by tiles in parallel when large: [`for_tiles`]): f16
+/// input is copied bit for bit, f32 rounds to nearest even through `half`'s slice
+/// conversion (F16C where the CPU has it, detected at run time; the same rounding as
+/// `f16::from_f32`), other types widen to f32 first. Same bits as [`pack_rows`] with
+/// `f16 = true`, except NaN payloads (the serial packer's f16 -> f32 -> f16 round trip
+/// quiets signalling NaNs).
 pub(crate) fn pack_f16_into<T: Storage>(
     src: &[T],
     dst: &mut [f16],
