@@ -42,6 +42,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+mod ahead;
 mod feedback;
 mod share;
 use feedback::{ClassRecord, Pick, Probe, Reason, Shortcut};
@@ -651,6 +652,18 @@ pub(crate) fn prefill_boundary(call: &PrefillCall<'_>) -> Result<PrefillBoundary
         (pb.delta[h], pb.kept_pairs[h], pb.total_pairs[h]) = (delta, pc.kept_pairs, pc.total_pairs);
     }
     Ok(pb)
+}
+
+/// Per head of a prefill of `t` tokens: its work under the boundary `b`.
+fn prefill_work(b: &PrefillBoundary, t: usize) -> Vec<Work> {
+    b.kept_pairs
+        .iter()
+        .map(|&pairs| Work {
+            pairs,
+            rows: t as u64,
+            gpu_rows: t as u64,
+        })
+        .collect()
 }
 
 /// Head `h` of [`prefill_boundary`]: its start blocks from its `c` (formed already); returns
@@ -1298,6 +1311,11 @@ pub(crate) struct Scheduler {
     /// shortcut trusts over a calibration's (run 291: a fit of 2586 us + 0 ns a row, while
     /// the GPU ran dense 1k prefills in 1.2 ms, held ACP 1k on the CPU at 1.5x the time).
     gpu_fastest_ns: [AtomicU64; 2],
+    /// ACP prefill shapes whose next call starts on the GPU before its count ([`ahead`]),
+    /// with the margin their last count found.
+    ahead: Mutex<IdMap<ahead::Shape, f64>>,
+    /// Calls that started on the GPU before their count.
+    ahead_calls: AtomicU64,
     /// The CPU side of a split on a concurrent device: one thread fewer than the machine
     /// has, so the GPU submission thread (host packing, uploads) keeps a core.
     split_pool: OnceLock<Option<rayon::ThreadPool>>,
@@ -1447,6 +1465,9 @@ struct Choice {
     /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
     /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
     cpu_upper_s: Option<f64>,
+    /// For a model pick of `auto` that is not a probe: the nearest other plan's corrected
+    /// prediction over the pick's (0 otherwise).
+    margin: f64,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1558,6 +1579,8 @@ impl Scheduler {
             searches: Mutex::default(),
             shortcut: Mutex::default(),
             gpu_fastest_ns: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+            ahead: Mutex::default(),
+            ahead_calls: AtomicU64::new(0),
             split_pool: OnceLock::new(),
         }
     }
@@ -1898,6 +1921,7 @@ impl Scheduler {
             sides: (0.0, 0.0),
             started,
             cpu_upper_s: None,
+            margin: 0.0,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -2005,12 +2029,35 @@ impl Scheduler {
         let catch_up_s = catch_up_rows as f64 * gc.c;
         let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
         let (kind, why) = (pick.kind, pick.reason);
+        let margin = if self.mode == Mode::Auto && why == Reason::Best {
+            let corrected = |k: PlanKind, raw: f64| {
+                let prior = if k == PlanKind::Split {
+                    SPLIT_PRIOR
+                } else {
+                    1.0
+                };
+                raw * rec.factor(k).unwrap_or(prior)
+            };
+            let all = [
+                (PlanKind::Cpu, Some(cands.cpu)),
+                (PlanKind::Gpu, Some(cands.gpu)),
+            ]
+            .into_iter()
+            .chain([(PlanKind::Split, cands.split.as_ref().map(|s| s.0))])
+            .filter_map(|(k, t)| t.map(|t| (k, corrected(k, t))));
+            let (mine, others) = all.fold((f64::INFINITY, f64::INFINITY), |(m, o), (k, t)| {
+                if k == kind { (t, o) } else { (m, o.min(t)) }
+            });
+            others / mine
+        } else {
+            0.0
+        };
         let raw = split.predicted_seconds;
         if trace_auto() && self.mode == Mode::Auto {
             let f = |k: PlanKind| rec.factor(k).map_or("-".into(), |x| format!("{x:.2}"));
             eprintln!(
                 "[auto] {class:?} raw ms cpu {:.3} gpu {:.3} split {} | factors {} {} {} -> {kind:?} \
-                 ({why:?}, {} gpu heads; work counted in {:.0} us, chosen after {:.0} us)",
+                 ({why:?} by {margin:.2}, {} gpu heads; work counted in {:.0} us, chosen after {:.0} us)",
                 cands.cpu * 1e3,
                 cands.gpu * 1e3,
                 cands.split.as_ref().map_or("-".into(), |(t, g)| format!(
@@ -2035,6 +2082,7 @@ impl Scheduler {
             sides: cands.split_sides,
             started,
             cpu_upper_s: (self.mode == Mode::Auto && kind == PlanKind::Cpu).then_some(cpu_upper_s),
+            margin,
         })
     }
 
@@ -2354,9 +2402,17 @@ impl AttentionBackend for Scheduler {
         };
         let mut decided = None;
         let cal = self.planned_costs(nh, d, false)?;
+        let shape = (t, nh, d);
+        let acp = !matches!(call.acp, Acp::Off);
+        if acp
+            && let Some(c) = &cal
+            && self.starts_ahead(shape, c)
+        {
+            return self.prefill_ahead(call, c, shape, (entered, upper), out);
+        }
         let choice = self.choose((nh, false), cal, entered, (upper, 0), None, || {
             // Dense: every head keeps every causal pair; the kernels form their own c.
-            if matches!(call.acp, Acp::Off) {
+            if !acp {
                 let w = Work {
                     pairs: (t * (t + 1) / 2) as u64,
                     rows: t as u64,
@@ -2365,18 +2421,13 @@ impl AttentionBackend for Scheduler {
                 return Ok(vec![w; nh]);
             }
             let b = prefill_boundary(call)?;
-            let w = b
-                .kept_pairs
-                .iter()
-                .map(|&pairs| Work {
-                    pairs,
-                    rows: t as u64,
-                    gpu_rows: t as u64,
-                })
-                .collect();
+            let w = prefill_work(&b, t);
             decided = Some(b);
             Ok(w)
         })?;
+        if acp {
+            self.plan_ahead(shape, &choice);
+        }
         let split = &choice.split;
         self.record(split)?;
         let t0 = Instant::now();
@@ -2486,6 +2537,99 @@ impl Scheduler {
             }
         }
         self.gpu.backend.release_cache(ids);
+    }
+
+    /// Whether an ACP prefill of `shape` starts on the GPU before its count ([`ahead`]).
+    fn starts_ahead(&self, shape: ahead::Shape, cal: &Calibration) -> bool {
+        self.mode == Mode::Auto
+            && cal.concurrent
+            && !self.fell_back()
+            && self.ahead.lock().is_ok_and(|a| a.contains_key(&shape))
+    }
+
+    /// After a count of an ACP prefill of `shape` planned `next`: its next call starts on
+    /// the GPU before its count when `next` is the GPU's by [`ahead::MARGIN`], not a probe
+    /// ([`ahead`]).
+    fn plan_ahead(&self, shape: ahead::Shape, next: &Choice) {
+        if self.mode != Mode::Auto {
+            return;
+        }
+        let Ok(mut a) = self.ahead.lock() else {
+            return;
+        };
+        if next.kind == PlanKind::Gpu && next.probe_of.is_none() && next.margin >= ahead::MARGIN {
+            if a.len() >= ahead::SHAPES && !a.contains_key(&shape) {
+                a.clear();
+            }
+            a.insert(shape, next.margin);
+        } else {
+            a.remove(&shape);
+        }
+    }
+
+    /// An ACP prefill of `shape` started on the GPU before its count ([`ahead`]): the GPU
+    /// runs it (deciding its blocks) while a pool thread counts its work; then the count
+    /// teaches the call's size class its measured time, as a counted GPU call's, and plans
+    /// the shape's next call. `(entered, upper)`: when the call began, its work's bound.
+    fn prefill_ahead(
+        &self,
+        call: &PrefillCall<'_>,
+        cal: &Calibration,
+        shape: ahead::Shape,
+        (entered, upper): (Instant, Work),
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        // The GPU runs on this thread, as the `vulkan` backend's would; the count goes to
+        // the pool (done long before the GPU is, so the scope's end rarely waits).
+        let mut counted = Err(Error::Internal("prefill count did not run".into()));
+        let t0 = Instant::now();
+        let (r, ran) = rayon::in_place_scope(|s| {
+            s.spawn(|_| counted = prefill_boundary(call));
+            let r = self.gpu.backend.prefill(call, out);
+            (r, t0.elapsed())
+        });
+        self.ahead_calls.fetch_add(1, Ordering::Relaxed);
+        let gpu_ran = r.is_ok();
+        let r = self.or_cpu(r, || self.cpu.prefill(call, out));
+        let counted = match counted {
+            Ok(b) if gpu_ran => b,
+            _ => {
+                if let Ok(mut a) = self.ahead.lock() {
+                    a.remove(&shape);
+                }
+                self.count_overhead(entered, ran);
+                return r;
+            }
+        };
+        let work = prefill_work(&counted, call.t);
+        let total = work.iter().fold(Work::default(), |a, &w| a + w);
+        let raw = cal.gpu_prefill.predict(total.pairs, total.gpu_rows, false);
+        let this = Choice {
+            split: Split::whole(call.heads, true, raw),
+            kind: PlanKind::Gpu,
+            probe_of: None,
+            class: Some((size_class(false, total), raw)),
+            sides: (0.0, 0.0),
+            started: entered,
+            cpu_upper_s: None,
+            margin: 0.0,
+        };
+        if trace_auto() {
+            eprintln!("[auto] prefill started on the GPU ahead of its count");
+        }
+        self.record(&this.split)?;
+        self.learn(&this, false, (t0, ran), None);
+        let next = self.choose(
+            (call.heads, false),
+            Some(cal.clone()),
+            entered,
+            (upper, 0),
+            None,
+            || Ok(work),
+        )?;
+        self.plan_ahead(shape, &next);
+        self.count_overhead(entered, ran);
+        r
     }
 
     /// A prefill split: the GPU heads are gathered and handed to the GPU thread first; the
@@ -3911,6 +4055,75 @@ mod tests {
         assert_eq!(s.shortcut.lock().unwrap()[0], Shortcut::default());
     }
 
+    /// A calibration under which the GPU is `auto`'s prefill plan by far: the CPU and a
+    /// split cost 1000 s fixed, the GPU 1 us (its measured factor then grows to thousands,
+    /// and 1000 s stays far above).
+    fn gpu_calibration() -> Calibration {
+        Calibration {
+            cpu_prefill: cost(1000.0, 1e-9),
+            gpu_prefill: cost(1e-6, 0.0),
+            split_fixed: 1000.0,
+            ..shortcut_calibration(0.0)
+        }
+    }
+
+    /// After a count that picks the GPU by far, the next ACP prefill of the shape starts on
+    /// the GPU before its count; the count still teaches its class and plans the next
+    /// call. Outputs equal the CPU's throughout. A count that picks the CPU ends it (the
+    /// next call counts first and runs on the CPU); dense calls and a GPU that is not
+    /// concurrent never start ahead.
+    #[test]
+    fn an_acp_prefill_starts_on_the_gpu_ahead_of_its_count() {
+        let eng = Engine::auto_over_idle_device();
+        let EngineInner::Sched(s) = &eng.inner else {
+            panic!("auto is a scheduler");
+        };
+        *s.calibration.lock().unwrap() = Some(gpu_calibration());
+        let p = problem(300, 3, 16);
+        let acp = AcpMode::Bound { ln_eps: -10.0 };
+        let mut want = vec![0.0f32; p.q.len()];
+        CpuBackend.prefill(&p.call(acp), &mut want).unwrap();
+        let ahead = || s.ahead_calls.load(Ordering::Relaxed);
+        let learned = || -> u64 { s.feedback.lock().unwrap().values().map(|r| r.calls()).sum() };
+        for i in 0..5u64 {
+            let mut out = vec![f32::NAN; p.q.len()];
+            eng.prefill(&p, acp, &mut out).unwrap();
+            assert_eq!(out, want, "call {i}");
+            assert_eq!(
+                ahead(),
+                i,
+                "the first call counts first, the others start ahead"
+            );
+            assert_eq!(learned(), i + 1, "every call teaches its class");
+        }
+        assert_eq!(eng.plan_counts().gpu, 5);
+        let mut out = vec![0.0f32; p.q.len()];
+        eng.prefill(&p, AcpMode::Off, &mut out).unwrap();
+        assert_eq!(ahead(), 4, "dense calls count nothing");
+
+        // The CPU now far cheaper: the call already ahead runs on the GPU; its count picks
+        // the CPU, so the next call counts first and runs there.
+        let mut cheap = gpu_calibration();
+        cheap.cpu_prefill = cost(0.0, 1e-15);
+        cheap.gpu_prefill = cost(1.0, 0.0);
+        *s.calibration.lock().unwrap() = Some(cheap);
+        eng.prefill(&p, acp, &mut out).unwrap();
+        assert_eq!((ahead(), eng.plan_counts().gpu), (5, 7));
+        eng.prefill(&p, acp, &mut out).unwrap();
+        assert_eq!((ahead(), eng.plan_counts().cpu), (5, 1));
+        assert_eq!(out, want);
+        assert!(s.ahead.lock().unwrap().is_empty());
+
+        // Not concurrent (the device shares the CPU's cores): counted first.
+        let mut shared = gpu_calibration();
+        shared.concurrent = false;
+        *s.calibration.lock().unwrap() = Some(shared);
+        for _ in 0..3 {
+            eng.prefill(&p, acp, &mut out).unwrap();
+        }
+        assert_eq!(ahead(), 5);
+    }
+
     /// A calibration whose GPU fixed cost is far above what GPU calls take does not hold
     /// auto on the CPU shortcut: once a GPU call ran faster than the shortcut's bound, the
     /// full plan runs (with its probes and class records); GPU calls and split GPU sides
@@ -3943,6 +4156,7 @@ mod tests {
             sides: (0.0, 0.0),
             started: Instant::now(),
             cpu_upper_s: None,
+            margin: 0.0,
         };
         let ran = |us: u64| (Instant::now(), std::time::Duration::from_micros(us));
         s.learn(&choice, false, ran(700), None);
