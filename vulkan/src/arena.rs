@@ -12,6 +12,15 @@
 //! two of the words asked for (within `maxMemoryAllocationSize`), so slowly growing calls do
 //! not reallocate each time; callers receive an exact-size `slice` of it, so descriptor
 //! ranges and copies are what they were with exact-size buffers.
+//!
+//! A pooled arena also shrinks: a slot more than [`SHRINK`] times what [`SHRINK_CALLS`]
+//! calls in a row asked of it is allocated again at their size, and a slot no call used for
+//! [`SHRINK_CALLS`] calls is freed. Otherwise one long prompt holds its buffers for the
+//! process's life: on the H100 host 518 MiB after 16k-token calls of 16 heads, where 1k
+//! calls need 32 MiB (BENCHMARKS.md, runs 330-334), and on a board whose GPU shares the
+//! host's memory the application loses that memory. [`SHRINK_CALLS`] spans a few chunks of
+//! a model's layers, so a prompt's short last chunk does not make the next prompt allocate
+//! again.
 
 use crate::device::Context;
 use crate::error::Result;
@@ -29,12 +38,29 @@ pub(crate) enum Kind {
     Download,
 }
 
+/// A pooled slot more than this many times the size a call would give it is oversized.
+pub(crate) const SHRINK: u64 = 4;
+
+/// Calls in a row after which an oversized pooled slot is allocated again at size, and an
+/// unused one freed (a prefill call per layer: four chunks of a 16-layer model).
+pub(crate) const SHRINK_CALLS: u64 = 64;
+
+/// One slot: its buffer, the oversized calls in a row it served, the call that last used it.
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    buf: Option<Subbuffer<[u32]>>,
+    oversized: u64,
+    used_at: u64,
+}
+
 /// Buffers by (kind, slot index).
 #[derive(Debug)]
 pub(crate) struct Arena {
-    slots: [Vec<Option<Subbuffer<[u32]>>>; 3],
-    /// Pooled arenas grow with headroom; fresh ones allocate exact sizes.
+    slots: [Vec<Slot>; 3],
+    /// Pooled arenas grow with headroom (and shrink); fresh ones allocate exact sizes.
     headroom: bool,
+    /// Calls begun ([`Arena::begin_call`]).
+    calls: u64,
 }
 
 impl Arena {
@@ -42,6 +68,26 @@ impl Arena {
         Self {
             slots: Default::default(),
             headroom,
+            calls: 0,
+        }
+    }
+
+    /// Starts a call: slots it does not use age by one call.
+    pub fn begin_call(&mut self) {
+        self.calls += 1;
+    }
+
+    /// Ends a call of a pooled arena: frees the slots no call used for [`SHRINK_CALLS`]
+    /// calls.
+    pub fn end_call(&mut self) {
+        if !self.headroom {
+            return;
+        }
+        let now = self.calls;
+        for s in self.slots.iter_mut().flatten() {
+            if s.buf.is_some() && s.used_at + SHRINK_CALLS <= now {
+                *s = Slot::default();
+            }
         }
     }
 
@@ -55,25 +101,33 @@ impl Arena {
         words: usize,
     ) -> Result<Subbuffer<[u32]>> {
         let words = words.max(1);
+        let max_words = (ctx.info.max_allocation / 4) as usize;
+        let cap = if self.headroom {
+            words
+                .checked_next_power_of_two()
+                .unwrap_or(words)
+                .min(max_words)
+                .max(words)
+        } else {
+            words
+        };
         let v = &mut self.slots[kind as usize];
         if v.len() <= i {
-            v.resize(i + 1, None);
+            v.resize(i + 1, Slot::default());
         }
-        let buf = match v[i].take() {
-            Some(b) if b.len() >= words as u64 => b,
+        let slot = &mut v[i];
+        slot.used_at = self.calls;
+        let oversized = |b: &Subbuffer<[u32]>| self.headroom && b.len() > SHRINK * cap as u64;
+        slot.oversized = match &slot.buf {
+            Some(b) if oversized(b) => slot.oversized + 1,
+            _ => 0,
+        };
+        let buf = match slot.buf.take() {
+            Some(b) if b.len() >= words as u64 && slot.oversized < SHRINK_CALLS => b,
             old => {
                 // Free the old buffer before allocating its replacement.
                 drop(old);
-                let max_words = (ctx.info.max_allocation / 4) as usize;
-                let cap = if self.headroom {
-                    words
-                        .checked_next_power_of_two()
-                        .unwrap_or(words)
-                        .min(max_words)
-                        .max(words)
-                } else {
-                    words
-                };
+                slot.oversized = 0;
                 let alloc = |n: usize| match kind {
                     Kind::Device => ctx.device_buffer(n),
                     Kind::Upload => ctx.host_buffer(n, true),
@@ -87,7 +141,7 @@ impl Arena {
                 }
             }
         };
-        v[i] = Some(buf.clone());
+        slot.buf = Some(buf.clone());
         Ok(buf.slice(0..words as u64))
     }
 
@@ -101,7 +155,7 @@ impl Arena {
         self.slots
             .iter()
             .flatten()
-            .flatten()
+            .filter_map(|s| s.buf.as_ref())
             .map(|b| b.size())
             .sum()
     }
@@ -127,9 +181,11 @@ impl Lease {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        let mut arena = pooled.unwrap_or_else(|| Arena::new(false));
+        arena.begin_call();
         Self {
             ctx: ctx.clone(),
-            arena: pooled.unwrap_or_else(|| Arena::new(false)),
+            arena,
         }
     }
 }
@@ -137,6 +193,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if self.arena.pooled() {
+            self.arena.end_call();
             let a = std::mem::replace(&mut self.arena, Arena::new(false));
             *self
                 .ctx

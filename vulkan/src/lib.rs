@@ -230,7 +230,8 @@ impl Vulkan {
     }
 
     /// Frees the device and staging buffers that prefill calls keep for reuse (they grow
-    /// to the largest call so far and stay allocated); later calls allocate them again.
+    /// to fit each call, and shrink back only after many smaller calls: see
+    /// [`Vulkan::prefill_buffer_bytes`]); later calls allocate them again.
     /// A prefill call alive at the time keeps its buffers until it is dropped.
     pub fn release_prefill_buffers(&self) {
         let mut g = self
@@ -241,6 +242,18 @@ impl Vulkan {
         if g.is_some() {
             *g = Some(arena::Arena::new(true));
         }
+    }
+
+    /// Bytes of the buffers prefill calls keep for reuse (0 while a call holds them). They
+    /// grow to fit each call; a buffer more than 4x what 64 calls in a row needed is
+    /// allocated again at their size, and one no call used for 64 calls is freed.
+    pub fn prefill_buffer_bytes(&self) -> u64 {
+        self.ctx
+            .prefill_arena
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map_or(0, arena::Arena::bytes)
     }
 
     /// Uploads a prefill call and decides its blocks, without running it (benchmarks run

@@ -195,6 +195,37 @@ fn prefill_buffer_reuse_growing_shrinking_f16_f32_and_kept_calls() {
     next.run(&vk, "after release");
 }
 
+/// The pooled buffers follow the calls down as well as up: after a large call split in
+/// chunks, `SHRINK_CALLS` (64) small calls leave them as the small calls alone did (the
+/// oversized slots allocated again at size, the other chunks' slots freed), and every
+/// output stays right.
+#[test]
+fn pooled_buffers_shrink_back_after_a_large_call() {
+    let Some(vk) = device() else { return };
+    vk.release_prefill_buffers();
+    let small = shape(1, 2, 2, 64, 64, 64, Layout::SeqFirst);
+    let big = shape(1, 4, 4, 1024, 1024, 64, Layout::SeqFirst);
+    Case::<f32>::new(small, 800).run(&vk, "small");
+    let small_bytes = vk.prefill_buffer_bytes();
+    vk.set_binding_limit(600_000);
+    Case::<f32>::new(big, 801).run(&vk, "big, chunked");
+    vk.set_binding_limit(u64::MAX);
+    let big_bytes = vk.prefill_buffer_bytes();
+    assert!(
+        big_bytes > 16 * small_bytes,
+        "{big_bytes} against {small_bytes}"
+    );
+    for i in 0..64 {
+        assert!(
+            vk.prefill_buffer_bytes() > 16 * small_bytes,
+            "kept for 64 calls"
+        );
+        Case::<f32>::new(small, 802 + i).run(&vk, "small after big");
+    }
+    assert_eq!(vk.prefill_buffer_bytes(), small_bytes);
+    Case::<f16>::new(big, 900).run(&vk, "big again");
+}
+
 #[test]
 fn prefill_concurrent_calls_share_no_buffers() {
     let Some(vk) = device() else { return };
