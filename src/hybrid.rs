@@ -2406,9 +2406,9 @@ impl AttentionBackend for Scheduler {
         let acp = !matches!(call.acp, Acp::Off);
         if acp
             && let Some(c) = &cal
-            && self.starts_ahead(shape, c)
+            && let Some(margin) = self.starts_ahead(shape, c)
         {
-            return self.prefill_ahead(call, c, shape, (entered, upper), out);
+            return self.prefill_ahead(call, c, (shape, margin), (entered, upper), out);
         }
         let choice = self.choose((nh, false), cal, entered, (upper, 0), None, || {
             // Dense: every head keeps every causal pair; the kernels form their own c.
@@ -2539,12 +2539,13 @@ impl Scheduler {
         self.gpu.backend.release_cache(ids);
     }
 
-    /// Whether an ACP prefill of `shape` starts on the GPU before its count ([`ahead`]).
-    fn starts_ahead(&self, shape: ahead::Shape, cal: &Calibration) -> bool {
-        self.mode == Mode::Auto
-            && cal.concurrent
-            && !self.fell_back()
-            && self.ahead.lock().is_ok_and(|a| a.contains_key(&shape))
+    /// Whether an ACP prefill of `shape` starts on the GPU before its count ([`ahead`]):
+    /// the margin its shape's last count found, if so.
+    fn starts_ahead(&self, shape: ahead::Shape, cal: &Calibration) -> Option<f64> {
+        if self.mode != Mode::Auto || !cal.concurrent || self.fell_back() {
+            return None;
+        }
+        self.ahead.lock().ok()?.get(&shape).copied()
     }
 
     /// After a count of an ACP prefill of `shape` planned `next`: its next call starts on
@@ -2567,20 +2568,22 @@ impl Scheduler {
         }
     }
 
-    /// An ACP prefill of `shape` started on the GPU before its count ([`ahead`]): the GPU
-    /// runs it (deciding its blocks) while a pool thread counts its work; then the count
-    /// teaches the call's size class its measured time, as a counted GPU call's, and plans
-    /// the shape's next call. `(entered, upper)`: when the call began, its work's bound.
+    /// An ACP prefill of `shape` started on the GPU before its count ([`ahead`]; `margin`:
+    /// what the shape's last count found): the GPU runs it (deciding its blocks) while a
+    /// pool thread counts its work; then the count teaches the call's size class its
+    /// measured time, as a counted GPU call's, and plans the shape's next call.
+    /// `(entered, upper)`: when the call began, its work's bound.
     fn prefill_ahead(
         &self,
         call: &PrefillCall<'_>,
         cal: &Calibration,
-        shape: ahead::Shape,
+        (shape, margin): (ahead::Shape, f64),
         (entered, upper): (Instant, Work),
         out: &mut [f32],
     ) -> Result<AttentionStats> {
         // The GPU runs on this thread, as the `vulkan` backend's would; the count goes to
-        // the pool (done long before the GPU is, so the scope's end rarely waits).
+        // the pool (done long before the GPU is, so the scope's end rarely waits: a wait
+        // counts as the scheduler's time, not the dispatch's).
         let mut counted = Err(Error::Internal("prefill count did not run".into()));
         let t0 = Instant::now();
         let (r, ran) = rayon::in_place_scope(|s| {
@@ -2590,14 +2593,16 @@ impl Scheduler {
         });
         self.ahead_calls.fetch_add(1, Ordering::Relaxed);
         let gpu_ran = r.is_ok();
+        let rerun = Instant::now();
         let r = self.or_cpu(r, || self.cpu.prefill(call, out));
+        let dispatched = ran + rerun.elapsed();
         let counted = match counted {
             Ok(b) if gpu_ran => b,
             _ => {
                 if let Ok(mut a) = self.ahead.lock() {
                     a.remove(&shape);
                 }
-                self.count_overhead(entered, ran);
+                self.count_overhead(entered, dispatched);
                 return r;
             }
         };
@@ -2615,7 +2620,10 @@ impl Scheduler {
             margin: 0.0,
         };
         if trace_auto() {
-            eprintln!("[auto] prefill started on the GPU ahead of its count");
+            eprintln!(
+                "[auto] prefill started on the GPU ahead of its count (the last count's margin \
+                 {margin:.2})"
+            );
         }
         self.record(&this.split)?;
         self.learn(&this, false, (t0, ran), None);
@@ -2628,7 +2636,7 @@ impl Scheduler {
             || Ok(work),
         )?;
         self.plan_ahead(shape, &next);
-        self.count_overhead(entered, ran);
+        self.count_overhead(entered, dispatched);
         r
     }
 
