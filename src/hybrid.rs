@@ -565,6 +565,7 @@ fn plan(
         reason: Reason::Best,
         best_s: 0.0,
         catch_up_s: 0.0,
+        margin: 0.0,
     };
     let pick = match mode {
         Mode::GpuOnly => fixed(PlanKind::Gpu),
@@ -1465,8 +1466,7 @@ struct Choice {
     /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
     /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
     cpu_upper_s: Option<f64>,
-    /// For a model pick of `auto` that is not a probe: the nearest other plan's corrected
-    /// prediction over the pick's (0 otherwise).
+    /// `auto`'s [`Pick::margin`] (0 for the other modes, a probe, or no model pick).
     margin: f64,
 }
 
@@ -2029,29 +2029,7 @@ impl Scheduler {
         let catch_up_s = catch_up_rows as f64 * gc.c;
         let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
         let (kind, why) = (pick.kind, pick.reason);
-        let margin = if self.mode == Mode::Auto && why == Reason::Best {
-            let corrected = |k: PlanKind, raw: f64| {
-                let prior = if k == PlanKind::Split {
-                    SPLIT_PRIOR
-                } else {
-                    1.0
-                };
-                raw * rec.factor(k).unwrap_or(prior)
-            };
-            let all = [
-                (PlanKind::Cpu, Some(cands.cpu)),
-                (PlanKind::Gpu, Some(cands.gpu)),
-            ]
-            .into_iter()
-            .chain([(PlanKind::Split, cands.split.as_ref().map(|s| s.0))])
-            .filter_map(|(k, t)| t.map(|t| (k, corrected(k, t))));
-            let (mine, others) = all.fold((f64::INFINITY, f64::INFINITY), |(m, o), (k, t)| {
-                if k == kind { (t, o) } else { (m, o.min(t)) }
-            });
-            others / mine
-        } else {
-            0.0
-        };
+        let margin = pick.margin;
         let raw = split.predicted_seconds;
         if trace_auto() && self.mode == Mode::Auto {
             let f = |k: PlanKind| rec.factor(k).map_or("-".into(), |x| format!("{x:.2}"));

@@ -341,6 +341,9 @@ pub(super) struct Pick {
     /// For a probe: what its first call pays beyond its prediction to switch (a GPU
     /// mirror's catch-up), seconds; 0 otherwise.
     pub catch_up_s: f64,
+    /// For a pick by [`Reason::Best`] among corrected predictions: the nearest other
+    /// plan's over the winner's (infinite when it is the only plan); 0 otherwise.
+    pub margin: f64,
 }
 
 /// What [`ClassRecord::record`] charges a probe's call against ([`Pick::probe_of`]).
@@ -616,6 +619,7 @@ impl ClassRecord {
                 reason: Reason::Best,
                 best_s: 0.0,
                 catch_up_s: 0.0,
+                margin: 0.0,
             };
         };
         let mut best_t = min_t;
@@ -645,6 +649,13 @@ impl ClassRecord {
             catch_up_s: match reason {
                 Reason::Best => 0.0,
                 _ => catch_up(kind).max(0.0),
+            },
+            margin: match reason {
+                Reason::Best => {
+                    let others = corrected.iter().filter(|(_, k)| *k != kind);
+                    others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
+                }
+                _ => 0.0,
             },
         };
         let affordable = |k: PlanKind, t: f64| {
