@@ -202,6 +202,13 @@ pub struct PrefillOptions<'a> {
     pub block_q: usize,
     /// Keys per tile (tokens), > 0. Blocks are aligned to key position 0.
     pub block_k: usize,
+    /// The query heads to compute, strictly increasing, each `< heads_q`, for every batch
+    /// row; `None`: all. The output rows (and lse) of other heads are left as they are,
+    /// and the statistics hold one entry per computed (batch, head), in that order. Lets
+    /// two backends share one call's heads in place, without gathering them (the hybrid
+    /// split). [`Acp::Threshold`], [`Acp::Bound`] and [`Acp::Decided`] stay indexed by
+    /// the whole call's heads.
+    pub heads: Option<&'a [usize]>,
 }
 
 impl Default for PrefillOptions<'_> {
@@ -211,6 +218,7 @@ impl Default for PrefillOptions<'_> {
             acp: Acp::Off,
             block_q: 64,
             block_k: 64,
+            heads: None,
         }
     }
 }

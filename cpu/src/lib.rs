@@ -29,5 +29,5 @@ pub use api::{
 };
 pub use decode::{decode, decode_with_isa};
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};
-pub use prefill::{SERIAL_DECISIONS, check_decisions, prefill, prefill_with_isa};
+pub use prefill::{SERIAL_DECISIONS, check_decisions, prefill, prefill_with_isa, selected_slabs};
 pub use simd::Isa;

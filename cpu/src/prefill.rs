@@ -21,7 +21,7 @@
 use crate::api::{Acp, AttentionStats, Decisions, HeadStats, PrefillArgs, PrefillOptions, Storage};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
 use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{Error, Result, gate, threshold};
+use foxedge_core::{AttentionShape, Error, Result, gate, threshold};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -65,6 +65,7 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     let grid = BlockGrid::new(opts.block_q, opts.block_k, sh.seq_q, sh.seq_k)?;
     let heads = sh.batch * sh.heads_q;
     let nqb = grid.q_blocks();
+    let slabs = selected_slabs(sh, opts.heads)?;
 
     // Decisions, per (batch, query head): c (f64), delta, start blocks, pair counts.
     let key_start: Vec<usize> = match args.seq_start {
@@ -72,12 +73,12 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
         None => vec![0; sh.batch],
     };
     let mut stats = AttentionStats {
-        heads: Vec::with_capacity(heads),
+        heads: Vec::with_capacity(slabs.len()),
     };
     let (c, starts): (Cow<'_, [f64]>, Cow<'_, [u32]>) = match opts.acp {
         Acp::Decided(dec) => {
             check_decisions(&dec, &grid, heads, sh.seq_k)?;
-            for bh in 0..heads {
+            for &bh in &slabs {
                 let ks = key_start[bh / sh.heads_q];
                 let st = &dec.start_blocks[bh * nqb..(bh + 1) * nqb];
                 stats.heads.push(head_stats(&grid, st, ks, dec.delta[bh]));
@@ -85,12 +86,20 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
             (Cow::Borrowed(dec.c), Cow::Borrowed(dec.start_blocks))
         }
         _ => {
+            // c and start blocks of the computed slabs (others stay 0, never read).
             let mut c = vec![0.0f64; heads * sh.seq_k];
-            gate::cumsum_heads(sh, args.log_fgate, &mut c)?;
+            if opts.heads.is_none() {
+                gate::cumsum_heads(sh, args.log_fgate, &mut c)?;
+            }
             let mut starts = vec![0u32; heads * nqb];
-            for bh in 0..heads {
+            for &bh in &slabs {
                 let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-                let cb = &c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
+                let cb = &mut c[bh * sh.seq_k..(bh + 1) * sh.seq_k];
+                if opts.heads.is_some() {
+                    let gates = &args.log_fgate[sh.gate_at(b, 0, h)..];
+                    gate::cumsum_strided(gates, sh.gate_stride(), 0.0, cb)?;
+                }
+                let cb = &*cb;
                 let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
                 let st = &mut starts[bh * nqb..(bh + 1) * nqb];
                 boundary::start_blocks(&grid, cb, delta, key_start[b], st)?;
@@ -106,8 +115,8 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     // head's K/V (measured at L = 16384, 8 heads: 5-10% more work per CPU-second). Work
     // stealing splits the list in halves, and each half ends on the light early blocks,
     // so the uneven rows that ACP leaves still balance.
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::with_capacity(heads * nqb);
-    for bh in 0..heads {
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::with_capacity(slabs.len() * nqb);
+    for &bh in &slabs {
         for qb in 0..nqb {
             let diag = grid.diag_block(qb);
             let start = starts[bh * nqb + qb] as usize;
@@ -304,6 +313,27 @@ pub fn check_decisions(
         }
     }
     Ok(())
+}
+
+/// The (batch, query head) slabs, `b * heads_q + h`, that a call with
+/// [`PrefillOptions::heads`] = `heads` computes, in increasing order: every slab for
+/// `None`. Errors: a head `>= heads_q`, or heads not strictly increasing.
+pub fn selected_slabs(shape: &AttentionShape, heads: Option<&[usize]>) -> Result<Vec<usize>> {
+    let hq = shape.heads_q;
+    let Some(sel) = heads else {
+        return Ok((0..shape.batch * hq).collect());
+    };
+    if sel.iter().any(|&h| h >= hq) {
+        return Err(Error::BadArgument("selected heads must be < heads_q"));
+    }
+    if sel.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::BadArgument(
+            "selected heads must be strictly increasing",
+        ));
+    }
+    Ok((0..shape.batch)
+        .flat_map(|b| sel.iter().map(move |&h| b * hq + h))
+        .collect())
 }
 
 fn norm<T: Storage>(x: &[T]) -> f64 {

@@ -1,13 +1,16 @@
 //! Property tests over shapes: odd lengths, seq_q < seq_k, left padding, GQA, head dims
 //! 8..256, odd block sizes, both layouts, ACP thresholds. Every kernel output must equal
 //! the f64 reference restricted to the key blocks core kept (rel L2 <= 1e-5), and the
-//! fast instruction set must agree with the scalar reference path.
+//! fast instruction set must agree with the scalar reference path. A call that selects
+//! some heads writes exactly those heads' rows, as the whole call does.
 mod common;
 
 use common::*;
 use foxedge_core::boundary::{BlockGrid, start_blocks};
 use foxedge_cpu::reference::prefill_f64;
-use foxedge_cpu::{Acp, Isa, Layout, PrefillArgs, PrefillOptions, prefill_with_isa};
+use foxedge_cpu::{
+    Acp, Decisions, Isa, Layout, PrefillArgs, PrefillOptions, prefill, prefill_with_isa,
+};
 use proptest::prelude::*;
 
 const CASES: u32 = if cfg!(target_arch = "aarch64") {
@@ -95,6 +98,7 @@ proptest! {
             block_q: c.block_q,
             block_k: c.block_k,
             sm_scale: None,
+            heads: None,
         };
         // Core's boundary for every (b, h), to restrict the reference to kept blocks.
         let grid = BlockGrid::new(c.block_q, c.block_k, c.seq_q, c.seq_k).unwrap();
@@ -124,4 +128,101 @@ proptest! {
             prop_assert!(fast.iter().all(|&x| x == 0.0));
         }
     }
+
+    #[test]
+    fn selected_heads_equal_the_whole_call_on_those_heads(c in case(), mask in any::<u32>(), decided in any::<bool>()) {
+        let layout = if c.head_first { Layout::HeadFirst } else { Layout::SeqFirst };
+        let hq = c.heads_kv * c.group;
+        let p = problem(c.seed, c.batch, hq, c.heads_kv, c.seq_q, c.seq_k, c.d, layout, c.gate_mu);
+        let a = PrefillArgs { shape: p.shape, q: &p.q, k: &p.k, v: &p.v, log_fgate: &p.g, seq_start: Some(&c.pad) };
+        let sel: Vec<usize> = (0..hq).filter(|h| mask & (1 << h) != 0).collect();
+        let deltas = vec![c.delta.unwrap_or(0.0); c.batch * hq];
+        let whole = PrefillOptions {
+            acp: if c.delta.is_some() { Acp::Threshold(&deltas) } else { Acp::Off },
+            block_q: c.block_q,
+            block_k: c.block_k,
+            ..Default::default()
+        };
+        let rows = c.batch * hq * c.seq_q;
+        let mut want = vec![0.0f32; p.shape.q_len()];
+        let mut want_lse = vec![0.0f32; rows];
+        let st_want = prefill(&a, &whole, &mut want, Some(&mut want_lse)).unwrap();
+        // The whole call's decisions, as a split's sides get them.
+        let grid = BlockGrid::new(c.block_q, c.block_k, c.seq_q, c.seq_k).unwrap();
+        let nqb = grid.q_blocks();
+        let mut cs = vec![0.0; c.batch * hq * c.seq_k];
+        let mut st = vec![0u32; c.batch * hq * nqb];
+        let delta: Vec<Option<f64>> = vec![c.delta; c.batch * hq];
+        for b in 0..c.batch {
+            for h in 0..hq {
+                let bh = b * hq + h;
+                let cb = &mut cs[bh * c.seq_k..][..c.seq_k];
+                foxedge_core::gate::cumsum_strided(&p.g[p.shape.gate_at(b, 0, h)..], p.shape.gate_stride(), 0.0, cb).unwrap();
+                start_blocks(&grid, cb, c.delta, c.pad[b], &mut st[bh * nqb..][..nqb]).unwrap();
+            }
+        }
+        // (Decisions cannot start a block after its diagonal, as left padding may.)
+        let decided = decided && c.pad.iter().all(|&x| x == 0);
+        let opts = PrefillOptions {
+            heads: Some(&sel),
+            acp: if decided {
+                Acp::Decided(Decisions { c: &cs, start_blocks: &st, delta: &delta })
+            } else {
+                whole.acp
+            },
+            ..whole
+        };
+        let mut got = vec![-7.0f32; p.shape.q_len()];
+        let mut got_lse = vec![-7.0f32; rows];
+        let st_got = prefill(&a, &opts, &mut got, Some(&mut got_lse)).unwrap();
+        let mut picked = Vec::new();
+        for b in 0..c.batch {
+            for h in 0..hq {
+                let on = sel.contains(&h);
+                if on {
+                    picked.push(st_want.heads[b * hq + h]);
+                }
+                for t in 0..c.seq_q {
+                    let i = p.shape.q_at(b, t, h);
+                    let row = &got[i..i + c.d];
+                    if on {
+                        prop_assert_eq!(row, &want[i..i + c.d]);
+                    } else {
+                        prop_assert!(row.iter().all(|&x| x == -7.0));
+                    }
+                    let l = (b * hq + h) * c.seq_q + t;
+                    prop_assert_eq!(got_lse[l], if on { want_lse[l] } else { -7.0 });
+                }
+            }
+        }
+        prop_assert_eq!(st_got.heads, picked);
+    }
+}
+
+#[test]
+fn a_bad_selection_is_refused() {
+    let p = problem(3, 1, 4, 4, 8, 8, 8, Layout::SeqFirst, 0.0);
+    let a = PrefillArgs {
+        shape: p.shape,
+        q: &p.q,
+        k: &p.k,
+        v: &p.v,
+        log_fgate: &p.g,
+        seq_start: None,
+    };
+    let mut out = vec![0.0f32; p.shape.q_len()];
+    for sel in [vec![4usize], vec![2, 1], vec![1, 1]] {
+        let opts = PrefillOptions {
+            heads: Some(&sel),
+            ..Default::default()
+        };
+        assert!(
+            matches!(
+                prefill(&a, &opts, &mut out, None),
+                Err(foxedge_cpu::Error::BadArgument(_))
+            ),
+            "{sel:?}"
+        );
+    }
+    assert!(out.iter().all(|&x| x == 0.0));
 }

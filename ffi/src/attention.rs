@@ -468,6 +468,7 @@ macro_rules! prefill_on {
                 acp,
                 block_q: call.block_q,
                 block_k: call.block_k,
+                heads: None,
             };
             let stats = $run(&args, &opts, out, lse)?;
             Ok(stats

@@ -146,6 +146,7 @@ fn check_fixture(vk: &Vulkan, vs: &[Variant], failures: &mut Vec<String>) {
                 acp: if acp { Acp::Threshold(&t) } else { Acp::Off },
                 block_q: 128,
                 block_k: 64,
+                heads: None,
             };
             let want = if acp { &o_acp } else { &o };
             let mut out = vec![f32::NAN; sh.q_len()];

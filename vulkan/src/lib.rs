@@ -54,6 +54,69 @@ fn profile() -> bool {
     *ON.get_or_init(|| std::env::var_os(PROFILE_ENV).is_some_and(|v| v == "1"))
 }
 
+/// The profile line of one prefill call (with [`PROFILE_ENV`] set), `input` -> `O`.
+fn profile_line<O: Storage>(
+    p: &PreparedPrefill,
+    input: DType,
+    kernel: std::time::Duration,
+    download: std::time::Duration,
+    unpack: std::time::Duration,
+) {
+    if !profile() {
+        return;
+    }
+    let sh = p.shape();
+    let ph = p.phases();
+    let (pooled, bytes) = p.arena_use();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    eprintln!(
+        "foxedge-vulkan prefill {}x{}x{}x{} ({:?} -> {:?}) {}: decisions {:.2} setup {:.2} \
+         pack {:.2} upload {:.2} kernel {:.2} download {:.2} unpack {:.2} ms; {} buffers {} MiB",
+        sh.batch,
+        p.stats().heads.len() / sh.batch.max(1),
+        sh.seq_q,
+        sh.head_dim,
+        input,
+        O::DTYPE,
+        p.kernel_name(),
+        ms(ph.decisions),
+        ms(ph.setup),
+        ms(ph.pack),
+        ms(ph.upload),
+        ms(kernel),
+        ms(download),
+        ms(unpack),
+        if pooled { "pooled" } else { "fresh" },
+        bytes >> 20,
+    );
+}
+
+/// A prefill whose kernels ran and whose output waits in readback memory
+/// ([`Vulkan::prefill_run`]). It holds the device's pooled prefill buffers until it is
+/// finished or dropped.
+#[derive(Debug)]
+pub struct PrefillRun {
+    p: PreparedPrefill,
+    kernel: std::time::Duration,
+    download: std::time::Duration,
+    input: DType,
+}
+
+impl PrefillRun {
+    /// The call's statistics (one entry per computed (batch, head)).
+    pub fn stats(&self) -> &AttentionStats {
+        self.p.stats()
+    }
+
+    /// Writes the output rows of the computed heads into `out` (`shape.q_len()` elements
+    /// in `shape.layout`), leaving the others as they are; returns the statistics.
+    pub fn finish<O: Storage>(self, out: &mut [O]) -> Result<AttentionStats> {
+        let unpack = self.p.unpack_checked(out)?;
+        profile_line::<O>(&self.p, self.input, self.kernel, self.download, unpack);
+        Ok(self.p.stats().clone())
+    }
+}
+
 /// A Vulkan compute device with this crate's pipelines. Cheap to share (`Arc` inside);
 /// calls on one `Vulkan` run one after another on its queue.
 #[derive(Debug, Clone)]
@@ -198,35 +261,37 @@ impl Vulkan {
             }
             .into());
         }
-        let p = prefill::prepare(&self.ctx, args, opts, half)?;
+        let p = prefill::prepare(&self.ctx, args, opts, half, &mut || {})?;
         let kernel = p.run(1)?;
         let (download, unpack) = p.read_timed(out, lse)?;
-        if profile() {
-            let ph = p.phases();
-            let (pooled, bytes) = p.arena_use();
-            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-            eprintln!(
-                "foxedge-vulkan prefill {}x{}x{}x{} ({:?} -> {:?}) {}: decisions {:.2} setup {:.2} \
-                 pack {:.2} upload {:.2} kernel {:.2} download {:.2} unpack {:.2} ms; {} buffers {} MiB",
-                sh.batch,
-                sh.heads_q,
-                sh.seq_q,
-                sh.head_dim,
-                T::DTYPE,
-                O::DTYPE,
-                p.kernel_name(),
-                ms(ph.decisions),
-                ms(ph.setup),
-                ms(ph.pack),
-                ms(ph.upload),
-                ms(kernel),
-                ms(download),
-                ms(unpack),
-                if pooled { "pooled" } else { "fresh" },
-                bytes >> 20,
-            );
-        }
+        profile_line::<O>(&p, T::DTYPE, kernel, download, unpack);
         Ok(p.stats().clone())
+    }
+
+    /// A prefill run up to its output, which [`PrefillRun::finish`] writes: decisions,
+    /// packing, upload, kernels and download happen here, the unpacking there. With
+    /// [`PrefillOptions::heads`], `finish` writes only those heads' rows, so another
+    /// backend may compute the other heads into the same output meanwhile. `on_packed`
+    /// runs once the inputs are packed into staging memory, when the call stops needing
+    /// the host's cores until `finish` (it then waits on the device): the moment for a
+    /// caller to start CPU work of its own (it does not run if the call fails before).
+    /// `f16_storage`: as [`Vulkan::prefill_f16_storage`].
+    pub fn prefill_run<T: Storage>(
+        &self,
+        args: &PrefillArgs<'_, T>,
+        opts: &PrefillOptions<'_>,
+        f16_storage: bool,
+        on_packed: &mut dyn FnMut(),
+    ) -> Result<PrefillRun> {
+        let p = prefill::prepare(&self.ctx, args, opts, f16_storage, on_packed)?;
+        let kernel = p.run(1)?;
+        let download = p.download(false)?;
+        Ok(PrefillRun {
+            p,
+            kernel,
+            download,
+            input: T::DTYPE,
+        })
     }
 
     /// Frees the device and staging buffers that prefill calls keep for reuse (they grow
@@ -264,7 +329,7 @@ impl Vulkan {
         args: &PrefillArgs<'_, T>,
         opts: &PrefillOptions<'_>,
     ) -> Result<PreparedPrefill> {
-        prefill::prepare(&self.ctx, args, opts, false)
+        prefill::prepare(&self.ctx, args, opts, false, &mut || {})
     }
 
     /// One decode step: same arguments, results and statistics as `foxedge_cpu::decode`.

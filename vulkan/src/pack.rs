@@ -140,13 +140,18 @@ pub(crate) fn pack_f16_into<T: Storage>(
 }
 
 /// Scatters f32 rows back into `dst` (rows of `d` elements), rounding to `O`: destination
-/// row `i` (elements `i * d ..`) comes from `row(i)` (rows in parallel when large).
+/// row `i` (elements `i * d ..`) comes from `row(i)`, and is left as it is where that is
+/// `None` (rows in parallel when large).
 pub(crate) fn unpack_rows<'a, O: Storage>(
     dst: &mut [O],
     d: usize,
-    row: impl Fn(usize) -> &'a [f32] + Sync + Send,
+    row: impl Fn(usize) -> Option<&'a [f32]> + Sync + Send,
 ) {
-    for_rows(dst, d, |i, x| O::from_f32_slice(&row(i)[..d], x));
+    for_rows(dst, d, |i, x| {
+        if let Some(r) = row(i) {
+            O::from_f32_slice(&r[..d], x);
+        }
+    });
 }
 
 /// Rows packed as u32 words: f32 bits, or two f16 per word (low half first).
@@ -313,7 +318,7 @@ mod tests {
         let rows = 2 * PAR_MIN_ELEMS / d + 3;
         let src: Vec<f32> = (0..rows * d).map(|i| i as f32 + 0.25).collect();
         let mut out = vec![f16::ZERO; rows * d];
-        unpack_rows(&mut out, d, |i| &src[(rows - 1 - i) * d..][..d]);
+        unpack_rows(&mut out, d, |i| Some(&src[(rows - 1 - i) * d..][..d]));
         for i in 0..rows {
             for e in 0..d {
                 let want = f16::from_f32(src[(rows - 1 - i) * d + e]);

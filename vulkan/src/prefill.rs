@@ -371,6 +371,9 @@ pub struct PreparedPrefill {
     phases: Phases,
     /// Serialises `read`s of this call (they share the readback staging).
     read_lock: Mutex<()>,
+    /// The (b * heads_q + h) slab of each device slab when the call selected heads
+    /// ([`PrefillOptions::heads`]); `None`: every slab, in order.
+    selected: Option<Vec<usize>>,
     /// The buffers above belong to this arena; the context's pooled arena goes back to
     /// the context when this call is dropped.
     lease: Lease,
@@ -504,12 +507,14 @@ fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) ->
 }
 
 /// `half`: q, k, v go to the device as f16 whatever `T` is (where the device has 16-bit
-/// storage), rounded to nearest even while they are packed.
+/// storage), rounded to nearest even while they are packed. `on_packed` runs after the
+/// packing, before the upload.
 pub(crate) fn prepare<T: Storage>(
     ctx: &Arc<Context>,
     args: &PrefillArgs<'_, T>,
     opts: &PrefillOptions<'_>,
     half: bool,
+    on_packed: &mut dyn FnMut(),
 ) -> Result<PreparedPrefill> {
     validate(args, opts)?;
     let sh = args.shape;
@@ -518,7 +523,14 @@ pub(crate) fn prepare<T: Storage>(
     let scale = opts.sm_scale.unwrap_or(1.0 / (d as f32).sqrt());
     let grid = BlockGrid::new(opts.block_q, opts.block_k, sh.seq_q, sh.seq_k)?;
     let nqb = grid.q_blocks();
-    let slabs = sh.batch * sh.heads_q;
+    // The computed slabs' (b * heads_q + h): device slab `i` is `sel[i]`.
+    let sel = foxedge_cpu::selected_slabs(&sh, opts.heads)?;
+    if opts.heads.is_some() && g != 1 {
+        return Err(Error::Unsupported(
+            "a prefill of selected heads needs heads_kv = heads_q".into(),
+        ));
+    }
+    let slabs = sel.len();
 
     // Decisions (foxedge-core): c per (b, h) in f64, delta, start blocks, pair counts. A
     // small call is decided on this thread, every slab's `c` in one pass over the gates; a
@@ -528,13 +540,15 @@ pub(crate) fn prepare<T: Storage>(
     let t_dec = Instant::now();
     let heavy = matches!(opts.acp, Acp::ObservedNorms { .. });
     let serial = !heavy && slabs * sh.seq_k <= SERIAL_DECISIONS;
+    // Every slab's `c` in one pass over the gates (a selection forms its slabs' own).
+    let whole = serial && opts.heads.is_none();
     let mut formed = Vec::new();
     let decided = match opts.acp {
         Acp::Decided(dec) => {
-            foxedge_cpu::check_decisions(&dec, &grid, slabs, sh.seq_k)?;
+            foxedge_cpu::check_decisions(&dec, &grid, sh.batch * sh.heads_q, sh.seq_k)?;
             Some(dec)
         }
-        _ if serial => {
+        _ if whole => {
             formed = vec![0.0f64; slabs * sh.seq_k];
             gate::cumsum_heads(&sh, args.log_fgate, &mut formed)?;
             None
@@ -551,8 +565,9 @@ pub(crate) fn prepare<T: Storage>(
     let mut first_key = vec![0u32; slabs * nqb];
     // Each slab's start blocks when it forms them (the caller's are read in place).
     let mut own_starts = vec![0u32; slabs * nqb];
-    // `c_buf`: a slab's `c` when it is formed here slab by slab (parallel calls).
-    let one = |bh: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32], c_buf: &mut [f64]| {
+    // `c_buf`: a slab's `c` when it is formed here slab by slab (parallel calls, selections).
+    let one = |i: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32], c_buf: &mut [f64]| {
+        let bh = sel[i];
         let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
         let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
         let (c, starts): (&[f64], &[u32]) = match decided {
@@ -561,7 +576,7 @@ pub(crate) fn prepare<T: Storage>(
                 &dec.start_blocks[bh * nqb..][..nqb],
             ),
             None => {
-                let c: &[f64] = if serial {
+                let c: &[f64] = if whole {
                     &formed[bh * sh.seq_k..][..sh.seq_k]
                 } else {
                     let gates = &args.log_fgate[sh.gate_at(b, 0, h)..];
@@ -586,16 +601,21 @@ pub(crate) fn prepare<T: Storage>(
             delta,
         })
     };
+    let c_need = if decided.is_some() || whole {
+        0
+    } else {
+        sh.seq_k
+    };
     let heads: Vec<Result<HeadStats>> = if serial {
+        let mut c_buf = vec![0.0f64; c_need];
         c_pairs
             .chunks_mut(sh.seq_k * 2)
             .zip(first_key.chunks_mut(nqb))
             .zip(own_starts.chunks_mut(nqb))
             .enumerate()
-            .map(|(bh, ((cw, fk), st))| one(bh, cw, fk, st, &mut []))
+            .map(|(i, ((cw, fk), st))| one(i, cw, fk, st, &mut c_buf))
             .collect()
     } else {
-        let c_need = if decided.is_some() { 0 } else { sh.seq_k };
         c_pairs
             .par_chunks_mut(sh.seq_k * 2)
             .zip(first_key.par_chunks_mut(nqb))
@@ -603,7 +623,7 @@ pub(crate) fn prepare<T: Storage>(
             .enumerate()
             .map_init(
                 || vec![0.0f64; c_need],
-                |c_buf, (bh, ((cw, fk), st))| one(bh, cw, fk, st, c_buf),
+                |c_buf, (i, ((cw, fk), st))| one(i, cw, fk, st, c_buf),
             )
             .collect()
     };
@@ -752,7 +772,11 @@ pub(crate) fn prepare<T: Storage>(
             "one head needs a {worst}-byte buffer, over the device's limit of {limit} bytes"
         )));
     }
-    let kv_slabs = sh.batch * sh.heads_kv;
+    let kv_slabs = if opts.heads.is_some() {
+        slabs
+    } else {
+        sh.batch * sh.heads_kv
+    };
     let per_chunk = (limit / worst).clamp(1, 65_535 / g.max(1)).min(kv_slabs);
     let mut lease = Lease::take(ctx);
     let ar = &mut lease.arena;
@@ -859,12 +883,14 @@ pub(crate) fn prepare<T: Storage>(
     for (kv0, nkv, items, up, _) in &staged {
         let (kv0, nkv) = (*kv0, *nkv);
         let (s0, ns) = (kv0 * g, nkv * g);
+        // A selection's device slab `i` is query (and kv) slab `sel[i]` (heads_kv = heads_q).
         let q_row = |r: usize| {
-            let (s, t) = (s0 + r / sh.seq_q, r % sh.seq_q);
+            let (s, t) = (sel[s0 + r / sh.seq_q], r % sh.seq_q);
             sh.q_at(s / sh.heads_q, t, s % sh.heads_q)
         };
         let kv_row = |r: usize| {
             let (s, t) = (kv0 + r / sh.seq_k, r % sh.seq_k);
+            let s = if opts.heads.is_some() { sel[s] } else { s };
             sh.kv_at(s / sh.heads_kv, t, s % sh.heads_kv)
         };
         let (q_slabs, kv_slabs) = ((d, sh.seq_q), (d, sh.seq_k));
@@ -882,6 +908,7 @@ pub(crate) fn prepare<T: Storage>(
         }
     }
     phases.pack = t_pack.elapsed();
+    on_packed();
 
     // One submit: clear the flag, copy every staged input to its device buffer.
     let t_up = Instant::now();
@@ -924,6 +951,7 @@ pub(crate) fn prepare<T: Storage>(
         flag_host,
         phases,
         read_lock: Mutex::new(()),
+        selected: opts.heads.map(|_| sel),
         lease,
     })
 }
@@ -1072,31 +1100,37 @@ impl PreparedPrefill {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<(Duration, Duration)> {
-        let sh = &self.shape;
-        let d = sh.head_dim;
-        if out.len() != sh.q_len() {
-            return Err(foxedge_core::Error::BadLength {
-                what: "out",
-                expected: sh.q_len(),
-                got: out.len(),
-            }
-            .into());
-        }
-        let rows = sh.batch * sh.heads_q * sh.seq_q;
-        if let Some(l) = lse.as_deref() {
-            if l.len() != rows {
-                return Err(foxedge_core::Error::BadLength {
-                    what: "lse",
-                    expected: rows,
-                    got: l.len(),
-                }
-                .into());
-            }
-        }
+        self.check_read(out.len(), lse.as_deref().map(<[f32]>::len))?;
         let _one_reader = self
             .read_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let download = self.download(lse.is_some())?;
+        let unpack = self.unpack(out, lse)?;
+        Ok((download, unpack))
+    }
+
+    fn check_read(&self, out: usize, lse: Option<usize>) -> Result<()> {
+        let sh = &self.shape;
+        let rows = sh.batch * sh.heads_q * sh.seq_q;
+        for (what, expected, got) in [("out", sh.q_len(), Some(out)), ("lse", rows, lse)] {
+            if let Some(got) = got
+                && got != expected
+            {
+                return Err(foxedge_core::Error::BadLength {
+                    what,
+                    expected,
+                    got,
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the output (and the normalisers, with `lse`) to the readback staging, and
+    /// fails as [`Self::read`] does when a row's softmax was not finite. Its time.
+    pub(crate) fn download(&self, lse: bool) -> Result<Duration> {
         let t0 = Instant::now();
         let mut b = self.ctx.builder()?;
         b.copy_buffer(CopyBufferInfo::buffers(
@@ -1105,17 +1139,34 @@ impl PreparedPrefill {
         ))?;
         for ch in &self.chunks {
             b.copy_buffer(CopyBufferInfo::buffers(ch.out.clone(), ch.out_host.clone()))?;
-            if lse.is_some() {
+            if lse {
                 b.copy_buffer(CopyBufferInfo::buffers(ch.lse.clone(), ch.lse_host.clone()))?;
             }
         }
         self.ctx.submit(b)?;
-        let download = t0.elapsed();
-
-        let t1 = Instant::now();
         if self.flag_host.read().map_err(host_err)?[0] != 0 {
             return Err(NON_FINITE.into());
         }
+        Ok(t0.elapsed())
+    }
+
+    /// [`Self::unpack`] of `out` alone, after checking its length.
+    pub(crate) fn unpack_checked<O: Storage>(&self, out: &mut [O]) -> Result<Duration> {
+        self.check_read(out.len(), None)?;
+        self.unpack(out, None)
+    }
+
+    /// The call's shape.
+    pub(crate) fn shape(&self) -> &AttentionShape {
+        &self.shape
+    }
+
+    /// From the readback staging (after [`Self::download`]) into the rows of `out` and
+    /// `lse` of the computed slabs. Its time.
+    fn unpack<O: Storage>(&self, out: &mut [O], lse: Option<&mut [f32]>) -> Result<Duration> {
+        let sh = &self.shape;
+        let d = sh.head_dim;
+        let t1 = Instant::now();
         // Straight from the mapped readback buffers: destination rows in parallel, each
         // from its chunk's slab row.
         let outs = self
@@ -1129,20 +1180,39 @@ impl PreparedPrefill {
             .collect::<Result<Vec<_>>>()?;
         let srcs: Vec<&[f32]> = guards.iter().map(|g| &**g).collect();
         let per_chunk = self.chunks[0].slabs;
+        // The device slab of each (b * heads_q + h) slab, if computed.
+        let device_of = self.selected.as_ref().map(|sel| {
+            let mut m = vec![None; sh.batch * sh.heads_q];
+            for (i, &bh) in sel.iter().enumerate() {
+                m[bh] = Some(i);
+            }
+            m
+        });
+        let device_slab = |s: usize| match &device_of {
+            Some(m) => m[s],
+            None => Some(s),
+        };
         unpack_rows(out, d, |i| {
             let (s, t) = q_row_of(sh, i);
+            let s = device_slab(s)?;
             let c = s / per_chunk;
             let r = (s - self.chunks[c].slab0) * sh.seq_q + t;
-            &srcs[c][r * d..(r + 1) * d]
+            Some(&srcs[c][r * d..(r + 1) * d])
         });
         if let Some(l) = lse {
             for ch in &self.chunks {
-                let dst = &mut l[ch.slab0 * sh.seq_q..(ch.slab0 + ch.slabs) * sh.seq_q];
                 let src = ch.lse_host.clone().reinterpret::<[f32]>();
-                dst.copy_from_slice(&src.read().map_err(host_err)?);
+                let src = src.read().map_err(host_err)?;
+                for (i, row) in src.chunks_exact(sh.seq_q).take(ch.slabs).enumerate() {
+                    let s = self
+                        .selected
+                        .as_ref()
+                        .map_or(ch.slab0 + i, |sel| sel[ch.slab0 + i]);
+                    l[s * sh.seq_q..(s + 1) * sh.seq_q].copy_from_slice(row);
+                }
             }
         }
-        Ok((download, t1.elapsed()))
+        Ok(t1.elapsed())
     }
 
     /// Host-side phase times of `prepare` (for the profile line).

@@ -87,6 +87,7 @@ fn run_case(
         acp: cacp,
         block_q: opts.block_q,
         block_k: opts.block_k,
+        heads: None,
     };
     let mut cout = vec![0.0f32; sh.q_len()];
     let cstats = foxedge_cpu::prefill(&cargs, &copts, &mut cout, None).expect("cpu prefill");
@@ -442,6 +443,7 @@ fn prefill_layer1_fixture_dense_and_acp() {
         acp: Acp::Threshold(&t),
         block_q: 128,
         block_k: 64,
+        heads: None,
     };
     let p = vk.prepare_prefill(&args, &opts).expect("acp");
     p.run(1).expect("run");
@@ -490,4 +492,142 @@ fn prefill_spirv_parses_with_vulkano() {
             panic!("{name}.spv: {e:?}");
         }
     }
+}
+
+/// A call that selects heads (`PrefillOptions::heads`) writes exactly those heads' rows
+/// and normalisers, as the CPU's whole call does within f32 rounding (2e-5), in one phase
+/// (`prefill`) or two (`prefill_run`, then `finish`, as the hybrid split runs its GPU side),
+/// and leaves every other row as it was. A grouped-query call cannot select heads.
+#[test]
+fn selected_heads_write_only_their_rows() {
+    let Some(vk) = device() else { return };
+    for layout in [Layout::SeqFirst, Layout::HeadFirst] {
+        let sh = shape(2, 5, 5, 150, 150, 32, layout);
+        let mut r = rng(41);
+        let q = randn(&mut r, sh.q_len(), 1.0);
+        let k = randn(&mut r, sh.kv_len(), 1.0);
+        let v = randn(&mut r, sh.kv_len(), 1.0);
+        let g = log_gates(&mut r, sh.gate_len(), -1.0);
+        let args = PrefillArgs {
+            shape: sh,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_fgate: &g,
+            seq_start: None,
+        };
+        let u = vec![4.0f64; sh.heads_q];
+        let acp = Acp::Bound {
+            u: &u,
+            ln_eps: -10.0,
+        };
+        let cargs = foxedge_cpu::PrefillArgs {
+            shape: sh,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_fgate: &g,
+            seq_start: None,
+        };
+        let copts = foxedge_cpu::PrefillOptions {
+            acp: foxedge_cpu::Acp::Bound {
+                u: &u,
+                ln_eps: -10.0,
+            },
+            ..Default::default()
+        };
+        let rows = sh.batch * sh.heads_q * sh.seq_q;
+        let mut want = vec![0.0f32; sh.q_len()];
+        let mut want_lse = vec![0.0f32; rows];
+        let cst =
+            foxedge_cpu::prefill(&cargs, &copts, &mut want, Some(&mut want_lse)).expect("cpu");
+        for sel in [vec![0usize, 2, 3], vec![4], vec![1, 2, 3, 4]] {
+            let opts = PrefillOptions {
+                acp,
+                heads: Some(&sel),
+                ..Default::default()
+            };
+            let mut one = vec![-7.0f32; sh.q_len()];
+            let mut lse = vec![-7.0f32; rows];
+            let st = vk
+                .prefill(&args, &opts, &mut one, Some(&mut lse))
+                .expect("prefill");
+            let mut two = vec![-7.0f32; sh.q_len()];
+            let mut packed = 0;
+            let run = vk
+                .prefill_run(&args, &opts, false, &mut || packed += 1)
+                .expect("prefill_run");
+            assert_eq!(packed, 1);
+            assert_eq!(run.stats(), &st);
+            assert_eq!(run.finish(&mut two).expect("finish"), st);
+            let mut picked = Vec::new();
+            for b in 0..sh.batch {
+                for h in 0..sh.heads_q {
+                    let on = sel.contains(&h);
+                    if on {
+                        let c = cst.heads[b * sh.heads_q + h];
+                        picked.push((c.kept_pairs, c.total_pairs, c.kept_blocks, c.total_blocks));
+                    }
+                    for t in 0..sh.seq_q {
+                        let i = sh.q_at(b, t, h);
+                        let l = (b * sh.heads_q + h) * sh.seq_q + t;
+                        for out in [&one, &two] {
+                            let row = &out[i..i + sh.head_dim];
+                            if on {
+                                let w = &want[i..i + sh.head_dim];
+                                let e = row
+                                    .iter()
+                                    .zip(w)
+                                    .map(|(a, b)| (a - b).abs())
+                                    .fold(0.0f32, f32::max);
+                                assert!(e <= 2e-5, "{layout:?} {sel:?} b{b} h{h} t{t}: {e}");
+                            } else {
+                                assert!(
+                                    row.iter().all(|&x| x == -7.0),
+                                    "{layout:?} {sel:?} b{b} h{h} t{t}"
+                                );
+                            }
+                        }
+                        if on {
+                            assert!(
+                                (lse[l] - want_lse[l]).abs() <= 2e-5,
+                                "lse {sel:?} b{b} h{h} t{t}"
+                            );
+                        } else {
+                            assert_eq!(lse[l], -7.0);
+                        }
+                    }
+                }
+            }
+            let got: Vec<_> = st
+                .heads
+                .iter()
+                .map(|h| (h.kept_pairs, h.total_pairs, h.kept_blocks, h.total_blocks))
+                .collect();
+            assert_eq!(got, picked, "{sel:?}");
+        }
+    }
+    let sh = shape(1, 4, 2, 16, 16, 32, Layout::SeqFirst);
+    let (q, kv, g) = (
+        vec![0.0f32; sh.q_len()],
+        vec![0.0f32; sh.kv_len()],
+        vec![-0.1f32; sh.gate_len()],
+    );
+    let args = PrefillArgs {
+        shape: sh,
+        q: &q,
+        k: &kv,
+        v: &kv,
+        log_fgate: &g,
+        seq_start: None,
+    };
+    let opts = PrefillOptions {
+        heads: Some(&[1]),
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; sh.q_len()];
+    assert!(matches!(
+        vk.prefill(&args, &opts, &mut out, None),
+        Err(Error::Unsupported(_))
+    ));
 }

@@ -61,6 +61,7 @@ proptest! {
             acp: if acp { foxedge_cpu::Acp::Bound { u: &u, ln_eps: -10.0 } } else { foxedge_cpu::Acp::Off },
             block_q,
             block_k,
+            heads: None,
         };
         let mut cout = vec![0.0f32; sh.q_len()];
         let cst = foxedge_cpu::prefill(&cargs, &copts, &mut cout, None).expect("cpu");
