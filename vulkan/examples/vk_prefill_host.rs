@@ -4,11 +4,12 @@
 //! every `prefill` call also prints its finer phases on stderr.
 //!
 //! `cargo run --release -p foxedge-vulkan --example vk_prefill_host -- [--heads 16]
-//!  [--lengths 4096,16384] [--dim 64] [--reps 3] [--f16] [--seq-first] [--acp]`
+//!  [--lengths 4096,16384] [--dim 64] [--reps 3] [--f16] [--seq-first] [--acp] [--copy]`
 //!
 //! `--acp`: strong decay with a fixed threshold, so most blocks are pruned and the kernel
 //! (slow on lavapipe) stops hiding the host phases; packing, upload and readback do not
-//! depend on it.
+//! depend on it. `--copy`: copy the inputs and outputs to and from device-local buffers
+//! even on unified memory (`Vulkan::set_prefill_direct(false)`).
 
 #[path = "common/mod.rs"]
 #[allow(dead_code)]
@@ -75,7 +76,7 @@ fn case<T: Storage>(vk: &Vulkan, sh: AttentionShape, reps: usize, acp: bool) {
         });
     println!(
         "{:?} heads {} L {} d {} acp {acp}: prepare {:.1} ms, run {:.1} ms, read {:.1} ms; \
-         prefill {:.1} ms (medians of {reps}); result hash {hash:016x}",
+         prefill {:.1} ms (medians of {reps}); result hash {hash:016x}; pooled buffers {} MiB",
         T::DTYPE,
         sh.heads_q,
         sh.seq_q,
@@ -83,7 +84,8 @@ fn case<T: Storage>(vk: &Vulkan, sh: AttentionShape, reps: usize, acp: bool) {
         median(pre),
         median(run),
         median(read),
-        median(total)
+        median(total),
+        vk.prefill_buffer_bytes() >> 20
     );
 }
 
@@ -96,7 +98,18 @@ fn main() {
     let reps = one("--reps", 3).max(1);
     let lengths = arg_list(&args, "--lengths", &[4096]);
     let vk = Vulkan::new().expect("vulkan device");
-    println!("device: {}", vk.info());
+    if flag("--copy") {
+        vk.set_prefill_direct(false);
+    }
+    println!(
+        "device: {}; buffers {}",
+        vk.info(),
+        if flag("--copy") || !vk.info().unified_memory {
+            "copied"
+        } else {
+            "bound directly"
+        }
+    );
     for &l in &lengths {
         let sh = AttentionShape {
             batch: 1,

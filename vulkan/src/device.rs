@@ -86,6 +86,10 @@ pub struct DeviceInfo {
     /// Shared memory per workgroup (bytes).
     pub max_shared_memory: u32,
     pub max_workgroup_invocations: u32,
+    /// The device works in the host's memory (an integrated GPU, as on Jetson boards, or a
+    /// CPU device such as lavapipe): prefill binds its host-visible staging and readback
+    /// buffers to the kernels instead of copying them to and from device-local ones.
+    pub unified_memory: bool,
 }
 
 impl std::fmt::Display for DeviceInfo {
@@ -93,7 +97,8 @@ impl std::fmt::Display for DeviceInfo {
         write!(
             f,
             "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {} shuffle {}, 16-bit storage {}, \
-             cooperative matrix KHR {} / NV {} (tensor-core prefill {}, shared blocks {}), max storage range {} MiB, shared {} KiB",
+             cooperative matrix KHR {} / NV {} (tensor-core prefill {}, shared blocks {}), max storage range {} MiB, shared {} KiB, \
+             unified memory {}",
             self.name,
             self.device_type,
             self.api_version,
@@ -108,6 +113,7 @@ impl std::fmt::Display for DeviceInfo {
             self.shared_memory_blocks,
             self.max_storage_buffer_range >> 20,
             self.max_shared_memory >> 10,
+            self.unified_memory,
         )
     }
 }
@@ -127,6 +133,9 @@ pub(crate) struct Context {
     pub decode_no_subgroups: std::sync::atomic::AtomicBool,
     /// Prefill kernel choice, a [`crate::PrefillKernel`] as u8.
     pub prefill_kernel: std::sync::atomic::AtomicU8,
+    /// Prefill binds host-visible buffers to its kernels (no upload or download copies):
+    /// [`DeviceInfo::unified_memory`] unless set otherwise.
+    pub prefill_direct: std::sync::atomic::AtomicBool,
     /// Largest binding (bytes) a chunk may use: the device limit, or lower when set.
     pub binding_limit: std::sync::atomic::AtomicU64,
     /// Register-softmax prefill settings (`prefill.rs`, `FlashConfig` packed; 0 = default).
@@ -337,7 +346,12 @@ impl Context {
             max_allocation: props.max_memory_allocation_size.unwrap_or(1 << 30),
             max_shared_memory: props.max_compute_shared_memory_size,
             max_workgroup_invocations: props.max_compute_work_group_invocations,
+            unified_memory: matches!(
+                props.device_type,
+                PhysicalDeviceType::IntegratedGpu | PhysicalDeviceType::Cpu
+            ),
         };
+        let direct = info.unified_memory;
         let mem = Arc::new(StandardMemoryAllocator::new_default(device.clone()));
         let cmd = Arc::new(StandardCommandBufferAllocator::new(
             device.clone(),
@@ -360,6 +374,7 @@ impl Context {
             info,
             binding_limit,
             prefill_kernel: 0.into(),
+            prefill_direct: direct.into(),
             flash_cfg: 0.into(),
             fa_layout: std::sync::OnceLock::new(),
             decode_no_subgroups: false.into(),

@@ -152,6 +152,16 @@ impl Vulkan {
             .store(k as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether prefill binds its host-visible staging and readback buffers to the kernels
+    /// (no upload or download copies). Default: [`DeviceInfo::unified_memory`], where the
+    /// device works in the host's memory. On a discrete GPU the kernels would then read
+    /// their inputs across the bus, so there it is for tests and measurements.
+    pub fn set_prefill_direct(&self, direct: bool) {
+        self.ctx
+            .prefill_direct
+            .store(direct, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Whether this device can run kernel `k` at all (CoopMat: also needs f16 storage and
     /// head_dim 64 in the call).
     pub fn supports(&self, k: PrefillKernel) -> bool {

@@ -374,6 +374,8 @@ pub struct PreparedPrefill {
     /// The (b * heads_q + h) slab of each device slab when the call selected heads
     /// ([`PrefillOptions::heads`]); `None`: every slab, in order.
     selected: Option<Vec<usize>>,
+    /// The kernels read and write host-visible buffers (unified memory): nothing to copy.
+    direct: bool,
     /// The buffers above belong to this arena; the context's pooled arena goes back to
     /// the context when this call is dropped.
     lease: Lease,
@@ -780,8 +782,16 @@ pub(crate) fn prepare<T: Storage>(
     let per_chunk = (limit / worst).clamp(1, 65_535 / g.max(1)).min(kv_slabs);
     let mut lease = Lease::take(ctx);
     let ar = &mut lease.arena;
-    let flag = ar.get(ctx, Kind::Device, 0, 1)?;
+    // Unified memory: the kernels read the staging buffers and write the readback ones.
+    let direct = ctx
+        .prefill_direct
+        .load(std::sync::atomic::Ordering::Relaxed);
     let flag_host = ar.get(ctx, Kind::Download, 0, 1)?;
+    let flag = if direct {
+        flag_host.clone()
+    } else {
+        ar.get(ctx, Kind::Device, 0, 1)?
+    };
     let layout = pipe
         .layout()
         .set_layouts()
@@ -831,13 +841,24 @@ pub(crate) fn prepare<T: Storage>(
         let mut up = Vec::with_capacity(sizes.len());
         let mut dev = Vec::with_capacity(sizes.len());
         for (t, &n) in sizes.iter().enumerate() {
-            up.push(ar.get(ctx, Kind::Upload, slot(t), n)?);
-            dev.push(ar.get(ctx, Kind::Device, slot(t), n)?);
+            let u = ar.get(ctx, Kind::Upload, slot(t), n)?;
+            dev.push(if direct {
+                u.clone()
+            } else {
+                ar.get(ctx, Kind::Device, slot(t), n)?
+            });
+            up.push(u);
         }
-        let out = ar.get(ctx, Kind::Device, slot(7), ns * sh.seq_q * d)?;
-        let lse = ar.get(ctx, Kind::Device, slot(8), ns * sh.seq_q)?;
         let out_host = ar.get(ctx, Kind::Download, slot(7), ns * sh.seq_q * d)?;
         let lse_host = ar.get(ctx, Kind::Download, slot(8), ns * sh.seq_q)?;
+        let (out, lse) = if direct {
+            (out_host.clone(), lse_host.clone())
+        } else {
+            (
+                ar.get(ctx, Kind::Device, slot(7), ns * sh.seq_q * d)?,
+                ar.get(ctx, Kind::Device, slot(8), ns * sh.seq_q)?,
+            )
+        };
         let mut writes = vec![
             WriteDescriptorSet::buffer(0, dev[0].clone()),
             WriteDescriptorSet::buffer(1, dev[1].clone()),
@@ -910,20 +931,25 @@ pub(crate) fn prepare<T: Storage>(
     phases.pack = t_pack.elapsed();
     on_packed();
 
-    // One submit: clear the flag, copy every staged input to its device buffer.
+    // One submit: clear the flag, copy every staged input to its device buffer (unified
+    // memory: the flag is cleared from the host, and nothing is copied).
     let t_up = Instant::now();
-    let mut b = ctx.builder()?;
-    b.fill_buffer(flag.clone(), 0)?;
-    for (_, _, _, up, dev) in &staged {
-        for (src, dst) in up.iter().zip(dev) {
-            b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
+    if direct {
+        flag.write().map_err(host_err)?[0] = 0;
+    } else {
+        let mut b = ctx.builder()?;
+        b.fill_buffer(flag.clone(), 0)?;
+        for (_, _, _, up, dev) in &staged {
+            for (src, dst) in up.iter().zip(dev) {
+                b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
+            }
+        }
+        ctx.submit(b)?;
+        if !lease.arena.pooled() {
+            lease.arena.free_uploads();
         }
     }
-    ctx.submit(b)?;
     drop(staged);
-    if !lease.arena.pooled() {
-        lease.arena.free_uploads();
-    }
     phases.upload = t_up.elapsed();
 
     let push = Push {
@@ -952,6 +978,7 @@ pub(crate) fn prepare<T: Storage>(
         phases,
         read_lock: Mutex::new(()),
         selected: opts.heads.map(|_| sel),
+        direct,
         lease,
     })
 }
@@ -1132,6 +1159,12 @@ impl PreparedPrefill {
     /// fails as [`Self::read`] does when a row's softmax was not finite. Its time.
     pub(crate) fn download(&self, lse: bool) -> Result<Duration> {
         let t0 = Instant::now();
+        if self.direct {
+            if self.flag_host.read().map_err(host_err)?[0] != 0 {
+                return Err(NON_FINITE.into());
+            }
+            return Ok(t0.elapsed());
+        }
         let mut b = self.ctx.builder()?;
         b.copy_buffer(CopyBufferInfo::buffers(
             self.flag.clone(),
