@@ -503,11 +503,7 @@ fn selected_heads_write_only_their_rows() {
     let Some(vk) = device() else { return };
     for layout in [Layout::SeqFirst, Layout::HeadFirst] {
         let sh = shape(2, 5, 5, 150, 150, 32, layout);
-        let mut r = rng(41);
-        let q = randn(&mut r, sh.q_len(), 1.0);
-        let k = randn(&mut r, sh.kv_len(), 1.0);
-        let v = randn(&mut r, sh.kv_len(), 1.0);
-        let g = log_gates(&mut r, sh.gate_len(), -1.0);
+        let (q, k, v, g) = random_inputs(&sh, 41, -1.0);
         let args = PrefillArgs {
             shape: sh,
             q: &q,
@@ -645,11 +641,7 @@ fn prefill_binds_host_buffers_on_unified_memory() {
         matches!(info.device_type.as_str(), "Cpu" | "IntegratedGpu")
     );
     let sh = shape(2, 4, 4, 130, 130, 64, Layout::SeqFirst);
-    let mut r = rng(77);
-    let q = randn(&mut r, sh.q_len(), 1.0);
-    let k = randn(&mut r, sh.kv_len(), 1.0);
-    let v = randn(&mut r, sh.kv_len(), 1.0);
-    let g = log_gates(&mut r, sh.gate_len(), -1.0);
+    let (q, k, v, g) = random_inputs(&sh, 77, -1.0);
     let args = PrefillArgs {
         shape: sh,
         q: &q,

@@ -198,3 +198,17 @@ pub fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
     );
     (dims, data)
 }
+
+/// Random q, k, v ~ N(0, 1) and log gates (`log_gates` with `gate_bias`) for `sh`.
+pub fn random_inputs(
+    sh: &AttentionShape,
+    seed: u64,
+    gate_bias: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut r = rng(seed);
+    let q = randn(&mut r, sh.q_len(), 1.0);
+    let k = randn(&mut r, sh.kv_len(), 1.0);
+    let v = randn(&mut r, sh.kv_len(), 1.0);
+    let g = log_gates(&mut r, sh.gate_len(), gate_bias);
+    (q, k, v, g)
+}
