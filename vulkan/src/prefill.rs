@@ -371,9 +371,9 @@ pub struct PreparedPrefill {
     phases: Phases,
     /// Serialises `read`s of this call (they share the readback staging).
     read_lock: Mutex<()>,
-    /// The (b * heads_q + h) slab of each device slab when the call selected heads
-    /// ([`PrefillOptions::heads`]); `None`: every slab, in order.
-    selected: Option<Vec<usize>>,
+    /// The (b * heads_q + h) slab of each device slab: every slab in order, or the heads
+    /// the call selected ([`PrefillOptions::heads`]).
+    selected: Vec<usize>,
     /// The kernels read and write host-visible buffers (unified memory): nothing to copy.
     direct: bool,
     /// The buffers above belong to this arena; the context's pooled arena goes back to
@@ -977,7 +977,7 @@ pub(crate) fn prepare<T: Storage>(
         flag_host,
         phases,
         read_lock: Mutex::new(()),
-        selected: opts.heads.map(|_| sel),
+        selected: sel,
         direct,
         lease,
     })
@@ -1214,20 +1214,13 @@ impl PreparedPrefill {
         let srcs: Vec<&[f32]> = guards.iter().map(|g| &**g).collect();
         let per_chunk = self.chunks[0].slabs;
         // The device slab of each (b * heads_q + h) slab, if computed.
-        let device_of = self.selected.as_ref().map(|sel| {
-            let mut m = vec![None; sh.batch * sh.heads_q];
-            for (i, &bh) in sel.iter().enumerate() {
-                m[bh] = Some(i);
-            }
-            m
-        });
-        let device_slab = |s: usize| match &device_of {
-            Some(m) => m[s],
-            None => Some(s),
-        };
+        let mut device_of = vec![None; sh.batch * sh.heads_q];
+        for (i, &bh) in self.selected.iter().enumerate() {
+            device_of[bh] = Some(i);
+        }
         unpack_rows(out, d, |i| {
             let (s, t) = q_row_of(sh, i);
-            let s = device_slab(s)?;
+            let s = device_of[s]?;
             let c = s / per_chunk;
             let r = (s - self.chunks[c].slab0) * sh.seq_q + t;
             Some(&srcs[c][r * d..(r + 1) * d])
@@ -1236,11 +1229,8 @@ impl PreparedPrefill {
             for ch in &self.chunks {
                 let src = ch.lse_host.clone().reinterpret::<[f32]>();
                 let src = src.read().map_err(host_err)?;
-                for (i, row) in src.chunks_exact(sh.seq_q).take(ch.slabs).enumerate() {
-                    let s = self
-                        .selected
-                        .as_ref()
-                        .map_or(ch.slab0 + i, |sel| sel[ch.slab0 + i]);
+                let slabs = &self.selected[ch.slab0..ch.slab0 + ch.slabs];
+                for (&s, row) in slabs.iter().zip(src.chunks_exact(sh.seq_q)) {
                     l[s * sh.seq_q..(s + 1) * sh.seq_q].copy_from_slice(row);
                 }
             }
