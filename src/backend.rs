@@ -189,6 +189,11 @@ pub(crate) struct PrefillCall<'a> {
     /// the caller already made them to plan the call; a backend may use them instead of
     /// deciding again.
     pub decided: Option<&'a PrefillBoundary>,
+    /// The heads to compute (strictly increasing, each `< heads`); `None`: all. The other
+    /// heads' output rows are left as they are, and the statistics cover these heads
+    /// alone, in order (a split's two sides share one call's output this way). `acp`'s
+    /// bounds and `decided` stay indexed by the call's heads.
+    pub only: Option<&'a [usize]>,
 }
 
 impl<'a> PrefillCall<'a> {
@@ -251,12 +256,74 @@ pub(crate) struct DecodeCall<'a> {
     pub acp: Acp<'a>,
 }
 
+/// A prefill whose kernels ran ([`AttentionBackend::prefill_run`]): `finish` writes its
+/// heads' output rows.
+pub(crate) trait PrefillRun: Send {
+    /// Writes the computed heads' rows of `out` (`[t, heads, head_dim]`), leaving the
+    /// others as they are; returns the statistics.
+    fn finish(self: Box<Self>, out: &mut [f32]) -> Result<AttentionStats>;
+}
+
+/// [`AttentionBackend::prefill_run`] of a backend with one phase: the output of its heads,
+/// computed into a buffer of the whole call's size.
+struct Computed {
+    full: Vec<f32>,
+    heads: usize,
+    head_dim: usize,
+    only: Option<Vec<usize>>,
+    stats: AttentionStats,
+}
+
+impl PrefillRun for Computed {
+    fn finish(self: Box<Self>, out: &mut [f32]) -> Result<AttentionStats> {
+        if out.len() != self.full.len() {
+            return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
+        }
+        let (nh, d) = (self.heads, self.head_dim);
+        for (o, f) in out
+            .chunks_exact_mut(nh * d)
+            .zip(self.full.chunks_exact(nh * d))
+        {
+            match &self.only {
+                Some(sel) => {
+                    for &h in sel {
+                        o[h * d..(h + 1) * d].copy_from_slice(&f[h * d..(h + 1) * d]);
+                    }
+                }
+                None => o.copy_from_slice(f),
+            }
+        }
+        Ok(self.stats)
+    }
+}
+
 /// The attention kernels a backend provides. Implementations are stateless with respect to
 /// a session (the session owns every buffer), so one backend may serve many sessions.
 pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
     fn kind(&self) -> BackendKind;
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats>;
+    /// Runs `call` up to its output, which the result's `finish` writes (a split runs its
+    /// GPU side this way while its CPU side writes the other heads into the same output).
+    /// `on_packed` runs once the call stops needing the host's cores until `finish` (not
+    /// if it fails before): the Vulkan backend's packed inputs. Default: `on_packed`, then
+    /// [`Self::prefill`] into a buffer of its own, copied out by `finish`.
+    fn prefill_run(
+        &self,
+        call: &PrefillCall<'_>,
+        on_packed: &mut dyn FnMut(),
+    ) -> Result<Box<dyn PrefillRun + '_>> {
+        on_packed();
+        let mut full = vec![0.0f32; call.t * call.heads * call.head_dim];
+        let stats = self.prefill(call, &mut full)?;
+        Ok(Box::new(Computed {
+            full,
+            heads: call.heads,
+            head_dim: call.head_dim,
+            only: call.only.map(<[usize]>::to_vec),
+            stats,
+        }))
+    }
     /// The cache heads with these [`CacheSync::id`]s are gone (their session was reset or
     /// dropped): a backend that mirrors them may free the mirrors. Default: nothing kept.
     fn release_cache(&self, _ids: &[u64]) {}
@@ -275,6 +342,7 @@ impl AttentionBackend for CpuBackend {
         let args = call.kernel_args(call.q, call.k, call.v);
         let opts = foxedge_cpu::PrefillOptions {
             acp: call.kernel_acp(),
+            heads: call.only,
             ..Default::default()
         };
         let st = foxedge_cpu::prefill(&args, &opts, out, None).map_err(kernel_error)?;

@@ -121,11 +121,10 @@ pub struct Calibration {
     pub gpu_decode_resident: bool,
     /// Whether CPU and GPU work overlap in time (false for a CPU Vulkan device).
     pub concurrent: bool,
-    /// Extra cost of a split call: fixed seconds (the GPU thread) and seconds per row of
-    /// all heads (prefill: gathering q, k, v, log f by side and scattering the output;
-    /// decode moves only the queries, so 0).
+    /// Extra seconds of a split call: handing its CPU side to a pool thread and waiting
+    /// for it. Both sides read the call's inputs and write their heads' output in place
+    /// (a decode split gathers only its queries).
     pub split_fixed: f64,
-    pub split_row_prefill: f64,
     /// Wall time the calibration took (seconds).
     pub seconds: f64,
     /// The fraction of a core the CPU pool's threads got when they wanted one, around the
@@ -149,7 +148,7 @@ impl fmt::Display for Calibration {
         };
         write!(
             f,
-            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us + {:.1} ns/row; \
+            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us; \
              {} ({:.2} s); CPU share prefill {}, decode {}",
             g(&self.cpu_prefill),
             g(&self.gpu_prefill),
@@ -161,7 +160,6 @@ impl fmt::Display for Calibration {
                 ""
             },
             self.split_fixed * 1e6,
-            self.split_row_prefill * 1e9,
             if self.concurrent {
                 "concurrent"
             } else {
@@ -321,6 +319,17 @@ enum Mode {
 /// bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
 const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 
+/// A prefill split must be predicted this much faster than the best whole plan before
+/// `auto` runs it (its prediction is multiplied by this when plans are compared, not when
+/// it is learned from). Since a split reads and writes the call's tensors in place, its
+/// own cost is a pool hand-off (10-13 us on the H100 host), so the model sees splits of
+/// a 16-head 1K prefill as 10-30% faster than the GPU alone; measured, the GPU side of 11
+/// heads took as long as 16 heads alone (the call's host phases and latencies are per
+/// call, not per head), and splits ran 0-7% slower than the GPU (runs 350-355). Below
+/// this margin the gain is within what the model misses, and trying splits cost `auto`
+/// 3-5% (plans switching on near ties).
+const SPLIT_MARGIN_PREFILL: f64 = 1.1;
+
 /// `auto` tries a plan it has not run in a size class when its corrected prediction is
 /// within this factor of the winner's, and re-checks one sampled once within it when the
 /// probe budget allows ([`feedback`]).
@@ -393,7 +402,7 @@ struct Candidates {
 /// The model's terms for costing the plans of one call: `work` per head, CPU
 /// `cpu.predict(pairs, rows)`, GPU `gpu.predict(pairs, gpu_rows)`, combined by `max` when
 /// they run concurrently (a real GPU) or `+` on shared cores (lavapipe), plus `split_cost`
-/// = (fixed seconds, seconds per row of the whole call) for a split.
+/// seconds for a split ([`Calibration::split_fixed`]).
 ///
 /// `side(k)` = (CPU, GPU) factors of the two sides of a split with `k` GPU heads
 /// ([`split_side_factors`]): the sides are costed with them, so the heads are divided by
@@ -407,7 +416,7 @@ struct Costing<'w, S> {
     gpu: LinearCost,
     side: S,
     concurrent: bool,
-    split_cost: (f64, f64),
+    split_cost: f64,
 }
 
 impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
@@ -417,7 +426,7 @@ impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
         gpu: LinearCost,
         side: S,
         concurrent: bool,
-        split_cost: (f64, f64),
+        split_cost: f64,
     ) -> Self {
         Costing {
             work,
@@ -437,8 +446,7 @@ impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
         let split = g_heads != 0 && g_heads != n;
         let (extra, fc, fg) = if split {
             let (fc, fg) = (self.side)(g_heads);
-            let per_row = self.split_cost.1 * self.total.rows as f64;
-            (self.split_cost.0 + per_row, fc, fg)
+            (self.split_cost, fc, fg)
         } else {
             (0.0, 1.0, 1.0)
         };
@@ -514,7 +522,7 @@ fn candidates(
     gpu: LinearCost,
     side: impl Fn(usize) -> (f64, f64),
     concurrent: bool,
-    split_cost: (f64, f64),
+    split_cost: f64,
 ) -> Candidates {
     Costing::new(work, cpu, gpu, side, concurrent, split_cost).search()
 }
@@ -540,6 +548,8 @@ fn split_side_factors(rec: &ClassRecord, gpu_heads: usize) -> (f64, f64) {
 ///
 /// `catch_up_s`: what a GPU step's catch-up takes beyond its prediction, all heads (the
 /// all-GPU plan's; a split's in proportion to its GPU heads): a probe pays it.
+/// `split_margin`: multiplies the split's prediction where `auto` compares the plans
+/// ([`SPLIT_MARGIN_PREFILL`]).
 fn plan(
     n: usize,
     c: &Candidates,
@@ -547,6 +557,7 @@ fn plan(
     rec: &ClassRecord,
     explore: f64,
     catch_up_s: f64,
+    split_margin: f64,
 ) -> (Split, Pick) {
     let split_of = |gpu_heads: &[usize], predicted_seconds: f64| {
         let mut gpu_heads = gpu_heads.to_vec();
@@ -574,7 +585,7 @@ fn plan(
         Mode::Auto => {
             let mut raw = vec![(c.cpu, PlanKind::Cpu), (c.gpu, PlanKind::Gpu)];
             if let Some((t, _)) = &c.split {
-                raw.push((*t, PlanKind::Split));
+                raw.push((*t * split_margin, PlanKind::Split));
             }
             let prior = |k: PlanKind| {
                 if k == PlanKind::Split {
@@ -720,31 +731,6 @@ pub(crate) struct PrefillBoundary {
     pub delta: Vec<Option<f64>>,
     /// `[heads, t]`: cumulative log gates `c_i`.
     pub c: Vec<f64>,
-}
-
-impl PrefillBoundary {
-    /// The decisions of heads `idx` (in that order), as [`prefill_boundary`] of a call of
-    /// just those heads would make them: every field is per head.
-    fn gather(&self, idx: &[usize]) -> PrefillBoundary {
-        let (nqb, t) = (self.q_blocks, self.c.len() / self.delta.len().max(1));
-        let rows = |x: &[u32], w: usize| {
-            idx.iter()
-                .flat_map(|&h| x[h * w..][..w].iter().copied())
-                .collect()
-        };
-        PrefillBoundary {
-            block: self.block,
-            q_blocks: nqb,
-            start_blocks: rows(&self.start_blocks, nqb),
-            kept_pairs: idx.iter().map(|&h| self.kept_pairs[h]).collect(),
-            total_pairs: idx.iter().map(|&h| self.total_pairs[h]).collect(),
-            delta: idx.iter().map(|&h| self.delta[h]).collect(),
-            c: idx
-                .iter()
-                .flat_map(|&h| self.c[h * t..][..t].iter().copied())
-                .collect(),
-        }
-    }
 }
 
 /// Kept (query, entry) pairs of head `h` of a decode call: entries in `BLOCK`-entry blocks
@@ -919,6 +905,7 @@ fn prefill_sample(
         v: &v,
         log_f: &log_f,
         decided: None,
+        only: None,
         acp: if pruned {
             Acp::Bound {
                 u: &u,
@@ -1222,7 +1209,7 @@ fn calibrate(
     concurrent: bool,
 ) -> Result<Calibration> {
     let t0 = Instant::now();
-    let (split_fixed, split_row_prefill) = calibrate_split(heads, d)?;
+    let split_fixed = calibrate_split()?;
     let dec = calibrate_kind(cpu, gpu, heads, d, true, None, None)?;
     let pre = calibrate_kind(cpu, gpu, heads, d, false, None, None)?;
     Ok(Calibration {
@@ -1233,41 +1220,19 @@ fn calibrate(
         gpu_decode_resident: dec.resident,
         concurrent,
         split_fixed,
-        split_row_prefill,
         seconds: t0.elapsed().as_secs_f64(),
         cpu_prefill_share: pre.share,
         cpu_decode_share: dec.share,
     })
 }
 
-/// The split's own costs: a scoped thread's spawn and join (fixed), and per row of the
-/// whole call the gathers of q, k, v, log f by side and the scatter of the output (done in
-/// parallel, as a split call does), on a 1024-token prefill split into two halves of its
-/// heads.
-fn calibrate_split(heads: usize, d: usize) -> Result<(f64, f64)> {
-    let fixed = time_min(|| {
-        std::thread::scope(|s| s.spawn(|| std::hint::black_box(1)).join())
-            .map(|_| ())
-            .map_err(|_| Error::Internal("calibration thread panicked".into()))
-    })?;
-    let t = 1024;
-    let mut x = vec![0.0f32; t * heads * d];
-    fill_random(&mut x, 61);
-    let mut out = vec![0.0f32; x.len()];
-    let half = heads / 2;
-    let sides: [Vec<usize>; 2] = [(0..half).collect(), (half..heads).collect()];
-    let secs = time_min(|| {
-        for idx in &sides {
-            for _ in 0..3 {
-                std::hint::black_box(gather_seq(&x, t, heads, d, idx));
-            }
-            std::hint::black_box(gather_seq(&x, t, heads, 1, idx));
-            let part = gather_seq(&x, t, heads, d, idx);
-            scatter_seq(&part, t, heads, d, idx, &mut out);
-        }
+/// The split's own cost: a job handed to a pool thread beside this one, and the wait for
+/// it (a split's CPU side; the pool's threads may sleep between calls).
+fn calibrate_split() -> Result<f64> {
+    time_min(|| {
+        rayon::in_place_scope(|s| s.spawn(|_| std::hint::black_box(())));
         Ok(())
-    })?;
-    Ok((fixed, secs / (t * heads) as f64))
+    })
 }
 
 /// The GPU side of a [`Scheduler`]: an attention backend and how it relates to the CPU.
@@ -1480,53 +1445,6 @@ impl fmt::Debug for Scheduler {
     }
 }
 
-/// Rows per parallel task of the gathers and scatters.
-const COPY_ROWS: usize = 64;
-
-/// Heads of `heads` selected by `idx`, gathered from a `[rows, heads, d]` tensor into
-/// `[rows, idx.len(), d]`; rows in parallel (a memory-bound copy).
-fn gather_seq(x: &[f32], rows: usize, heads: usize, d: usize, idx: &[usize]) -> Vec<f32> {
-    use rayon::prelude::*;
-    let w = idx.len() * d;
-    let mut o = vec![0.0f32; rows * w];
-    if w == 0 {
-        return o;
-    }
-    o.par_chunks_mut(w * COPY_ROWS)
-        .enumerate()
-        .for_each(|(ci, chunk)| {
-            for (ri, orow) in chunk.chunks_mut(w).enumerate() {
-                let r = ci * COPY_ROWS + ri;
-                let src = &x[r * heads * d..(r + 1) * heads * d];
-                for (dst, &h) in orow.chunks_mut(d).zip(idx) {
-                    dst.copy_from_slice(&src[h * d..(h + 1) * d]);
-                }
-            }
-        });
-    o
-}
-
-/// Inverse of [`gather_seq`] into `out`; rows in parallel.
-fn scatter_seq(part: &[f32], rows: usize, heads: usize, d: usize, idx: &[usize], out: &mut [f32]) {
-    use rayon::prelude::*;
-    let w = idx.len() * d;
-    if w == 0 || heads * d == 0 {
-        return;
-    }
-    out[..rows * heads * d]
-        .par_chunks_mut(heads * d * COPY_ROWS)
-        .enumerate()
-        .for_each(|(ci, chunk)| {
-            for (ri, orow) in chunk.chunks_mut(heads * d).enumerate() {
-                let r = ci * COPY_ROWS + ri;
-                let src = &part[r * w..(r + 1) * w];
-                for (s, &h) in src.chunks(d).zip(idx) {
-                    orow[h * d..(h + 1) * d].copy_from_slice(s);
-                }
-            }
-        });
-}
-
 /// Heads selected by `idx` of a head-major `[heads, per]` tensor.
 fn gather_major<T: Copy>(x: &[T], per: usize, idx: &[usize]) -> Vec<T> {
     let mut o = Vec::with_capacity(per * idx.len());
@@ -1600,14 +1518,6 @@ impl Scheduler {
                     .ok()
             })
             .as_ref()
-    }
-
-    /// Runs `f` (the CPU side of a split) in the split pool.
-    fn on_cpu_side<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        match self.split_pool() {
-            Some(p) => p.install(f),
-            None => f(),
-        }
     }
 
     /// Folds a call's measured seconds into its size class's record for its kind, a
@@ -1745,11 +1655,7 @@ impl Scheduler {
         // measurement, the split's own costs (CPU work too: a thread's spawn, gathers),
         // measured again or the cache's.
         let (fresh, read, split) = match from_cache {
-            Some(x) => (
-                Some(x),
-                x.share,
-                cached.map(|x| (x.split_fixed, x.split_row_prefill)),
-            ),
+            Some(x) => (Some(x), x.share, cached.map(|x| x.split_fixed)),
             None => match share::probe() {
                 p if share::busy(p) => (None, p, None),
                 p => {
@@ -1768,7 +1674,7 @@ impl Scheduler {
                         Some((&mine, cpu_only)),
                     )
                     .ok();
-                    (m, m.and_then(|x| x.share), calibrate_split(heads, d).ok())
+                    (m, m.and_then(|x| x.share), calibrate_split().ok())
                 }
             },
         };
@@ -1782,9 +1688,8 @@ impl Scheduler {
                 // 91-150) never runs.
                 let adopt = |x: &mut Calibration, cpu: bool, gpu: bool| {
                     set_kind(x, decode, &new, cpu, gpu);
-                    if let Some((f, r)) = split {
+                    if let Some(f) = split {
                         x.split_fixed = x.split_fixed.min(f);
-                        x.split_row_prefill = x.split_row_prefill.min(r);
                     }
                 };
                 adopt(&mut kept, cpu, gpu);
@@ -1989,10 +1894,7 @@ impl Scheduler {
                 });
             }
         }
-        let split_cost = (
-            c.split_fixed,
-            if decode { 0.0 } else { c.split_row_prefill },
-        );
+        let split_cost = c.split_fixed;
         let t_work = trace_auto().then(Instant::now);
         let work = work()?;
         let work_s = t_work.map_or(0.0, |t| t.elapsed().as_secs_f64());
@@ -2027,7 +1929,16 @@ impl Scheduler {
             false => EXPLORE,
         };
         let catch_up_s = catch_up_rows as f64 * gc.c;
-        let (split, pick) = plan(heads, &cands, self.mode, rec, explore, catch_up_s);
+        let split_margin = if decode { 1.0 } else { SPLIT_MARGIN_PREFILL };
+        let (split, pick) = plan(
+            heads,
+            &cands,
+            self.mode,
+            rec,
+            explore,
+            catch_up_s,
+            split_margin,
+        );
         let (kind, why) = (pick.kind, pick.reason);
         let margin = pick.margin;
         let raw = split.predicted_seconds;
@@ -2235,59 +2146,6 @@ fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
         .map_err(|_| Error::Internal("hybrid scheduler lock poisoned".into()))
 }
 
-/// Gathered q, k, v, log f of some heads (`[t, n, d]`, `[t, n]`) and their bounds.
-struct PrefillPart {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    log_f: Vec<f32>,
-    u: Vec<f64>,
-    /// The scheduler's decisions for these heads, when it made them.
-    decided: Option<PrefillBoundary>,
-}
-
-impl PrefillPart {
-    fn gather(
-        call: &PrefillCall<'_>,
-        idx: &[usize],
-        decided: Option<&PrefillBoundary>,
-    ) -> PrefillPart {
-        let (t, nh, d) = (call.t, call.heads, call.head_dim);
-        PrefillPart {
-            q: gather_seq(call.q, t, nh, d, idx),
-            k: gather_seq(call.k, t, nh, d, idx),
-            v: gather_seq(call.v, t, nh, d, idx),
-            log_f: gather_seq(call.log_f, t, nh, 1, idx),
-            u: match call.acp {
-                Acp::Bound { u, .. } => idx
-                    .iter()
-                    .map(|&h| u.get(h).copied().unwrap_or(f64::NAN))
-                    .collect(),
-                _ => Vec::new(),
-            },
-            decided: decided.map(|b| b.gather(idx)),
-        }
-    }
-
-    fn call<'a>(&'a self, whole: &PrefillCall<'_>) -> PrefillCall<'a> {
-        PrefillCall {
-            t: whole.t,
-            heads: self.log_f.len() / whole.t.max(1),
-            head_dim: whole.head_dim,
-            q: &self.q,
-            k: &self.k,
-            v: &self.v,
-            log_f: &self.log_f,
-            decided: self.decided.as_ref(),
-            acp: match whole.acp {
-                Acp::Bound { ln_eps, .. } => Acp::Bound { u: &self.u, ln_eps },
-                Acp::Off => Acp::Off,
-                Acp::ObservedNorms { ln_eps } => Acp::ObservedNorms { ln_eps },
-            },
-        }
-    }
-}
-
 /// The queries, cache views and bounds of some heads of a decode call.
 struct DecodePart<'c> {
     q: Vec<f32>,
@@ -2333,18 +2191,6 @@ impl<'c> DecodePart<'c> {
             },
         }
     }
-}
-
-/// The GPU thread's result and seconds (a panic there becomes an error).
-fn join_gpu(
-    h: std::thread::ScopedJoinHandle<'_, (Result<AttentionStats>, f64)>,
-) -> (Result<AttentionStats>, f64) {
-    h.join().unwrap_or_else(|_| {
-        (
-            Err(Error::Internal("the GPU submission thread panicked".into())),
-            f64::NAN,
-        )
-    })
 }
 
 /// `f`'s result and the seconds it took.
@@ -2631,40 +2477,42 @@ impl Scheduler {
         out: &mut [f32],
         sides: &mut Option<(f64, f64)>,
     ) -> Result<AttentionStats> {
-        let (t, nh, d) = (call.t, call.heads, call.head_dim);
-        let gp = PrefillPart::gather(call, &split.gpu_heads, decided);
-        let gcall = gp.call(call);
-        let mut g_out = vec![0.0f32; t * split.gpu_heads.len() * d];
+        let side = |heads| PrefillCall {
+            decided,
+            only: Some(heads),
+            ..*call
+        };
+        let (gcall, ccall) = (side(&split.gpu_heads), side(&split.cpu_heads));
         let gpu = self.gpu.backend.as_ref();
-        let (gres, cres) = std::thread::scope(|s| {
-            let h = s.spawn(|| timed(|| gpu.prefill(&gcall, &mut g_out)));
-            let c = self.on_cpu_side(|| {
-                timed(|| {
-                    let cp = PrefillPart::gather(call, &split.cpu_heads, decided);
-                    let mut c_out = vec![0.0f32; t * split.cpu_heads.len() * d];
-                    let st = self.cpu.prefill(&cp.call(call), &mut c_out)?;
-                    scatter_seq(&c_out, t, nh, d, &split.cpu_heads, out);
-                    Ok::<_, Error>(st)
-                })
-            });
-            (join_gpu(h), c)
-        });
-        let ((cres, c_s), (gres, g_s)) = (cres, gres);
+        let ((gran, g_s), (cres, c_s)) = self.beside(
+            |packed| gpu.prefill_run(&gcall, packed),
+            || self.cpu.prefill(&ccall, out),
+        );
         let cs = cres?;
+        let (gres, finish_s) = timed(|| gran.and_then(|run| run.finish(out)));
         if gres.is_ok() {
-            *sides = Some((c_s, g_s));
+            *sides = Some((c_s, g_s + finish_s));
         }
-        let gs = self.or_cpu(gres, || self.cpu.prefill(&gcall, &mut g_out))?;
-        scatter_seq(&g_out, t, nh, d, &split.gpu_heads, out);
+        if trace_auto() {
+            eprintln!(
+                "[auto] prefill split {}+{} heads: CPU side {:.3} ms, GPU side {:.3} + {:.3} ms",
+                split.cpu_heads.len(),
+                split.gpu_heads.len(),
+                c_s * 1e3,
+                g_s * 1e3,
+                finish_s * 1e3
+            );
+        }
+        let gs = self.or_cpu(gres, || self.cpu.prefill(&gcall, out))?;
         Ok(merge_stats(
-            nh,
+            call.heads,
             &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
         ))
     }
 
     /// A decode split: cache heads are views (only queries are gathered); the CPU side runs
-    /// in the split pool while the GPU thread works. `sides` receives the (CPU, GPU) sides'
-    /// seconds when both ran.
+    /// in the split pool while the GPU side runs on this thread. `sides` receives the (CPU,
+    /// GPU) sides' seconds when both ran.
     fn decode_split(
         &self,
         call: &DecodeCall<'_>,
@@ -2679,12 +2527,13 @@ impl Scheduler {
         let mut g_out = vec![0.0f32; split.gpu_heads.len() * nq * d];
         let mut c_out = vec![0.0f32; split.cpu_heads.len() * nq * d];
         let gpu = self.gpu.backend.as_ref();
-        let (gres, cres) = std::thread::scope(|s| {
-            let h = s.spawn(|| timed(|| gpu.decode(&gcall, &mut g_out)));
-            let c = self.on_cpu_side(|| timed(|| self.cpu.decode(&ccall, &mut c_out)));
-            (join_gpu(h), c)
-        });
-        let ((cres, c_s), (gres, g_s)) = (cres, gres);
+        let ((gres, g_s), (cres, c_s)) = self.beside(
+            |start| {
+                start();
+                gpu.decode(&gcall, &mut g_out)
+            },
+            || self.cpu.decode(&ccall, &mut c_out),
+        );
         let cs = cres?;
         if gres.is_ok() {
             self.note_gpu_synced(call, &split.gpu_heads);
@@ -2697,6 +2546,50 @@ impl Scheduler {
             nh,
             &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
         ))
+    }
+
+    /// A split's two sides with their seconds: `gpu` on this thread, `cpu` in the split
+    /// pool from the moment `gpu` calls its argument (once its host work is done: a Vulkan
+    /// prefill's packing; at once if it never does), so the two do not fight over cores.
+    /// The CPU side's seconds count from the split's start. Where the CPU and the GPU share
+    /// cores (no split pool) the sides run one after the other. A panic on the GPU side
+    /// becomes an error, so the call can fall back.
+    #[allow(clippy::type_complexity)]
+    fn beside<G: Send, C: Send>(
+        &self,
+        gpu: impl FnOnce(&mut dyn FnMut()) -> Result<G> + Send,
+        cpu: impl FnOnce() -> Result<C> + Send,
+    ) -> ((Result<G>, f64), (Result<C>, f64)) {
+        let gpu = |start: &mut dyn FnMut()| {
+            timed(|| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpu(start)))
+                    .unwrap_or_else(|_| {
+                        Err(Error::Internal("the GPU side of a split panicked".into()))
+                    })
+            })
+        };
+        let Some(pool) = self.split_pool() else {
+            let c = timed(cpu);
+            return (gpu(&mut || {}), c);
+        };
+        let t0 = Instant::now();
+        let mut c = (
+            Err(Error::Internal("a split's CPU side did not run".into())),
+            0.0,
+        );
+        let mut pending = Some((cpu, &mut c));
+        let g = pool.in_place_scope(|s| {
+            let g = gpu(&mut || {
+                if let Some((cpu, slot)) = pending.take() {
+                    s.spawn(move |_| *slot = (cpu(), t0.elapsed().as_secs_f64()));
+                }
+            });
+            if let Some((cpu, slot)) = pending.take() {
+                *slot = (cpu(), t0.elapsed().as_secs_f64());
+            }
+            g
+        });
+        (g, c)
     }
 }
 
@@ -2887,6 +2780,7 @@ impl Problem {
             log_f: &self.log_f,
             acp: acp.to_acp(&self.u),
             decided: None,
+            only: None,
         }
     }
 
@@ -3524,7 +3418,7 @@ mod tests {
         g: LinearCost,
         conc: bool,
         mode: Mode,
-        split_cost: (f64, f64),
+        split_cost: f64,
     ) -> Split {
         plan(
             work.len(),
@@ -3533,6 +3427,7 @@ mod tests {
             &ClassRecord::default(),
             EXPLORE,
             0.0,
+            1.0,
         )
         .0
     }
@@ -3555,9 +3450,9 @@ mod tests {
         // least there: 14 ms), and the plain plans keep their raw predictions.
         let work = w(&[1_000_000; 16]);
         let (c, g) = (cost(0.0, 1e-9), cost(0.0, 1e-9));
-        let even = candidates(&work, c, g, |_| (1.0, 1.0), true, (0.0, 0.0));
+        let even = candidates(&work, c, g, |_| (1.0, 1.0), true, 0.0);
         assert_eq!(even.split.as_ref().map(|s| s.1.len()), Some(8));
-        let slow_gpu = candidates(&work, c, g, |_| (1.0, 5.0), true, (0.0, 0.0));
+        let slow_gpu = candidates(&work, c, g, |_| (1.0, 5.0), true, 0.0);
         let (t, heads) = slow_gpu.split.clone().unwrap();
         assert_eq!(heads.len(), 2);
         assert!((t - 14.0 * 1e-3).abs() < 1e-12, "{t}");
@@ -3574,7 +3469,7 @@ mod tests {
             cost(1e-4, 1e-9),
             true,
             Mode::Hybrid,
-            (0.0, 0.0),
+            0.0,
         );
         assert_eq!(s.gpu_heads, vec![1, 4]);
         assert_eq!(s.cpu_heads, vec![0, 2, 3, 5, 6, 7]);
@@ -3602,7 +3497,7 @@ mod tests {
             b: 1e-10,
             c: 2e-7,
         };
-        let s = plan0(&work, cpu, gpu, true, Mode::Auto, (0.0, 0.0));
+        let s = plan0(&work, cpu, gpu, true, Mode::Auto, 0.0);
         assert_eq!(s.gpu_heads, vec![1, 3]);
         // Calibration fit recovers a, b, c from exact samples.
         let truth = LinearCost {
@@ -3643,7 +3538,7 @@ mod tests {
             b: 2e-11,
             c: 3e-7,
         };
-        let s = plan0(&work, cpu, gpu, true, Mode::Hybrid, (1e-5, 0.0));
+        let s = plan0(&work, cpu, gpu, true, Mode::Hybrid, 1e-5);
         assert_eq!(s.gpu_heads, vec![0, 1]);
     }
 
@@ -3660,8 +3555,8 @@ mod tests {
         let mut rec = ClassRecord::default();
         let mut last = 0;
         for _ in 0..calls {
-            let cands = candidates(&work, cpu, gpu, |k| side(&rec, k), true, (50e-6, 0.0));
-            let (split, pick) = plan(16, &cands, Mode::Auto, &rec, EXPLORE_DECODE, 0.0);
+            let cands = candidates(&work, cpu, gpu, |k| side(&rec, k), true, 50e-6);
+            let (split, pick) = plan(16, &cands, Mode::Auto, &rec, EXPLORE_DECODE, 0.0, 1.0);
             let (secs, sides) = truth(split.gpu_heads.len());
             if let (PlanKind::Split, Some((c, g))) = (pick.kind, sides) {
                 let (rc, rg) = (c / cands.split_sides.0, g / cands.split_sides.1);
@@ -3754,16 +3649,16 @@ mod tests {
             split_sides: (0.25, 0.25),
         };
         let mut rec = ClassRecord::default();
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!((p.kind, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
         // ... but it measured 2.4x its prediction (its first call is cold, the second is
         // the sample): the CPU (never run) is next, and its split has no GPU heads.
         rec.record(PlanKind::Split, 0.5, 5.0, None);
-        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
+        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!(p.kind, PlanKind::Split);
         rec.record(PlanKind::Split, 0.5, 1.2, None);
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!(
             (p.kind, s.gpu_heads.len(), s.predicted_seconds),
             (PlanKind::Cpu, 0, 1.0)
@@ -3773,12 +3668,12 @@ mod tests {
         // The GPU, probed (two calls), measured 1.3x: the CPU stays.
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0.into()));
         rec.record(PlanKind::Gpu, 1.1, 1.43, Some(1.0.into()));
-        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0);
+        let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!((p.kind, s.cpu_heads), (PlanKind::Cpu, vec![0, 1]));
         // Hybrid and GpuOnly ignore the measurements.
-        let (_, p) = plan(2, &c, Mode::Hybrid, &rec, EXPLORE, 0.0);
+        let (_, p) = plan(2, &c, Mode::Hybrid, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!(p.kind, PlanKind::Split);
-        let (s, _) = plan(2, &c, Mode::GpuOnly, &rec, EXPLORE, 0.0);
+        let (s, _) = plan(2, &c, Mode::GpuOnly, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!(s.gpu_heads, vec![0, 1]);
     }
 
@@ -3791,7 +3686,7 @@ mod tests {
             cost(1e-5, 5e-9),
             false,
             Mode::Auto,
-            (0.0, 0.0),
+            0.0,
         );
         assert!(s.gpu_heads.is_empty(), "{s:?}");
         // Hybrid must still split, and puts the lightest head on the slower GPU.
@@ -3801,7 +3696,7 @@ mod tests {
             cost(1e-5, 5e-9),
             false,
             Mode::Hybrid,
-            (0.0, 0.0),
+            0.0,
         );
         assert_eq!(s.gpu_heads, vec![0]);
     }
@@ -3828,7 +3723,7 @@ mod tests {
             cost(1e-4, 1e-10),
             |_| (1.0, 1.0),
             true,
-            (0.0, 0.0),
+            0.0,
         );
         let cands = costing.search();
         // Two GPU calls: the second, warm, is the GPU's first prospect sample (ratio 1).
@@ -3889,7 +3784,7 @@ mod tests {
             let g = LinearCost { a: ga, b: gb, c: gc };
             let n = work.len();
             for mode in [Mode::Auto, Mode::Hybrid, Mode::GpuOnly] {
-                let s = plan0(&work, c, g, conc, mode, (0.0, 0.0));
+                let s = plan0(&work, c, g, conc, mode, 0.0);
                 let mut all: Vec<usize> = s.gpu_heads.iter().chain(&s.cpu_heads).copied().collect();
                 all.sort_unstable();
                 prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
@@ -3938,7 +3833,7 @@ mod tests {
             let (c, g) = (cost(ca, cb), cost(ga, gb));
             let (c, g) = (LinearCost { c: cc, ..c }, LinearCost { c: gc, ..g });
             let side = |k: usize| (fc + 0.01 * k as f64, fg);
-            let split_cost = (1e-5, 0.0);
+            let split_cost = 1e-5;
             let searched = Costing::new(&work, c, g, side, conc, split_cost).search();
             let heads = searched.split.as_ref().map(|(_, h)| h.clone());
             let again = Costing::new(&work, c, g, side, conc, split_cost).with_split(heads.as_deref());
@@ -3956,32 +3851,6 @@ mod tests {
                 prop_assert_eq!(*t, costing.cost(gw, hs.len()).0);
             }
         }
-
-        #[test]
-        fn parallel_gather_scatter_round_trip(
-            rows in 1usize..300, heads in 1usize..7, d in 1usize..9, mask in 0u32..128,
-        ) {
-            let idx: Vec<usize> = (0..heads).filter(|h| mask & (1 << h) != 0).collect();
-            let x: Vec<f32> = (0..rows * heads * d).map(|i| i as f32).collect();
-            let g = gather_seq(&x, rows, heads, d, &idx);
-            prop_assert_eq!(g.len(), rows * idx.len() * d);
-            for r in 0..rows {
-                for (i, &h) in idx.iter().enumerate() {
-                    prop_assert_eq!(
-                        &g[(r * idx.len() + i) * d..][..d],
-                        &x[(r * heads + h) * d..][..d]
-                    );
-                }
-            }
-            let mut out = vec![-1.0f32; x.len()];
-            scatter_seq(&g, rows, heads, d, &idx, &mut out);
-            for r in 0..rows {
-                for h in 0..heads {
-                    let want = if idx.contains(&h) { x[(r * heads + h) * d] } else { -1.0 };
-                    prop_assert_eq!(out[(r * heads + h) * d], want);
-                }
-            }
-        }
     }
 
     /// A calibration under which auto's decode takes the CPU shortcut: the CPU predicted
@@ -3995,7 +3864,6 @@ mod tests {
             gpu_decode_resident: true,
             concurrent: true,
             split_fixed: 0.0,
-            split_row_prefill: 0.0,
             seconds: 0.0,
             cpu_prefill_share: None,
             cpu_decode_share: None,
@@ -4537,6 +4405,7 @@ mod tests {
             let decided = prefill_boundary(&p.call(acp)).unwrap();
             let call = PrefillCall {
                 decided: Some(&decided),
+                only: None,
                 ..p.call(acp)
             };
             let mut got = vec![0.0; p.q.len()];
@@ -4552,17 +4421,40 @@ mod tests {
     }
 
     #[test]
-    fn gathered_decisions_equal_deciding_the_gathered_heads() {
-        // A split's sides run on the scheduler's decisions gathered per side: they must be
-        // what deciding that side's heads alone gives.
+    fn a_side_computes_its_heads_in_place_on_the_whole_calls_decisions() {
+        // A split's sides run the whole call with `only` their heads and the scheduler's
+        // decisions for every head: each writes exactly its heads' rows, as the whole call
+        // would, and reports their statistics in order.
         let p = problem(300, 5, 16);
+        let (nh, d) = (5, 16);
         for acp in [AcpMode::Off, AcpMode::Bound { ln_eps: -10.0 }] {
             let whole = p.call(acp);
             let all = prefill_boundary(&whole).unwrap();
-            for idx in [vec![3usize, 0], vec![4], vec![1, 2, 4]] {
-                let part = PrefillPart::gather(&whole, &idx, None);
-                let alone = prefill_boundary(&part.call(&whole)).unwrap();
-                assert_eq!(all.gather(&idx), alone, "{idx:?}");
+            let mut want = vec![0.0; p.q.len()];
+            let st_want = CpuBackend.prefill(&whole, &mut want).unwrap();
+            for idx in [vec![0usize, 3], vec![4], vec![1, 2, 4]] {
+                for decided in [None, Some(&all)] {
+                    let call = PrefillCall {
+                        decided,
+                        only: Some(&idx),
+                        ..whole
+                    };
+                    let mut got = vec![-7.0f32; p.q.len()];
+                    let st = CpuBackend.prefill(&call, &mut got).unwrap();
+                    for (r, (g, w)) in got.chunks(nh * d).zip(want.chunks(nh * d)).enumerate() {
+                        for h in 0..nh {
+                            let g = &g[h * d..][..d];
+                            if idx.contains(&h) {
+                                assert_eq!(g, &w[h * d..][..d], "row {r} head {h}");
+                            } else {
+                                assert!(g.iter().all(|&x| x == -7.0), "row {r} head {h}");
+                            }
+                        }
+                    }
+                    let pick = |x: &[u64]| idx.iter().map(|&h| x[h]).collect::<Vec<_>>();
+                    assert_eq!(st.kept_pairs, pick(&st_want.kept_pairs), "{idx:?}");
+                    assert_eq!(st.total_pairs, pick(&st_want.total_pairs), "{idx:?}");
+                }
             }
         }
     }

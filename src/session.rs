@@ -889,6 +889,7 @@ impl Session {
                 log_f: &s.log_f,
                 acp,
                 decided: None,
+                only: None,
             };
             let st = self.backend.prefill(&call, &mut s.o)?;
             kept += st.kept_pairs.iter().sum::<u64>();

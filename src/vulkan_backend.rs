@@ -14,7 +14,9 @@
 //! uploaded whole for the call. Mirrors are freed when their session releases them, and the
 //! least recently used ones are dropped when device memory runs short.
 
-use crate::backend::{AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall};
+use crate::backend::{
+    AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall, PrefillRun,
+};
 use crate::error::{Error, Result};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,6 +136,19 @@ fn convert(st: &foxedge_vulkan::AttentionStats) -> AttentionStats {
     }
 }
 
+/// A Vulkan prefill whose output waits in readback memory.
+struct Ran<'b> {
+    backend: &'b VulkanBackend,
+    run: foxedge_vulkan::PrefillRun,
+}
+
+impl PrefillRun for Ran<'_> {
+    fn finish(self: Box<Self>, out: &mut [f32]) -> Result<AttentionStats> {
+        let st = self.run.finish(out).map_err(|e| self.backend.map_err(e))?;
+        Ok(convert(&st))
+    }
+}
+
 impl AttentionBackend for VulkanBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Vulkan
@@ -143,6 +158,7 @@ impl AttentionBackend for VulkanBackend {
         self.check_alive()?;
         let opts = foxedge_vulkan::PrefillOptions {
             acp: call.kernel_acp(),
+            heads: call.only,
             ..Default::default()
         };
         let args = call.kernel_args(call.q, call.k, call.v);
@@ -153,6 +169,25 @@ impl AttentionBackend for VulkanBackend {
         }
         .map_err(|e| self.map_err(e))?;
         Ok(convert(&st))
+    }
+
+    fn prefill_run(
+        &self,
+        call: &PrefillCall<'_>,
+        on_packed: &mut dyn FnMut(),
+    ) -> Result<Box<dyn PrefillRun + '_>> {
+        self.check_alive()?;
+        let opts = foxedge_vulkan::PrefillOptions {
+            acp: call.kernel_acp(),
+            heads: call.only,
+            ..Default::default()
+        };
+        let args = call.kernel_args(call.q, call.k, call.v);
+        let run = self
+            .vk
+            .prefill_run(&args, &opts, self.f16_prefill, on_packed)
+            .map_err(|e| self.map_err(e))?;
+        Ok(Box::new(Ran { backend: self, run }))
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
@@ -317,6 +352,7 @@ mod tests {
                 ln_eps: -10.0,
             },
             decided: None,
+            only: None,
         };
         let mut want = vec![0.0f32; q.len()];
         let st_want = crate::backend::CpuBackend
