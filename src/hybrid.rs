@@ -16,9 +16,12 @@
 //! `P_h`, every prefix of the heaviest (and of the lightest) heads is a candidate GPU set;
 //! the predicted time of a split is `max(cpu(P_cpu), gpu(P_gpu))` when the two run
 //! concurrently (a real GPU) and `cpu + gpu` when the Vulkan device is itself a CPU
-//! implementation (lavapipe shares the cores). The GPU part runs on a scoped thread while
-//! rayon runs the CPU heads; both write their heads of one output. Decode recomputes the
-//! split at every call from the current cache (lengths and pruned blocks change per step).
+//! implementation (lavapipe shares the cores), each side first costed as the two slow each
+//! other ([`Contention`], measured at calibration). The GPU side runs on the calling
+//! thread; the CPU side runs in a pool of one thread fewer, from when the GPU side's host
+//! packing is done; both read the call's tensors and write their heads of its output in
+//! place. Decode recomputes the split at every call from the current cache (lengths and
+//! pruned blocks change per step).
 //!
 //! # Failure
 //! A Vulkan device that is missing at open time makes `auto` use the CPU; one lost (or out
@@ -125,6 +128,10 @@ pub struct Calibration {
     /// for it. Both sides read the call's inputs and write their heads' output in place
     /// (a decode split gathers only its queries).
     pub split_fixed: f64,
+    /// What a prefill's and a decode's split sides cost each other (identity where the
+    /// sides do not overlap); see [`Contention`].
+    pub split_prefill: Contention,
+    pub split_decode: Contention,
     /// Wall time the calibration took (seconds).
     pub seconds: f64,
     /// The fraction of a core the CPU pool's threads got when they wanted one, around the
@@ -148,8 +155,8 @@ impl fmt::Display for Calibration {
         };
         write!(
             f,
-            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us; \
-             {} ({:.2} s); CPU share prefill {}, decode {}",
+            "prefill cpu {} | gpu {}; decode cpu {} | gpu {}{}; split {:.0} us, sides \
+             prefill {}, decode {}; {} ({:.2} s); CPU share prefill {}, decode {}",
             g(&self.cpu_prefill),
             g(&self.gpu_prefill),
             g(&self.cpu_decode),
@@ -160,6 +167,8 @@ impl fmt::Display for Calibration {
                 ""
             },
             self.split_fixed * 1e6,
+            self.split_prefill,
+            self.split_decode,
             if self.concurrent {
                 "concurrent"
             } else {
@@ -168,6 +177,77 @@ impl fmt::Display for Calibration {
             self.seconds,
             share_words(self.cpu_prefill_share),
             share_words(self.cpu_decode_share)
+        )
+    }
+}
+
+/// What a split's two sides cost each other when they run at once, measured at
+/// calibration on one split of half the heads a side (see [`Scheduler::calibrate_sides`]):
+/// a side of a split is costed as
+///
+/// - CPU side: `pack · gpu + cpu_factor · cpu` — it starts once the GPU side's host work
+///   (a Vulkan prefill's packing, `pack` of the GPU side's time alone) is done, then runs
+///   on one thread fewer, beside the GPU thread's submissions and waits;
+/// - GPU side: `gpu_factor · gpu` — its host phases share the cores and memory bandwidth
+///   with the CPU side,
+///
+/// where `cpu`, `gpu` are each side's time alone by the backends' costs. On the H100 host
+/// the sides ran at 1.7-3.2x (CPU) and 1.3-2.3x (GPU) those costs (run 364), which priced
+/// splits 10-30% below the GPU alone where they ran 0-7% above it (runs 350-355).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Contention {
+    pub cpu_factor: f64,
+    pub gpu_factor: f64,
+    pub pack: f64,
+}
+
+impl Contention {
+    /// Sides that do not slow each other (and that run one after the other: shared cores).
+    pub const NONE: Contention = Contention {
+        cpu_factor: 1.0,
+        gpu_factor: 1.0,
+        pack: 0.0,
+    };
+
+    /// From one split's sides measured together (`cpu_split`: from the split's start;
+    /// `gpu_split`) and alone (`cpu`, `gpu`; `packed`: when the GPU side alone finished
+    /// its host work), seconds. Factors below 1 are noise (a side does not speed up
+    /// beside another), above [`Self::MAX_FACTOR`] a hiccup.
+    fn measured(cpu: f64, gpu: f64, packed: f64, cpu_split: f64, gpu_split: f64) -> Contention {
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if !(ok(cpu) && ok(gpu) && ok(cpu_split) && ok(gpu_split)) {
+            return Contention::NONE;
+        }
+        let packed = if packed.is_finite() {
+            packed.clamp(0.0, gpu)
+        } else {
+            0.0
+        };
+        let f = |x: f64| x.clamp(1.0, Self::MAX_FACTOR);
+        Contention {
+            cpu_factor: f((cpu_split - packed) / cpu),
+            gpu_factor: f(gpu_split / gpu),
+            pack: packed / gpu,
+        }
+    }
+
+    const MAX_FACTOR: f64 = 4.0;
+
+    /// The (CPU, GPU) sides' seconds of a split whose sides alone take `cpu` and `gpu`.
+    fn sides(&self, cpu: f64, gpu: f64) -> (f64, f64) {
+        (
+            self.pack * gpu + self.cpu_factor * cpu,
+            self.gpu_factor * gpu,
+        )
+    }
+}
+
+impl fmt::Display for Contention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cpu x{:.2} after {:.2} of gpu, gpu x{:.2}",
+            self.cpu_factor, self.pack, self.gpu_factor
         )
     }
 }
@@ -402,7 +482,8 @@ struct Candidates {
 /// The model's terms for costing the plans of one call: `work` per head, CPU
 /// `cpu.predict(pairs, rows)`, GPU `gpu.predict(pairs, gpu_rows)`, combined by `max` when
 /// they run concurrently (a real GPU) or `+` on shared cores (lavapipe), plus `split_cost`
-/// seconds for a split ([`Calibration::split_fixed`]).
+/// seconds for a split ([`Calibration::split_fixed`]); a split's sides are first costed as
+/// they slow each other (`contention`, [`Contention::sides`]).
 ///
 /// `side(k)` = (CPU, GPU) factors of the two sides of a split with `k` GPU heads
 /// ([`split_side_factors`]): the sides are costed with them, so the heads are divided by
@@ -417,6 +498,7 @@ struct Costing<'w, S> {
     side: S,
     concurrent: bool,
     split_cost: f64,
+    contention: Contention,
 }
 
 impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
@@ -436,7 +518,13 @@ impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
             side,
             concurrent,
             split_cost,
+            contention: Contention::NONE,
         }
+    }
+
+    /// Costs a split's sides as they slow each other ([`Contention`]).
+    fn contended(self, contention: Contention) -> Self {
+        Costing { contention, ..self }
     }
 
     /// (seconds, raw CPU side, raw GPU side) of the plan that sends `g_heads` heads doing
@@ -455,6 +543,11 @@ impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
             self.cpu.predict(c.pairs, c.rows, g_heads == n),
             self.gpu.predict(g.pairs, g.gpu_rows, g_heads == 0),
         );
+        let (tc, tg) = if split {
+            self.contention.sides(tc, tg)
+        } else {
+            (tc, tg)
+        };
         let t = if self.concurrent {
             (fc * tc).max(fg * tg)
         } else {
@@ -516,6 +609,7 @@ impl<'w, S: Fn(usize) -> (f64, f64)> Costing<'w, S> {
 }
 
 /// Predicted seconds of every plan for `work` (see [`Costing`], [`Costing::search`]).
+#[cfg(test)]
 fn candidates(
     work: &[Work],
     cpu: LinearCost,
@@ -1220,6 +1314,8 @@ fn calibrate(
         gpu_decode_resident: dec.resident,
         concurrent,
         split_fixed,
+        split_prefill: Contention::NONE,
+        split_decode: Contention::NONE,
         seconds: t0.elapsed().as_secs_f64(),
         cpu_prefill_share: pre.share,
         cpu_decode_share: dec.share,
@@ -1782,13 +1878,21 @@ impl Scheduler {
             self.schedule_remeasure(&c)?;
             return Ok(Some(c));
         }
-        match calibrate(
+        let measured = calibrate(
             &self.cpu,
             self.gpu.backend.as_ref(),
             heads,
             d,
             self.gpu.concurrent,
-        ) {
+        )
+        .and_then(|mut c| {
+            let t0 = Instant::now();
+            (c.split_prefill, c.split_decode) =
+                self.calibrate_sides(heads, d, c.gpu_decode_resident)?;
+            c.seconds += t0.elapsed().as_secs_f64();
+            Ok(c)
+        });
+        match measured {
             Ok(c) => {
                 lock(calibration_cache())?.insert(key, c.clone());
                 *slot = Some(c.clone());
@@ -1908,15 +2012,23 @@ impl Scheduler {
         let kept = search_id
             .and_then(|id| searches.get(&id))
             .filter(|s| s.holds(class, rec, total, heads));
+        let contention = if decode {
+            c.split_decode
+        } else {
+            c.split_prefill
+        };
         let cands = if let Some(s) = kept {
             let side = |k: usize| split_side_factors(rec, k);
             Costing::new(&work, cc, gc, side, c.concurrent, split_cost)
+                .contended(contention)
                 .with_split(s.split.as_deref())
         } else {
             // Per GPU head count, once per search (it costs 3 · heads splits).
             let sides: Vec<(f64, f64)> = (0..=heads).map(|k| split_side_factors(rec, k)).collect();
             let side = |k: usize| sides.get(k).copied().unwrap_or((1.0, 1.0));
-            let cands = candidates(&work, cc, gc, side, c.concurrent, split_cost);
+            let cands = Costing::new(&work, cc, gc, side, c.concurrent, split_cost)
+                .contended(contention)
+                .search();
             if let Some(id) = search_id {
                 searches.insert(id, SplitSearch::of(class, rec, total, heads, &cands));
             }
@@ -2464,11 +2576,11 @@ impl Scheduler {
         r
     }
 
-    /// A prefill split: the GPU heads are gathered and handed to the GPU thread first; the
-    /// CPU side (gather, kernel, scatter of its heads) then runs in the split pool while
-    /// the GPU works; the GPU heads' output is scattered after the join. Each side gets its
-    /// heads' share of `decided` (the plan's decisions), so neither decides again. `sides`
-    /// receives the (CPU, GPU) sides' seconds when both ran.
+    /// A prefill split: the GPU side packs and submits its heads on this thread; the CPU
+    /// side then computes its heads into `out` in the split pool while the GPU works, and
+    /// the GPU side's rows are unpacked into `out` after both ([`Self::beside`]). Both
+    /// sides read the call's tensors and `decided` (the plan's decisions) in place, so
+    /// neither decides again. `sides` receives the (CPU, GPU) sides' seconds when both ran.
     fn prefill_split(
         &self,
         call: &PrefillCall<'_>,
@@ -2546,6 +2658,154 @@ impl Scheduler {
             nh,
             &[(&split.gpu_heads, &gs), (&split.cpu_heads, &cs)],
         ))
+    }
+
+    /// What a split's sides cost each other ([`Contention`]), for (prefill, decode): one
+    /// split of half the heads a side, dense, 1024 tokens (prefill) and one step over
+    /// 4096 entries per head (decode; with resident caches where the GPU keeps them), each
+    /// side timed alone and then both at once as [`Self::beside`] runs them (the minimum
+    /// of [`time_min`]'s runs of each). Identity where a split's sides do not overlap (no
+    /// split pool) or a call has one head.
+    fn calibrate_sides(
+        &self,
+        heads: usize,
+        d: usize,
+        resident: bool,
+    ) -> Result<(Contention, Contention)> {
+        if heads < 2 || self.split_pool().is_none() {
+            return Ok((Contention::NONE, Contention::NONE));
+        }
+        let gpu = self.gpu.backend.as_ref();
+        let (cpu_heads, gpu_heads): (Vec<usize>, Vec<usize>) =
+            ((0..heads / 2).collect(), (heads / 2..heads).collect());
+        // Prefill.
+        let t = 1024;
+        let mut q = vec![0.0f32; t * heads * d];
+        let mut k = q.clone();
+        let mut v = q.clone();
+        fill_random(&mut q, 71);
+        fill_random(&mut k, 72);
+        fill_random(&mut v, 73);
+        let log_f = vec![-0.01f32; t * heads];
+        let whole = PrefillCall {
+            t,
+            heads,
+            head_dim: d,
+            q: &q,
+            k: &k,
+            v: &v,
+            log_f: &log_f,
+            decided: None,
+            only: None,
+            acp: Acp::Off,
+        };
+        let (ccall, gcall) = (
+            PrefillCall {
+                only: Some(&cpu_heads),
+                ..whole
+            },
+            PrefillCall {
+                only: Some(&gpu_heads),
+                ..whole
+            },
+        );
+        let mut out = vec![0.0f32; q.len()];
+        let cpu_alone = time_min(|| self.cpu.prefill(&ccall, &mut out).map(|_| ()))?;
+        let mut packed = f64::INFINITY;
+        let gpu_alone = time_min(|| {
+            let t0 = Instant::now();
+            let run = gpu.prefill_run(&gcall, &mut || {
+                packed = packed.min(t0.elapsed().as_secs_f64())
+            })?;
+            run.finish(&mut out).map(|_| ())
+        })?;
+        let (mut cpu_split, mut gpu_split) = (f64::INFINITY, f64::INFINITY);
+        time_min(|| {
+            let ((gran, g_s), (cres, c_s)) = self.beside(
+                |on_packed| gpu.prefill_run(&gcall, on_packed),
+                || self.cpu.prefill(&ccall, &mut out),
+            );
+            cres?;
+            let (fin, f_s) = timed(|| gran.and_then(|run| run.finish(&mut out)));
+            fin?;
+            cpu_split = cpu_split.min(c_s);
+            gpu_split = gpu_split.min(g_s + f_s);
+            Ok(())
+        })?;
+        let prefill = Contention::measured(cpu_alone, gpu_alone, packed, cpu_split, gpu_split);
+        // Decode.
+        let n = 4096;
+        let mut k = vec![0.0f32; n * d];
+        let mut v = k.clone();
+        fill_random(&mut k, 74);
+        fill_random(&mut v, 75);
+        let c: Vec<f64> = (0..n).map(|j| -0.01 * j as f64).collect();
+        let mut q = vec![0.0f32; heads * d];
+        fill_random(&mut q, 76);
+        let q_c = vec![c[n - 1]; heads];
+        let mut sync = StepSync::new(heads, n);
+        let h0 = heads / 2;
+        let step = |sync: &StepSync,
+                    range: std::ops::Range<usize>,
+                    f: &mut dyn FnMut(&DecodeCall<'_>) -> Result<()>| {
+            let hs: Vec<CacheHead<'_>> = range
+                .clone()
+                .map(|h| CacheHead {
+                    k: &k,
+                    v: &v,
+                    c: &c,
+                    pos: None,
+                    sync: resident.then(|| sync.sync(h)),
+                })
+                .collect();
+            f(&DecodeCall {
+                head_dim: d,
+                n_queries: 1,
+                q: &q[range.start * d..range.end * d],
+                q_c: &q_c[range.clone()],
+                q_pos: None,
+                heads: &hs,
+                acp: Acp::Off,
+            })
+        };
+        let (mut c_out, mut g_out) = (vec![0.0f32; h0 * d], vec![0.0f32; (heads - h0) * d]);
+        let cpu_alone = time_min(|| {
+            step(&sync, 0..h0, &mut |call| {
+                self.cpu.decode(call, &mut c_out).map(|_| ())
+            })
+        })?;
+        let gpu_alone = time_min(|| {
+            sync.step();
+            step(&sync, h0..heads, &mut |call| {
+                gpu.decode(call, &mut g_out).map(|_| ())
+            })
+        })?;
+        let (mut cpu_split, mut gpu_split) = (f64::INFINITY, f64::INFINITY);
+        let timed_split = time_min(|| {
+            sync.step();
+            step(&sync, 0..h0, &mut |ccall| {
+                step(&sync, h0..heads, &mut |gcall| {
+                    let ((gres, g_s), (cres, c_s)) = self.beside(
+                        |start| {
+                            start();
+                            gpu.decode(gcall, &mut g_out)
+                        },
+                        || self.cpu.decode(ccall, &mut c_out),
+                    );
+                    cres?;
+                    gres?;
+                    cpu_split = cpu_split.min(c_s);
+                    gpu_split = gpu_split.min(g_s);
+                    Ok(())
+                })
+            })
+        });
+        if resident {
+            gpu.release_cache(&(0..heads as u64).map(|h| sync.base + h).collect::<Vec<_>>());
+        }
+        timed_split?;
+        let decode = Contention::measured(cpu_alone, gpu_alone, 0.0, cpu_split, gpu_split);
+        Ok((prefill, decode))
     }
 
     /// A split's two sides with their seconds: `gpu` on this thread, `cpu` in the split
@@ -3444,6 +3704,82 @@ mod tests {
     }
 
     #[test]
+    fn contention_is_measured_from_the_sides_alone_and_together() {
+        // CPU side 1 ms alone, 2.5 ms in the split of which 0.3 ms waited for the GPU's
+        // packing; GPU side 1 ms alone (packed after 0.3), 1.5 ms in the split.
+        let k = Contention::measured(1e-3, 1e-3, 0.3e-3, 2.5e-3, 1.5e-3);
+        assert!((k.cpu_factor - 2.2).abs() < 1e-9, "{k}");
+        assert!((k.gpu_factor - 1.5).abs() < 1e-9, "{k}");
+        assert!((k.pack - 0.3).abs() < 1e-9, "{k}");
+        let (c, g) = k.sides(2e-3, 1e-3);
+        assert!((c - (0.3e-3 + 4.4e-3)).abs() < 1e-12 && (g - 1.5e-3).abs() < 1e-12);
+        // A side faster beside the other is noise (1); a hiccup is capped; bad timings
+        // measure nothing.
+        let k = Contention::measured(1e-3, 1e-3, f64::INFINITY, 0.5e-3, 90e-3);
+        assert_eq!(
+            (k.cpu_factor, k.gpu_factor, k.pack),
+            (1.0, Contention::MAX_FACTOR, 0.0)
+        );
+        for bad in [0.0, f64::NAN, f64::INFINITY, -1.0] {
+            assert_eq!(
+                Contention::measured(bad, 1e-3, 0.0, 1e-3, 1e-3),
+                Contention::NONE
+            );
+            assert_eq!(
+                Contention::measured(1e-3, 1e-3, 0.0, 1e-3, bad),
+                Contention::NONE
+            );
+        }
+    }
+
+    #[test]
+    fn contention_prices_the_splits_a_free_model_prefers() {
+        // 16 equal heads; the GPU costs 0.4 ms a call + 0.05 ms a head, the CPU 0.3 ms a
+        // head: free of contention, 13 GPU heads + 3 CPU heads (1.05 vs 0.9 ms) win over the
+        // GPU alone (1.2 ms). With contention as on the H100 host, every split costs more
+        // than the GPU alone (13 + 3: 1.47 vs 1.94 ms), so auto keeps the GPU, while hybrid
+        // still splits.
+        let work: Vec<Work> = (0..16)
+            .map(|_| Work {
+                pairs: 1,
+                rows: 1000,
+                gpu_rows: 1000,
+            })
+            .collect();
+        let (c, g) = (
+            LinearCost {
+                a: 0.0,
+                b: 0.0,
+                c: 0.3e-6,
+            },
+            LinearCost {
+                a: 0.4e-3,
+                b: 0.0,
+                c: 0.05e-6,
+            },
+        );
+        let free = Costing::new(&work, c, g, |_| (1.0, 1.0), true, 10e-6).search();
+        let (t, heads) = free.split.clone().unwrap();
+        assert!(t < free.gpu && heads.len() < 16, "{free:?}");
+        let k = Contention {
+            cpu_factor: 1.8,
+            gpu_factor: 1.4,
+            pack: 0.3,
+        };
+        let contended = Costing::new(&work, c, g, |_| (1.0, 1.0), true, 10e-6)
+            .contended(k)
+            .search();
+        let (t, _) = contended.split.clone().unwrap();
+        assert!(t > contended.gpu, "{contended:?}");
+        assert_eq!((contended.cpu, contended.gpu), (free.cpu, free.gpu));
+        let rec = ClassRecord::default();
+        let (s, _) = plan(16, &contended, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
+        assert_eq!(s.gpu_heads.len(), 16);
+        let (s, _) = plan(16, &contended, Mode::Hybrid, &rec, EXPLORE, 0.0, 1.0);
+        assert!(!s.gpu_heads.is_empty() && !s.cpu_heads.is_empty());
+    }
+
+    #[test]
     fn measured_side_factors_divide_a_split() {
         // 16 equal heads, CPU and GPU equally fast by the model: half each. Measured, the
         // all-GPU plan ran 5x its model: the split gives the GPU 2 heads (max(5 g, 16 - g) is
@@ -3864,6 +4200,8 @@ mod tests {
             gpu_decode_resident: true,
             concurrent: true,
             split_fixed: 0.0,
+            split_prefill: Contention::NONE,
+            split_decode: Contention::NONE,
             seconds: 0.0,
             cpu_prefill_share: None,
             cpu_decode_share: None,
@@ -3917,6 +4255,8 @@ mod tests {
             cpu_prefill: cost(1000.0, 1e-9),
             gpu_prefill: cost(1e-6, 0.0),
             split_fixed: 1000.0,
+            split_prefill: Contention::NONE,
+            split_decode: Contention::NONE,
             ..shortcut_calibration(0.0)
         }
     }
