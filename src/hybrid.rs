@@ -1886,9 +1886,14 @@ impl Scheduler {
             self.gpu.concurrent,
         )
         .and_then(|mut c| {
+            // A side that fails here for another reason than the device leaves the sides
+            // uncosted (as before they were measured), not the engine without costs.
             let t0 = Instant::now();
-            (c.split_prefill, c.split_decode) =
-                self.calibrate_sides(heads, d, c.gpu_decode_resident)?;
+            match self.calibrate_sides(heads, d, c.gpu_decode_resident) {
+                Ok(k) => (c.split_prefill, c.split_decode) = k,
+                Err(e) if is_device_failure(&e) => return Err(e),
+                Err(_) => {}
+            }
             c.seconds += t0.elapsed().as_secs_f64();
             Ok(c)
         });
@@ -4717,6 +4722,41 @@ mod tests {
         );
         b.costs(2, 8).unwrap();
         assert_eq!(second.load(Ordering::Relaxed), warm, "once per engine");
+    }
+
+    #[test]
+    fn split_sides_are_calibrated_where_they_overlap() {
+        // A pool of 4 threads gives the scheduler a split pool of 3; its "GPU" runs the CPU
+        // kernels (on this thread), so the sides do slow each other. Every factor is >= 1
+        // and finite, the packing a fraction of the GPU side; a decode GPU side starts
+        // the CPU side at once.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let fail = Arc::new(AtomicBool::new(false));
+        let s = scheduler(Mode::Hybrid, &fail);
+        let (pre, dec) = pool.install(|| s.calibrate_sides(4, 16, false)).unwrap();
+        for k in [pre, dec] {
+            assert!(
+                k.cpu_factor >= 1.0 && k.cpu_factor <= Contention::MAX_FACTOR,
+                "{k}"
+            );
+            assert!(
+                k.gpu_factor >= 1.0 && k.gpu_factor <= Contention::MAX_FACTOR,
+                "{k}"
+            );
+            assert!((0.0..=1.0).contains(&k.pack), "{k}");
+        }
+        assert_eq!(dec.pack, 0.0);
+        // Without a split pool (shared cores, or too few threads) nothing is measured.
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let s = scheduler(Mode::Hybrid, &fail);
+        let k = one.install(|| s.calibrate_sides(4, 16, false)).unwrap();
+        assert_eq!(k, (Contention::NONE, Contention::NONE));
     }
 
     fn scheduler(mode: Mode, fail: &Arc<AtomicBool>) -> Scheduler {
