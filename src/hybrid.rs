@@ -181,19 +181,20 @@ impl fmt::Display for Calibration {
     }
 }
 
-/// What a split's two sides cost each other when they run at once, measured at
-/// calibration on one split of half the heads a side (see [`Scheduler::calibrate_sides`]):
-/// a side of a split is costed as
+/// What a split's two sides cost each other while they run at once, measured at
+/// calibration on one split of half the heads a side (see [`Scheduler::calibrate_sides`]).
+/// With `cpu`, `gpu` each side's time alone by the backends' costs, a split's
 ///
-/// - CPU side: `pack · gpu + cpu_factor · cpu` — it starts once the GPU side's host work
-///   (a Vulkan prefill's packing, `pack` of the GPU side's time alone) is done, then runs
-///   on one thread fewer, beside the GPU thread's submissions and waits;
-/// - GPU side: `gpu_factor · gpu` — its host phases share the cores and memory bandwidth
-///   with the CPU side,
+/// - CPU side starts once the GPU side's host work is done (a Vulkan prefill's packing,
+///   `pack · gpu`), then runs `cpu` plus `(cpu_factor - 1) · overlap`;
+/// - GPU side runs `gpu` plus `(gpu_factor - 1) · overlap`,
 ///
-/// where `cpu`, `gpu` are each side's time alone by the backends' costs. On the H100 host
-/// the sides ran at 1.7-3.2x (CPU) and 1.3-2.3x (GPU) those costs (run 364), which priced
-/// splits 10-30% below the GPU alone where they ran 0-7% above it (runs 350-355).
+/// where `overlap = min(cpu, (1 - pack) · gpu)` is how long both run: the factors are the
+/// sides' slowdowns while the other runs (one thread fewer for the CPU, and both sides'
+/// host work sharing cores and memory bandwidth). A split with a small CPU side costs its
+/// GPU side little. On the H100 host, a split's sides ran at 1.6-2.9x (CPU) and 1.3-2.3x
+/// (GPU) the backends' costs without this (trace 364), which priced 1K prefill splits
+/// 10-30% below the GPU alone where they ran 0-7% above it (runs 350-355).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Contention {
     pub cpu_factor: f64,
@@ -209,10 +210,11 @@ impl Contention {
         pack: 0.0,
     };
 
-    /// From one split's sides measured together (`cpu_split`: from the split's start;
-    /// `gpu_split`) and alone (`cpu`, `gpu`; `packed`: when the GPU side alone finished
-    /// its host work), seconds. Factors below 1 are noise (a side does not speed up
-    /// beside another), above [`Self::MAX_FACTOR`] a hiccup.
+    /// The contention that makes [`Self::sides`] of one split's sides alone (`cpu`, `gpu`;
+    /// `packed`: when the GPU side alone finished its host work) equal the same split's
+    /// sides together (`cpu_split`, counted from the split's start; `gpu_split`), seconds.
+    /// Factors below 1 are noise (a side does not speed up beside another), above
+    /// [`Self::MAX_FACTOR`] a hiccup; sides that did not overlap measure no factor.
     fn measured(cpu: f64, gpu: f64, packed: f64, cpu_split: f64, gpu_split: f64) -> Contention {
         let ok = |x: f64| x.is_finite() && x > 0.0;
         if !(ok(cpu) && ok(gpu) && ok(cpu_split) && ok(gpu_split)) {
@@ -223,10 +225,17 @@ impl Contention {
         } else {
             0.0
         };
-        let f = |x: f64| x.clamp(1.0, Self::MAX_FACTOR);
+        let overlap = cpu.min(gpu - packed);
+        let f = |extra: f64| {
+            if overlap > 0.0 {
+                (1.0 + extra / overlap).clamp(1.0, Self::MAX_FACTOR)
+            } else {
+                1.0
+            }
+        };
         Contention {
-            cpu_factor: f((cpu_split - packed) / cpu),
-            gpu_factor: f(gpu_split / gpu),
+            cpu_factor: f(cpu_split - packed - cpu),
+            gpu_factor: f(gpu_split - gpu),
             pack: packed / gpu,
         }
     }
@@ -235,9 +244,10 @@ impl Contention {
 
     /// The (CPU, GPU) sides' seconds of a split whose sides alone take `cpu` and `gpu`.
     fn sides(&self, cpu: f64, gpu: f64) -> (f64, f64) {
+        let overlap = cpu.min((1.0 - self.pack) * gpu).max(0.0);
         (
-            self.pack * gpu + self.cpu_factor * cpu,
-            self.gpu_factor * gpu,
+            self.pack * gpu + cpu + (self.cpu_factor - 1.0) * overlap,
+            gpu + (self.gpu_factor - 1.0) * overlap,
         )
     }
 }
@@ -3711,13 +3721,26 @@ mod tests {
     #[test]
     fn contention_is_measured_from_the_sides_alone_and_together() {
         // CPU side 1 ms alone, 2.5 ms in the split of which 0.3 ms waited for the GPU's
-        // packing; GPU side 1 ms alone (packed after 0.3), 1.5 ms in the split.
+        // packing; GPU side 1 ms alone (packed after 0.3), 1.5 ms in the split. Both ran
+        // at once for 0.7 ms: the CPU side took 1.2 ms more (x2.71 while both ran), the
+        // GPU side 0.5 more (x1.71).
         let k = Contention::measured(1e-3, 1e-3, 0.3e-3, 2.5e-3, 1.5e-3);
-        assert!((k.cpu_factor - 2.2).abs() < 1e-9, "{k}");
-        assert!((k.gpu_factor - 1.5).abs() < 1e-9, "{k}");
+        assert!((k.cpu_factor - (1.0 + 1.2 / 0.7)).abs() < 1e-9, "{k}");
+        assert!((k.gpu_factor - (1.0 + 0.5 / 0.7)).abs() < 1e-9, "{k}");
         assert!((k.pack - 0.3).abs() < 1e-9, "{k}");
-        let (c, g) = k.sides(2e-3, 1e-3);
-        assert!((c - (0.3e-3 + 4.4e-3)).abs() < 1e-12 && (g - 1.5e-3).abs() < 1e-12);
+        // The sides of that split come back.
+        let (c, g) = k.sides(1e-3, 1e-3);
+        assert!(
+            (c - 2.5e-3).abs() < 1e-12 && (g - 1.5e-3).abs() < 1e-12,
+            "{c} {g}"
+        );
+        // A small CPU side overlaps the GPU side briefly and slows it little.
+        let (c, g) = k.sides(0.1e-3, 1e-3);
+        assert!(
+            (c - (0.3e-3 + 0.1e-3 * (1.0 + 1.2 / 0.7))).abs() < 1e-12,
+            "{c}"
+        );
+        assert!((g - (1e-3 + 0.05e-3 / 0.7)).abs() < 1e-12, "{g}");
         // A side faster beside the other is noise (1); a hiccup is capped; bad timings
         // measure nothing.
         let k = Contention::measured(1e-3, 1e-3, f64::INFINITY, 0.5e-3, 90e-3);
@@ -3742,8 +3765,8 @@ mod tests {
         // 16 equal heads; the GPU costs 0.4 ms a call + 0.05 ms a head, the CPU 0.3 ms a
         // head: free of contention, 13 GPU heads + 3 CPU heads (1.05 vs 0.9 ms) win over the
         // GPU alone (1.2 ms). With contention as on the H100 host, every split costs more
-        // than the GPU alone (13 + 3: 1.47 vs 1.94 ms), so auto keeps the GPU, while hybrid
-        // still splits.
+        // than the GPU alone (13 + 3: GPU side 1.34, CPU side 1.80 ms; 15 + 1: GPU side
+        // 1.27), so auto keeps the GPU, while hybrid still splits.
         let work: Vec<Work> = (0..16)
             .map(|_| Work {
                 pairs: 1,
