@@ -681,6 +681,7 @@ fn plan(
         best_s: 0.0,
         catch_up_s: 0.0,
         margin: 0.0,
+        whole_margin: 0.0,
     };
     let pick = match mode {
         Mode::GpuOnly => fixed(PlanKind::Gpu),
@@ -1537,8 +1538,9 @@ struct Choice {
     /// For an all-CPU plan of `auto`: the CPU's predicted seconds of the call's upper
     /// bound, what its measured time is divided by for the shortcut's check ([`Shortcut`]).
     cpu_upper_s: Option<f64>,
-    /// `auto`'s [`Pick::margin`] (0 for the other modes, a probe, or no model pick).
-    margin: f64,
+    /// `auto`'s [`Pick::whole_margin`] (0 for the other modes, a probe, or no model
+    /// pick): what [`ahead`] starts a prefill by.
+    whole_margin: f64,
 }
 
 impl fmt::Debug for Scheduler {
@@ -1945,7 +1947,7 @@ impl Scheduler {
             sides: (0.0, 0.0),
             started,
             cpu_upper_s: None,
-            margin: 0.0,
+            whole_margin: 0.0,
         };
         if self.fell_back() {
             return Ok(side(false));
@@ -2067,7 +2069,7 @@ impl Scheduler {
             split_margin,
         );
         let (kind, why) = (pick.kind, pick.reason);
-        let margin = pick.margin;
+        let (margin, whole_margin) = (pick.margin, pick.whole_margin);
         let raw = split.predicted_seconds;
         if trace_auto() && self.mode == Mode::Auto {
             let f = |k: PlanKind| rec.factor(k).map_or("-".into(), |x| format!("{x:.2}"));
@@ -2098,7 +2100,7 @@ impl Scheduler {
             sides: cands.split_sides,
             started,
             cpu_upper_s: (self.mode == Mode::Auto && kind == PlanKind::Cpu).then_some(cpu_upper_s),
-            margin,
+            whole_margin,
         })
     }
 
@@ -2500,8 +2502,8 @@ impl Scheduler {
     }
 
     /// After a count of an ACP prefill of `shape` planned `next`: its next call starts on
-    /// the GPU before its count when `next` is the GPU's by [`ahead::MARGIN`], not a probe
-    /// ([`ahead`]).
+    /// the GPU before its count when `next` is the GPU's, not a probe, by [`ahead::MARGIN`]
+    /// over the all-CPU plan ([`ahead`]; a split near it does not hold the call back).
     fn plan_ahead(&self, shape: ahead::Shape, next: &Choice) {
         if self.mode != Mode::Auto {
             return;
@@ -2509,11 +2511,14 @@ impl Scheduler {
         let Ok(mut a) = self.ahead.lock() else {
             return;
         };
-        if next.kind == PlanKind::Gpu && next.probe_of.is_none() && next.margin >= ahead::MARGIN {
+        if next.kind == PlanKind::Gpu
+            && next.probe_of.is_none()
+            && next.whole_margin >= ahead::MARGIN
+        {
             if a.len() >= ahead::SHAPES && !a.contains_key(&shape) {
                 a.clear();
             }
-            a.insert(shape, next.margin);
+            a.insert(shape, next.whole_margin);
         } else {
             a.remove(&shape);
         }
@@ -2568,7 +2573,7 @@ impl Scheduler {
             sides: (0.0, 0.0),
             started: entered,
             cpu_upper_s: None,
-            margin: 0.0,
+            whole_margin: 0.0,
         };
         if trace_auto() {
             eprintln!(
@@ -4378,7 +4383,7 @@ mod tests {
             sides: (0.0, 0.0),
             started: Instant::now(),
             cpu_upper_s: None,
-            margin: 0.0,
+            whole_margin: 0.0,
         };
         let ran = |us: u64| (Instant::now(), std::time::Duration::from_micros(us));
         s.learn(&choice, false, ran(700), None);

@@ -9,8 +9,11 @@
 //! of a 1k or 4k call cross on the H100 host.
 //!
 //! So when the last counted call of a [`Shape`] picked the all-GPU plan by the model (not
-//! as a probe) and every other plan's corrected prediction was at least [`MARGIN`] times
-//! its own, the next call of that shape starts on the GPU at once (the GPU decides its
+//! as a probe) and the all-CPU plan's corrected prediction was at least [`MARGIN`] times
+//! its own (a split need only lose to it: a split runs the GPU too, and a near-tie one held
+//! every ACP prefill of 16 heads x 16K and 64K tokens to its count first on the H100 host,
+//! 0.76 and 2.1 ms of `auto`'s own time a call, run 431), the next call of that shape
+//! starts on the GPU at once (the GPU decides its
 //! blocks itself, as the `vulkan` backend does) while a pool thread counts its work. That
 //! count is a counted call's in every other way: the call's size class learns its
 //! measured time from it, and it plans the shape's next call. A count that picks another
@@ -30,8 +33,8 @@
 //! GPU then forms its own decisions again (about 40 us that a count handed to it saved), so
 //! only 4k gained in `auto / best`.
 
-/// The least ratio of the nearest other plan's corrected prediction to the all-GPU plan's
-/// at which the next call of a shape starts on the GPU before its count (`EXPLORE`: a
+/// The least ratio of the all-CPU plan's corrected prediction to the all-GPU plan's at
+/// which the next call of a shape starts on the GPU before its count (`EXPLORE`: a
 /// plan within it may be probed, and a probe needs the count first).
 pub(super) const MARGIN: f64 = super::EXPLORE;
 

@@ -344,6 +344,8 @@ pub(super) struct Pick {
     /// For a pick by [`Reason::Best`] among corrected predictions: the nearest other
     /// plan's over the winner's (infinite when it is the only plan); 0 otherwise.
     pub margin: f64,
+    /// [`Pick::margin`] over the whole plans alone (all-CPU, all-GPU): a split left out.
+    pub whole_margin: f64,
 }
 
 /// What [`ClassRecord::record`] charges a probe's call against ([`Pick::probe_of`]).
@@ -620,6 +622,7 @@ impl ClassRecord {
                 best_s: 0.0,
                 catch_up_s: 0.0,
                 margin: 0.0,
+                whole_margin: 0.0,
             };
         };
         let mut best_t = min_t;
@@ -653,6 +656,15 @@ impl ClassRecord {
             margin: match reason {
                 Reason::Best => {
                     let others = corrected.iter().filter(|(_, k)| *k != kind);
+                    others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
+                }
+                _ => 0.0,
+            },
+            whole_margin: match reason {
+                Reason::Best => {
+                    let others = corrected
+                        .iter()
+                        .filter(|(_, k)| *k != kind && *k != PlanKind::Split);
                     others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
                 }
                 _ => 0.0,
@@ -1307,6 +1319,20 @@ mod tests {
             won(&mut r, GPU, x);
         }
         assert_eq!(r.kinds[GPU as usize].window.len, WINDOW);
+    }
+
+    #[test]
+    fn the_whole_margin_leaves_a_split_out() {
+        // The GPU wins by 5% over a split and 2x over the CPU: its margin is the split's,
+        // its whole margin the CPU's (what starts an ACP prefill ahead of its count).
+        let raw = [(2.0, CPU), (1.0, GPU), (1.05, SPLIT)];
+        let mut r = ClassRecord::default();
+        sampled(&mut r, CPU, 1.0);
+        sampled(&mut r, SPLIT, 1.0);
+        sampled(&mut r, GPU, 1.0);
+        let p = r.pick(&raw, one, 1.0);
+        assert_eq!((p.kind, p.reason), (GPU, Reason::Best));
+        assert!((p.margin - 1.05).abs() < 1e-12 && (p.whole_margin - 2.0).abs() < 1e-12);
     }
 
     #[test]
