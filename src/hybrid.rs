@@ -984,6 +984,62 @@ const TIME_MIN_SECS: f64 = 0.05;
 /// Most timed runs of one [`time_min`].
 const TIME_MIN_RUNS: usize = 5;
 
+/// Synthetic prefill inputs: q, k, v uniform from a seed, every log gate `log_f`, every
+/// logit bound 1.
+struct Synthetic {
+    t: usize,
+    heads: usize,
+    d: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    log_f: Vec<f32>,
+    u: Vec<f64>,
+}
+
+impl Synthetic {
+    fn new(t: usize, heads: usize, d: usize, seed: u64, log_f: f32) -> Synthetic {
+        let mut x = [(); 3].map(|_| vec![0.0f32; t * heads * d]);
+        for (i, x) in x.iter_mut().enumerate() {
+            fill_random(x, seed + 10 * i as u64);
+        }
+        let [q, k, v] = x;
+        Synthetic {
+            t,
+            heads,
+            d,
+            q,
+            k,
+            v,
+            log_f: vec![log_f; t * heads],
+            u: vec![1.0; heads],
+        }
+    }
+
+    /// The call over these inputs, pruned under ACP (`ln eps = -10`) or dense.
+    fn call(&self, pruned: bool) -> PrefillCall<'_> {
+        PrefillCall {
+            t: self.t,
+            heads: self.heads,
+            head_dim: self.d,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            log_f: &self.log_f,
+            decided: None,
+            only: None,
+            acp: if pruned {
+                Acp::Bound {
+                    u: &self.u,
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+        }
+    }
+}
+
 /// One prefill of `t` tokens on synthetic data: dense (`pruned = false`) or with strong
 /// gates under ACP so that little more than the diagonal blocks are kept.
 fn prefill_sample(
@@ -993,35 +1049,10 @@ fn prefill_sample(
     t: usize,
     pruned: bool,
 ) -> Result<Sample> {
-    let mut q = vec![0.0f32; t * heads * d];
-    let mut k = q.clone();
-    let mut v = q.clone();
-    fill_random(&mut q, 1 + t as u64);
-    fill_random(&mut k, 11 + t as u64);
-    fill_random(&mut v, 21 + t as u64);
-    let log_f = vec![if pruned { -1.0f32 } else { -0.01 }; t * heads];
-    let u = vec![1.0f64; heads];
-    let call = PrefillCall {
-        t,
-        heads,
-        head_dim: d,
-        q: &q,
-        k: &k,
-        v: &v,
-        log_f: &log_f,
-        decided: None,
-        only: None,
-        acp: if pruned {
-            Acp::Bound {
-                u: &u,
-                ln_eps: -10.0,
-            }
-        } else {
-            Acp::Off
-        },
-    };
+    let x = Synthetic::new(t, heads, d, 1 + t as u64, if pruned { -1.0 } else { -0.01 });
+    let call = x.call(pruned);
     let pairs = prefill_boundary(&call)?.kept_pairs.iter().sum();
-    let mut out = vec![0.0f32; q.len()];
+    let mut out = vec![0.0f32; x.q.len()];
     let secs = time_min(|| b.prefill(&call, &mut out).map(|_| ()))?;
     Ok(Sample {
         pairs,
@@ -2699,26 +2730,8 @@ impl Scheduler {
         let (cpu_heads, gpu_heads): (Vec<usize>, Vec<usize>) =
             ((0..heads / 2).collect(), (heads / 2..heads).collect());
         // Prefill.
-        let t = 1024;
-        let mut q = vec![0.0f32; t * heads * d];
-        let mut k = q.clone();
-        let mut v = q.clone();
-        fill_random(&mut q, 71);
-        fill_random(&mut k, 72);
-        fill_random(&mut v, 73);
-        let log_f = vec![-0.01f32; t * heads];
-        let whole = PrefillCall {
-            t,
-            heads,
-            head_dim: d,
-            q: &q,
-            k: &k,
-            v: &v,
-            log_f: &log_f,
-            decided: None,
-            only: None,
-            acp: Acp::Off,
-        };
+        let x = Synthetic::new(1024, heads, d, 71, -0.01);
+        let whole = x.call(false);
         let (ccall, gcall) = (
             PrefillCall {
                 only: Some(&cpu_heads),
@@ -2729,7 +2742,7 @@ impl Scheduler {
                 ..whole
             },
         );
-        let mut out = vec![0.0f32; q.len()];
+        let mut out = vec![0.0f32; x.q.len()];
         let cpu_alone = time_min(|| self.cpu.prefill(&ccall, &mut out).map(|_| ()))?;
         let mut packed = f64::INFINITY;
         let gpu_alone = time_min(|| {

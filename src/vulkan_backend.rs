@@ -136,6 +136,15 @@ fn convert(st: &foxedge_vulkan::AttentionStats) -> AttentionStats {
     }
 }
 
+/// The kernel options of `call`: its ACP and its heads.
+fn prefill_options<'c>(call: &'c PrefillCall<'_>) -> foxedge_vulkan::PrefillOptions<'c> {
+    foxedge_vulkan::PrefillOptions {
+        acp: call.kernel_acp(),
+        heads: call.only,
+        ..Default::default()
+    }
+}
+
 /// A Vulkan prefill whose output waits in readback memory.
 struct Ran<'b> {
     backend: &'b VulkanBackend,
@@ -156,11 +165,7 @@ impl AttentionBackend for VulkanBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
-        let opts = foxedge_vulkan::PrefillOptions {
-            acp: call.kernel_acp(),
-            heads: call.only,
-            ..Default::default()
-        };
+        let opts = prefill_options(call);
         let args = call.kernel_args(call.q, call.k, call.v);
         let st = if self.f16_prefill {
             self.vk.prefill_f16_storage(&args, &opts, out, None)
@@ -177,11 +182,7 @@ impl AttentionBackend for VulkanBackend {
         on_packed: &mut dyn FnMut(),
     ) -> Result<Box<dyn PrefillRun + '_>> {
         self.check_alive()?;
-        let opts = foxedge_vulkan::PrefillOptions {
-            acp: call.kernel_acp(),
-            heads: call.only,
-            ..Default::default()
-        };
+        let opts = prefill_options(call);
         let args = call.kernel_args(call.q, call.k, call.v);
         let run = self
             .vk
