@@ -4151,6 +4151,38 @@ mod tests {
     }
 
     proptest! {
+        /// A split's sides never run faster than alone, grow with each side's work, and
+        /// the sides of the split a contention was measured from come back (unless a
+        /// factor was clamped).
+        #[test]
+        fn contention_only_slows_and_reproduces_its_split(
+            cpu in 1e-5f64..1e-2, gpu in 1e-5f64..1e-2, pack in 0.0f64..1.0,
+            extra_c in 0.0f64..2.0, extra_g in 0.0f64..2.0,
+            other_c in 1e-6f64..1e-2, other_g in 1e-6f64..1e-2,
+        ) {
+            let packed = pack * gpu;
+            let overlap = cpu.min(gpu - packed);
+            let (cs, gs) = (
+                packed + cpu + extra_c * overlap,
+                gpu + extra_g * overlap,
+            );
+            let k = Contention::measured(cpu, gpu, packed, cs, gs);
+            prop_assert!(k.cpu_factor >= 1.0 && k.gpu_factor >= 1.0);
+            prop_assert!((0.0..=1.0).contains(&k.pack));
+            let (c, g) = k.sides(cpu, gpu);
+            let tol = 1e-9 * (cs + gs);
+            if overlap > 0.0 && extra_c + 1.0 <= Contention::MAX_FACTOR {
+                prop_assert!((c - cs).abs() <= tol, "{c} vs {cs} ({k})");
+            }
+            if overlap > 0.0 && extra_g + 1.0 <= Contention::MAX_FACTOR {
+                prop_assert!((g - gs).abs() <= tol, "{g} vs {gs} ({k})");
+            }
+            let (c2, g2) = k.sides(other_c, other_g);
+            prop_assert!(c2 >= other_c && g2 >= other_g);
+            let (c3, g3) = k.sides(other_c * 2.0, other_g * 2.0);
+            prop_assert!(c3 >= c2 && g3 >= g2);
+        }
+
         #[test]
         fn plan_is_consistent(
             raw in proptest::collection::vec((0u64..1_000_000, 1u64..100_000), 1..12),
