@@ -404,20 +404,20 @@ enum Mode {
 }
 
 /// Prior for a split's measured/predicted time before `auto` has run one of its size class:
-/// the model misses what the two sides cost each other when they run at once (the GPU
-/// thread's host-side packing and uploads compete with the CPU kernel for cores and memory
-/// bandwidth); on the H100 host, splits predicted 10-30% faster ran up to 2x slower.
+/// the sides' contention is measured on one split at calibration ([`Contention`]), and a
+/// class's splits still miss it (on the H100 host, before it was costed, splits predicted
+/// 10-30% faster ran up to 2x slower; with it, a decode split's CPU side still ran at a
+/// median 1.85x its costed time, trace 440).
 const SPLIT_PRIOR: f64 = 1.0 / 0.7;
 
 /// A prefill split must be predicted this much faster than the best whole plan before
 /// `auto` runs it (its prediction is multiplied by this when plans are compared, not when
 /// it is learned from). Since a split reads and writes the call's tensors in place, its
-/// own cost is a pool hand-off (10-13 us on the H100 host), so the model sees splits of
-/// a 16-head 1K prefill as 10-30% faster than the GPU alone; measured, the GPU side of 11
-/// heads took as long as 16 heads alone (the call's host phases and latencies are per
-/// call, not per head), and splits ran 0-7% slower than the GPU (runs 350-355). Below
-/// this margin the gain is within what the model misses, and trying splits cost `auto`
-/// 3-5% (plans switching on near ties).
+/// own cost is a pool hand-off (10-13 us on the H100 host), so the model without
+/// [`Contention`] saw splits of a 16-head 1K prefill as 10-30% faster than the GPU alone;
+/// measured, they ran 0-7% slower than the GPU (runs 350-355). Below this margin the gain
+/// is within what the model misses, and trying splits cost `auto` 3-5% (plans switching
+/// on near ties).
 const SPLIT_MARGIN_PREFILL: f64 = 1.1;
 
 /// `auto` tries a plan it has not run in a size class when its corrected prediction is
@@ -2726,10 +2726,17 @@ impl Scheduler {
         if heads < 2 || self.split_pool().is_none() {
             return Ok((Contention::NONE, Contention::NONE));
         }
+        Ok((
+            self.prefill_sides(heads, d)?,
+            self.decode_sides(heads, d, resident)?,
+        ))
+    }
+
+    /// [`Self::calibrate_sides`] of a dense prefill of 1024 tokens.
+    fn prefill_sides(&self, heads: usize, d: usize) -> Result<Contention> {
         let gpu = self.gpu.backend.as_ref();
         let (cpu_heads, gpu_heads): (Vec<usize>, Vec<usize>) =
             ((0..heads / 2).collect(), (heads / 2..heads).collect());
-        // Prefill.
         let x = Synthetic::new(1024, heads, d, 71, -0.01);
         let whole = x.call(false);
         let (ccall, gcall) = (
@@ -2765,8 +2772,15 @@ impl Scheduler {
             gpu_split = gpu_split.min(g_s + f_s);
             Ok(())
         })?;
-        let prefill = Contention::measured(cpu_alone, gpu_alone, packed, cpu_split, gpu_split);
-        // Decode.
+        Ok(Contention::measured(
+            cpu_alone, gpu_alone, packed, cpu_split, gpu_split,
+        ))
+    }
+
+    /// [`Self::calibrate_sides`] of a dense decode step over 4096 entries per head (with
+    /// caches the GPU keeps `resident`, one changed row per head and step).
+    fn decode_sides(&self, heads: usize, d: usize, resident: bool) -> Result<Contention> {
+        let gpu = self.gpu.backend.as_ref();
         let n = 4096;
         let mut k = vec![0.0f32; n * d];
         let mut v = k.clone();
@@ -2837,8 +2851,9 @@ impl Scheduler {
             gpu.release_cache(&(0..heads as u64).map(|h| sync.base + h).collect::<Vec<_>>());
         }
         timed_split?;
-        let decode = Contention::measured(cpu_alone, gpu_alone, 0.0, cpu_split, gpu_split);
-        Ok((prefill, decode))
+        Ok(Contention::measured(
+            cpu_alone, gpu_alone, 0.0, cpu_split, gpu_split,
+        ))
     }
 
     /// A split's two sides with their seconds: `gpu` on this thread, `cpu` in the split
