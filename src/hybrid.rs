@@ -986,7 +986,7 @@ const TIME_MIN_RUNS: usize = 5;
 
 /// Synthetic prefill inputs: q, k, v uniform from a seed, every log gate `log_f`, every
 /// logit bound 1.
-struct Synthetic {
+struct SyntheticPrefill {
     t: usize,
     heads: usize,
     d: usize,
@@ -997,14 +997,14 @@ struct Synthetic {
     u: Vec<f64>,
 }
 
-impl Synthetic {
-    fn new(t: usize, heads: usize, d: usize, seed: u64, log_f: f32) -> Synthetic {
+impl SyntheticPrefill {
+    fn new(t: usize, heads: usize, d: usize, seed: u64, log_f: f32) -> SyntheticPrefill {
         let mut x = [(); 3].map(|_| vec![0.0f32; t * heads * d]);
         for (i, x) in x.iter_mut().enumerate() {
             fill_random(x, seed + 10 * i as u64);
         }
         let [q, k, v] = x;
-        Synthetic {
+        SyntheticPrefill {
             t,
             heads,
             d,
@@ -1049,7 +1049,7 @@ fn prefill_sample(
     t: usize,
     pruned: bool,
 ) -> Result<Sample> {
-    let x = Synthetic::new(t, heads, d, 1 + t as u64, if pruned { -1.0 } else { -0.01 });
+    let x = SyntheticPrefill::new(t, heads, d, 1 + t as u64, if pruned { -1.0 } else { -0.01 });
     let call = x.call(pruned);
     let pairs = prefill_boundary(&call)?.kept_pairs.iter().sum();
     let mut out = vec![0.0f32; x.q.len()];
@@ -1154,54 +1154,16 @@ fn decode_sample(
     pruned: bool,
     resident: bool,
 ) -> Result<Sample> {
-    let mut k = vec![0.0f32; n * d];
-    let mut v = k.clone();
-    fill_random(&mut k, 31 + n as u64);
-    fill_random(&mut v, 41 + n as u64);
     let rate = if pruned { 1.0 } else { 0.01 };
-    let c: Vec<f64> = (0..n).map(|j| -rate * j as f64).collect();
-    let mut q = vec![0.0f32; heads * d];
-    fill_random(&mut q, 51);
-    let q_c = vec![c[n - 1]; heads];
-    let u = vec![1.0f64; heads];
-    let acp = if pruned {
-        Acp::Bound {
-            u: &u,
-            ln_eps: -10.0,
-        }
-    } else {
-        Acp::Off
-    };
-    let base: Vec<CacheHead<'_>> = (0..heads)
-        .map(|_| CacheHead {
-            k: &k,
-            v: &v,
-            c: &c,
-            pos: None,
-            sync: None,
-        })
-        .collect();
-    let call = DecodeCall {
-        head_dim: d,
-        n_queries: 1,
-        q: &q,
-        q_c: &q_c,
-        q_pos: None,
-        heads: &base,
-        acp,
-    };
-    let pairs = decode_work(&call)?.iter().sum();
+    let x = SyntheticCache::new(n, heads, d, (31 + n as u64, 51), rate);
+    let base = x.heads(0..heads, None);
+    let pairs = decode_work(&x.call(0..heads, &base, pruned))?.iter().sum();
     let mut sync = StepSync::new(heads, n);
     let mut out = vec![0.0f32; heads * d];
     let secs = time_min(|| {
         sync.step();
-        let hs: Vec<CacheHead<'_>> = (0..heads)
-            .map(|h| CacheHead {
-                sync: resident.then(|| sync.sync(h)),
-                ..base[h]
-            })
-            .collect();
-        b.decode(&DecodeCall { heads: &hs, ..call }, &mut out)
+        let hs = x.heads(0..heads, resident.then_some(&sync));
+        b.decode(&x.call(0..heads, &hs, pruned), &mut out)
             .map(|_| ())
     })?;
     if resident {
@@ -1212,6 +1174,85 @@ fn decode_sample(
         rows: if resident { heads } else { n * heads } as u64,
         secs,
     })
+}
+
+/// A synthetic decode step: one cache of `n` entries that every head reads (k, v uniform
+/// from a seed, `c` falling by `rate` an entry), one query per head at the last entry,
+/// every logit bound 1.
+struct SyntheticCache {
+    d: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    c: Vec<f64>,
+    q: Vec<f32>,
+    q_c: Vec<f64>,
+    u: Vec<f64>,
+}
+
+impl SyntheticCache {
+    /// `(kv_seed, q_seed)`: k from `kv_seed`, v from `kv_seed + 10`, q from `q_seed`.
+    fn new(n: usize, heads: usize, d: usize, (kv_seed, q_seed): (u64, u64), rate: f64) -> Self {
+        let mut k = vec![0.0f32; n * d];
+        let mut v = k.clone();
+        fill_random(&mut k, kv_seed);
+        fill_random(&mut v, kv_seed + 10);
+        let c: Vec<f64> = (0..n).map(|j| -rate * j as f64).collect();
+        let mut q = vec![0.0f32; heads * d];
+        fill_random(&mut q, q_seed);
+        let q_c = vec![c.last().copied().unwrap_or(0.0); heads];
+        SyntheticCache {
+            d,
+            k,
+            v,
+            c,
+            q,
+            q_c,
+            u: vec![1.0; heads],
+        }
+    }
+
+    /// Heads `range` of the step, with `sync`'s versions where given.
+    fn heads<'a>(
+        &'a self,
+        range: std::ops::Range<usize>,
+        sync: Option<&'a StepSync>,
+    ) -> Vec<CacheHead<'a>> {
+        range
+            .map(|h| CacheHead {
+                k: &self.k,
+                v: &self.v,
+                c: &self.c,
+                pos: None,
+                sync: sync.map(|s| s.sync(h)),
+            })
+            .collect()
+    }
+
+    /// The step of heads `range` ([`Self::heads`] of it), pruned under ACP (`ln eps =
+    /// -10`) or dense.
+    fn call<'a>(
+        &'a self,
+        range: std::ops::Range<usize>,
+        heads: &'a [CacheHead<'a>],
+        pruned: bool,
+    ) -> DecodeCall<'a> {
+        DecodeCall {
+            head_dim: self.d,
+            n_queries: 1,
+            q: &self.q[range.start * self.d..range.end * self.d],
+            q_c: &self.q_c[range.clone()],
+            q_pos: None,
+            heads,
+            acp: if pruned {
+                Acp::Bound {
+                    u: &self.u[range],
+                    ln_eps: -10.0,
+                }
+            } else {
+                Acp::Off
+            },
+        }
+    }
 }
 
 /// Decode steps over 1024 and 16384 entries per head, dense, and 16384 pruned (whole
@@ -2737,7 +2778,7 @@ impl Scheduler {
         let gpu = self.gpu.backend.as_ref();
         let (cpu_heads, gpu_heads): (Vec<usize>, Vec<usize>) =
             ((0..heads / 2).collect(), (heads / 2..heads).collect());
-        let x = Synthetic::new(1024, heads, d, 71, -0.01);
+        let x = SyntheticPrefill::new(1024, heads, d, 71, -0.01);
         let whole = x.call(false);
         let (ccall, gcall) = (
             PrefillCall {
@@ -2782,70 +2823,43 @@ impl Scheduler {
     fn decode_sides(&self, heads: usize, d: usize, resident: bool) -> Result<Contention> {
         let gpu = self.gpu.backend.as_ref();
         let n = 4096;
-        let mut k = vec![0.0f32; n * d];
-        let mut v = k.clone();
-        fill_random(&mut k, 74);
-        fill_random(&mut v, 75);
-        let c: Vec<f64> = (0..n).map(|j| -0.01 * j as f64).collect();
-        let mut q = vec![0.0f32; heads * d];
-        fill_random(&mut q, 76);
-        let q_c = vec![c[n - 1]; heads];
+        let x = SyntheticCache::new(n, heads, d, (74, 76), 0.01);
         let mut sync = StepSync::new(heads, n);
         let h0 = heads / 2;
-        let step = |sync: &StepSync,
-                    range: std::ops::Range<usize>,
-                    f: &mut dyn FnMut(&DecodeCall<'_>) -> Result<()>| {
-            let hs: Vec<CacheHead<'_>> = range
-                .clone()
-                .map(|h| CacheHead {
-                    k: &k,
-                    v: &v,
-                    c: &c,
-                    pos: None,
-                    sync: resident.then(|| sync.sync(h)),
-                })
-                .collect();
-            f(&DecodeCall {
-                head_dim: d,
-                n_queries: 1,
-                q: &q[range.start * d..range.end * d],
-                q_c: &q_c[range.clone()],
-                q_pos: None,
-                heads: &hs,
-                acp: Acp::Off,
-            })
-        };
+        let (cpu_heads, gpu_heads) = (0..h0, h0..heads);
         let (mut c_out, mut g_out) = (vec![0.0f32; h0 * d], vec![0.0f32; (heads - h0) * d]);
         let cpu_alone = time_min(|| {
-            step(&sync, 0..h0, &mut |call| {
-                self.cpu.decode(call, &mut c_out).map(|_| ())
-            })
+            let hs = x.heads(cpu_heads.clone(), resident.then_some(&sync));
+            let call = x.call(cpu_heads.clone(), &hs, false);
+            self.cpu.decode(&call, &mut c_out).map(|_| ())
         })?;
         let gpu_alone = time_min(|| {
             sync.step();
-            step(&sync, h0..heads, &mut |call| {
-                gpu.decode(call, &mut g_out).map(|_| ())
-            })
+            let hs = x.heads(gpu_heads.clone(), resident.then_some(&sync));
+            let call = x.call(gpu_heads.clone(), &hs, false);
+            gpu.decode(&call, &mut g_out).map(|_| ())
         })?;
         let (mut cpu_split, mut gpu_split) = (f64::INFINITY, f64::INFINITY);
         let timed_split = time_min(|| {
             sync.step();
-            step(&sync, 0..h0, &mut |ccall| {
-                step(&sync, h0..heads, &mut |gcall| {
-                    let ((gres, g_s), (cres, c_s)) = self.beside(
-                        |start| {
-                            start();
-                            gpu.decode(gcall, &mut g_out)
-                        },
-                        || self.cpu.decode(ccall, &mut c_out),
-                    );
-                    cres?;
-                    gres?;
-                    cpu_split = cpu_split.min(c_s);
-                    gpu_split = gpu_split.min(g_s);
-                    Ok(())
-                })
-            })
+            let (ch, gh) = (
+                x.heads(cpu_heads.clone(), resident.then_some(&sync)),
+                x.heads(gpu_heads.clone(), resident.then_some(&sync)),
+            );
+            let ccall = x.call(cpu_heads.clone(), &ch, false);
+            let gcall = x.call(gpu_heads.clone(), &gh, false);
+            let ((gres, g_s), (cres, c_s)) = self.beside(
+                |start| {
+                    start();
+                    gpu.decode(&gcall, &mut g_out)
+                },
+                || self.cpu.decode(&ccall, &mut c_out),
+            );
+            cres?;
+            gres?;
+            cpu_split = cpu_split.min(c_s);
+            gpu_split = gpu_split.min(g_s);
+            Ok(())
         });
         if resident {
             gpu.release_cache(&(0..heads as u64).map(|h| sync.base + h).collect::<Vec<_>>());
