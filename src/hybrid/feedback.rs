@@ -306,12 +306,16 @@ pub(super) struct ClassRecord {
 }
 
 /// A split's two sides at one GPU head count: each side's seconds / its raw prediction, of
-/// the last [`WINDOW`] warm split calls with that many GPU heads.
+/// the last [`LONG_WINDOW`] warm split calls with that many GPU heads. Long, not
+/// [`WINDOW`]: the sides cost the split whose own factor is then measured against that
+/// cost, so sides that moved with every call moved the split's corrected prediction twice
+/// (one 12-head split of a decode dense 4k class of the H100 host was costed at 0.17-0.32
+/// ms from call to call, trace 512); the split's factor follows the short-term changes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Sides {
     gpu_heads: usize,
-    cpu: Ring<WINDOW>,
-    gpu: Ring<WINDOW>,
+    cpu: Ring<LONG_WINDOW>,
+    gpu: Ring<LONG_WINDOW>,
 }
 
 impl Sides {
