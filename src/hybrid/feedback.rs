@@ -309,8 +309,8 @@ pub(super) struct ClassRecord {
 /// the last [`LONG_WINDOW`] warm split calls with that many GPU heads. Long, not
 /// [`WINDOW`]: sides that moved with every call moved the split's costed time with them
 /// (one 12-head split of a decode dense 4k class of the H100 host was costed at 0.17-0.32
-/// ms from call to call, trace 512) and its plan with it; the split's own factor, over its
-/// sides as they ran ([`ClassRecord::record_against`]), follows the short-term changes.
+/// ms from call to call, trace 512) and its plan with it; the split's own factor
+/// ([`ClassRecord::record_against`]) follows the short-term changes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Sides {
     gpu_heads: usize,
@@ -405,11 +405,11 @@ impl ClassRecord {
     }
 
     /// [`ClassRecord::record`] with the kind's ratio taken against `ratio_s` seconds, not
-    /// `raw_s`: a split's against its sides as measured in the call plus its fixed cost
-    /// (see [`Sides`]), so its factor holds what the sides miss, whatever
-    /// its sides were costed at when it was picked (a 2-head split explored before its sides
-    /// were measured ran 2x its prediction, and that factor then priced the 15-head split
-    /// of the next calls: decode ACP 16k, trace 550).
+    /// `raw_s`: a split's against its cost at its head count's side factors as they stand
+    /// after the call (see [`Sides`]), so its factor holds what those factors miss (the
+    /// slower of two noisy sides among it), whatever they were when it was picked: a 2-head
+    /// split explored before its sides were measured ran 2x its prediction, and that factor
+    /// then priced the 15-head split of the next calls (decode ACP 16k, trace 550).
     pub(super) fn record_against(
         &mut self,
         kind: PlanKind,
@@ -837,8 +837,9 @@ mod tests {
     /// Forgetting the CPU's measurements leaves the GPU plan's and the class's time.
     #[test]
     fn a_ratio_is_taken_against_what_it_is_given() {
-        // A split costed at 1 ms whose sides ran 2 ms and whose call took 2.2 ms: its factor
-        // is 1.1 (over its sides), and the CPU's, recorded plainly, is over its prediction.
+        // A split picked at 1 ms, re-costed at 2 ms with its sides' factors after the call,
+        // that took 2.2 ms: its factor is 1.1; the CPU's, recorded plainly, is over its
+        // prediction.
         let mut r = ClassRecord::default();
         r.record_against(SPLIT, 1e-3, 2e-3, 2.2e-3, None);
         r.record_against(SPLIT, 1e-3, 2e-3, 2.2e-3, None);
