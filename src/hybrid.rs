@@ -4061,6 +4061,16 @@ mod tests {
         assert!(ratio >= 1.12, "{ratio}");
     }
 
+    /// The next of a xorshift sequence in `rng`, as a uniform number in [0, 1).
+    fn unit(rng: &std::cell::Cell<u64>) -> f64 {
+        let mut x = rng.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        rng.set(x);
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     #[test]
     fn noisy_sides_still_settle_near_the_best_split() {
         // `split_truth`, each plan's call and each side of a split 0.9-1.3x its time at
@@ -4072,14 +4082,7 @@ mod tests {
         let mut ratios: Vec<f64> = (1..=100u64)
             .map(|seed| {
                 let rng = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                let noise = || {
-                    let mut x = rng.get();
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    rng.set(x);
-                    0.9 + 0.4 * (x >> 11) as f64 / (1u64 << 53) as f64
-                };
+                let noise = || 0.9 + 0.4 * unit(&rng);
                 let truth = |k: usize| split_truth(k, &noise);
                 let (spent, _) = run_class(600, split_side_factors, truth);
                 let fixed = |k: usize| (0..600).map(|_| truth(k).0).sum::<f64>();
@@ -4100,14 +4103,7 @@ mod tests {
         let mut ratios: Vec<f64> = (1..=100u64)
             .map(|seed| {
                 let rng = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                let u = || {
-                    let mut x = rng.get();
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    rng.set(x);
-                    (x >> 11) as f64 / (1u64 << 53) as f64
-                };
+                let u = || unit(&rng);
                 let noise = || {
                     let b = if u() < burst { 2.5 } else { 1.0 };
                     b * (0.9 + 0.4 * u())
