@@ -667,6 +667,14 @@ impl ClassRecord {
             confirm = Some((best, best_t));
             (best, best_t) = (inc, t);
         }
+        // The nearest other plan's corrected prediction over the winner's (a split left out
+        // for `whole`).
+        let nearest_over = |kind: PlanKind, whole: bool| {
+            let others = corrected
+                .iter()
+                .filter(|(_, k)| *k != kind && !(whole && *k == PlanKind::Split));
+            others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
+        };
         let pick = |kind, reason| Pick {
             kind,
             reason,
@@ -676,19 +684,11 @@ impl ClassRecord {
                 _ => catch_up(kind).max(0.0),
             },
             margin: match reason {
-                Reason::Best => {
-                    let others = corrected.iter().filter(|(_, k)| *k != kind);
-                    others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
-                }
+                Reason::Best => nearest_over(kind, false),
                 _ => 0.0,
             },
             whole_margin: match reason {
-                Reason::Best => {
-                    let others = corrected
-                        .iter()
-                        .filter(|(_, k)| *k != kind && *k != PlanKind::Split);
-                    others.fold(f64::INFINITY, |m, &(t, _)| m.min(t)) / best_t
-                }
+                Reason::Best => nearest_over(kind, true),
                 _ => 0.0,
             },
         };
@@ -834,7 +834,6 @@ mod tests {
         picks.iter().filter(|p| p.kind == kind).count()
     }
 
-    /// Forgetting the CPU's measurements leaves the GPU plan's and the class's time.
     #[test]
     fn a_ratio_is_taken_against_what_it_is_given() {
         // A split picked at 1 ms, re-costed at 2 ms with its sides' factors after the call,
@@ -850,6 +849,7 @@ mod tests {
         assert_eq!(r.factor(CPU), Some(3.0));
     }
 
+    /// Forgetting the CPU's measurements leaves the GPU plan's and the class's time.
     #[test]
     fn forgetting_the_cpu_keeps_the_gpu() {
         let mut r = ClassRecord::default();
