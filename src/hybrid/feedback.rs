@@ -128,9 +128,10 @@ pub(super) const STALE_CALLS: u64 = 32;
 /// two calls after the class ran other plans: on the H100 host, in the decode 16k and 64k
 /// classes of traces 550-552 and 602, its CPU side over its GPU side was a median 0.45-0.91
 /// in the 10th and later calls of a run of splits, and 0.71-1.58 in the second call of a
-/// run after 50 or more calls without a split (0.44-0.94 in the third). Sampled at its
-/// second call, a split re-checked after a long lead of another plan was judged by its
-/// cold CPU side, and lost to plans the hybrid backend's steady split beat by 5-10%.
+/// run after more than 50 calls without a split (0.44-0.94 in the third in 6 of the 8
+/// classes). Sampled at its second call, a split re-checked after a long lead of another
+/// plan was judged by its cold CPU side, and lost to the all-GPU plan at decode ACP 64k,
+/// which the hybrid backend's steady split beat by 5-7% (runs 540-541, trace 602).
 pub(super) const SPLIT_WARMUP: u32 = 2;
 
 /// Calls of `kind` in a row before the next one is warm.
