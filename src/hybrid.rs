@@ -4075,10 +4075,9 @@ mod tests {
     fn noisy_sides_still_settle_near_the_best_split() {
         // `split_truth`, each plan's call and each side of a split 0.9-1.3x its time at
         // random (100 seeds). Against the best fixed plan under the same noise (a 4- to
-        // 6-head split; the CPU plan is 1.12-1.13x it), auto's median is 1.027 and its 90th
-        // percentile 1.037 (1.025 and 1.033 with a split sampled at its second call, 1.039
-        // and 1.062 with the sides' windows of 5 calls and the split's factor over its cost
-        // when picked); costed with the prospects alone (the
+        // 6-head split; the CPU plan is 1.12-1.13x it), auto's median is 1.025 and its 90th
+        // percentile 1.033 (1.039 and 1.062 with the sides' windows of 5 calls and the
+        // split's factor over its cost when picked); costed with the prospects alone (the
         // earlier learner), seeds 1-5 read 1.145-1.173.
         let mut ratios: Vec<f64> = (1..=100u64)
             .map(|seed| {
@@ -4137,8 +4136,7 @@ mod tests {
         // 1.172 with 5% of them. With windows of `feedback::LONG_WINDOW`: 1.014 / 1.021 and
         // 1.040 / 1.087; with the split's factor taken over its cost at its sides' factors
         // as they stand after the call (`ClassRecord::record_against`): 1.014 / 1.020 and
-        // 1.038 / 1.096; with a split sampled at its third call (`feedback::SPLIT_WARMUP`):
-        // 1.014 / 1.019 and 1.036 / 1.084.
+        // 1.038 / 1.096.
         let (median, p90) = near_tie_ratios(0.0);
         eprintln!("near tie, no bursts: median {median:.3}, p90 {p90:.3}");
         assert!(median <= 1.02 && p90 <= 1.03, "{median} {p90}");
@@ -4206,12 +4204,16 @@ mod tests {
     }
 
     #[test]
-    fn a_split_is_judged_once_its_cpu_side_is_warm() {
-        // Sampled at its second call (`feedback::SPLIT_WARMUP` = 1): median 1.058, 90th
-        // percentile 1.091. At its third (2): 1.026, 1.074.
+    fn a_split_sampled_while_its_cpu_side_is_cold_costs_auto_six_percent() {
+        // A known weakness: auto takes a split's sample at its second call, where its CPU
+        // side is still cold, and runs the GPU plan. Median 1.058, 90th percentile 1.091.
+        // Sampled at its third call (always): 1.026 and 1.074, but a workload of
+        // `auto_stays_within_five_percent_of_the_best_plan` then read 1.05002 of its best
+        // plan; sampled at its third after 32 calls without a split, the batches of
+        // `slow_calls_after_a_switch_cost_auto_little` read 1.072 at the 90th percentile.
         let (median, p90) = cold_split_ratios();
         eprintln!("cold split sides: median {median:.3}, p90 {p90:.3}");
-        assert!(median <= 1.04 && p90 <= 1.085, "{median} {p90}");
+        assert!(median <= 1.07 && p90 <= 1.10, "{median} {p90}");
     }
 
     #[test]
@@ -4227,13 +4229,11 @@ mod tests {
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!((p.kind, s.gpu_heads.clone()), (PlanKind::Split, vec![0]));
         assert_eq!(s.predicted_seconds, 0.5);
-        // ... but it measured 2.4x its prediction (its first two calls are cold, the third
-        // is the sample): the CPU (never run) is next, and its split has no GPU heads.
-        for _ in 0..feedback::SPLIT_WARMUP {
-            rec.record(PlanKind::Split, 0.5, 5.0, None);
-            let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
-            assert_eq!(p.kind, PlanKind::Split);
-        }
+        // ... but it measured 2.4x its prediction (its first call is cold, the second is
+        // the sample): the CPU (never run) is next, and its split has no GPU heads.
+        rec.record(PlanKind::Split, 0.5, 5.0, None);
+        let (_, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
+        assert_eq!(p.kind, PlanKind::Split);
         rec.record(PlanKind::Split, 0.5, 1.2, None);
         let (s, p) = plan(2, &c, Mode::Auto, &rec, EXPLORE, 0.0, 1.0);
         assert_eq!(
@@ -4332,9 +4332,7 @@ mod tests {
             "{SEARCH_CALLS} calls later"
         );
         let mut split = rec.clone();
-        for _ in 0..feedback::SPLIT_WARMUP {
-            split.record(PlanKind::Split, 1e-3, 1e-3, None);
-        }
+        split.record(PlanKind::Split, 1e-3, 1e-3, None);
         let s2 = SplitSearch::of(class, &split, total, 4, &cands);
         split.record_sides(2, 1.2, 0.9);
         assert!(!s2.holds(class, &split, total, 4), "measured sides changed");

@@ -15,7 +15,6 @@
 //! re-check of the GPU was one call after CPU calls, and the GPU plan's factor was made of
 //! such calls alone. So a probe runs twice in a row, a warm-up, then its sample (with warm
 //! samples only, that cell read 0.955-0.989 of the best backend in 7 of 8 later runs).
-//! A split warms up over two calls ([`SPLIT_WARMUP`]), so its probes run three.
 //!
 //! The median of five: two slow calls of five (a preempted call, a driver's hiccup) do not
 //! move it, and every kind is judged by the same statistic whatever the spread of its
@@ -61,8 +60,8 @@
 //!   worst workload without bursts stayed at 1.040;
 //! - any other re-check must fit the budget: the time probing took beyond the winner's
 //!   prediction (the probes' calls and the winner's first call after each, cold in its
-//!   turn), this probe's expected excess over its calls included (two; three for a
-//!   split), stays within [`PROBE_BUDGET`] of all the time the class has run (a call's excess counted up to
+//!   turn), this probe's expected excess over its two calls included, stays within
+//!   [`PROBE_BUDGET`] of all the time the class has run (a call's excess counted up to
 //!   [`CHARGE_CAP`] times the prediction, plus a probe's known catch-up: the rows its
 //!   first call sends to a GPU mirror behind by the CPU's steps, which the model amortizes
 //!   and [`ClassRecord::pick_paying`] counts in full; a plan's first try is not charged).
@@ -124,25 +123,6 @@ const LIKELY_SAMPLES: usize = 5;
 /// (within the budget): that factor may be a burst of slow calls long past.
 pub(super) const STALE_CALLS: u64 = 32;
 
-/// Calls of a split in a row before the next one is warm. A split's CPU side runs cold for
-/// two calls after the class ran other plans: on the H100 host, in the decode 16k and 64k
-/// classes of traces 550-552 and 602, its CPU side over its GPU side was a median 0.45-0.91
-/// in the 10th and later calls of a run of splits, and 0.71-1.58 in the second call of a
-/// run after more than 50 calls without a split (0.44-0.94 in the third in 6 of the 8
-/// classes). Sampled at its second call, a split re-checked after a long lead of another
-/// plan was judged by its cold CPU side, and lost to the all-GPU plan at decode ACP 64k,
-/// which the hybrid backend's steady split beat by 5-7% (runs 540-541, trace 602).
-pub(super) const SPLIT_WARMUP: u32 = 2;
-
-/// Calls of `kind` in a row before the next one is warm.
-fn warmup(kind: PlanKind) -> u32 {
-    if kind == PlanKind::Split {
-        SPLIT_WARMUP
-    } else {
-        1
-    }
-}
-
 /// A probing call's excess is charged up to this many times the winner's prediction:
 /// beyond that the call met a hiccup, not its plan's cost. On the H100 host one cold GPU
 /// call of a decode ACP 64k class took 21 ms against 1.9 ms predicted, and its whole
@@ -162,10 +142,8 @@ const IDLE_GAP: f64 = 10.0;
 /// Gaps up to this many seconds never make a call cold.
 const IDLE_FLOOR_S: f64 = 1e-3;
 
-/// Calls a probe of `kind` takes: its warm-up and its sample.
-fn probe_calls(kind: PlanKind) -> f64 {
-    f64::from(warmup(kind) + 1)
-}
+/// Calls a probe takes: a warm-up and its sample.
+const PROBE_CALLS: f64 = 2.0;
 
 /// The last `N` values pushed (a ring; the first `len` slots are valid), with a sorted copy
 /// kept up to date on each push (one removal and one insertion, O(N), no sort): `auto` reads
@@ -302,11 +280,8 @@ pub(super) struct ClassRecord {
     calls: u64,
     /// The kind last run as the winner (not as a probe).
     incumbent: Option<PlanKind>,
-    /// The kind of the class's last call: the next call of the same kind is warm (a split's
-    /// after [`SPLIT_WARMUP`] in a row).
+    /// The kind of the class's last call: the next call of the same kind is warm.
     last: Option<PlanKind>,
-    /// Calls of `last` in a row, up to the last one.
-    run: u32,
     /// The last call switched kind and needs its sample: the next pick repeats it, with
     /// the reason it was picked for.
     follow_up: Option<(PlanKind, Reason)>,
@@ -447,12 +422,10 @@ impl ClassRecord {
         if !(ratio.is_finite() && ratio > 0.0) {
             return;
         }
-        let run = if self.last == Some(kind) { self.run } else { 0 };
-        let warm = run >= warmup(kind) && !self.rested;
-        self.run = run.saturating_add(1);
+        let warm = self.last == Some(kind) && !self.rested;
         self.rested = false;
         let back = !warm && self.last_probe && probe_of.is_none();
-        // A plan's first try (its calls and the winner's return) is not charged: it is
+        // A plan's first try (its two calls and the winner's return) is not charged: it is
         // bounded by itself (once per plan and class), and the budget is for re-checks.
         let first_try = probe_of.is_some()
             && (self.kinds[kind as usize].runs == 0
@@ -484,13 +457,8 @@ impl ClassRecord {
         let explored = k.runs == 0;
         k.runs += 1;
         k.last_call = self.calls;
-        // A warm-up's later calls keep the reason it started with (a first try stays one).
-        let reason = match self.follow_up {
-            Some((f, r)) if f == kind && run > 0 => r,
-            _ => Pick::reason_of(probe_of, explored),
-        };
-        self.follow_up =
-            (!warm && (probe_of.is_some() || k.window.len == 0)).then_some((kind, reason));
+        self.follow_up = (!warm && (probe_of.is_some() || k.window.len == 0))
+            .then(|| (kind, Pick::reason_of(probe_of, explored)));
         if probe_of.is_none() {
             (k.rechecks, k.promising) = (0, false);
         }
@@ -547,8 +515,7 @@ impl ClassRecord {
     /// class's last call was a split).
     pub(super) fn record_sides(&mut self, gpu_heads: usize, cpu: f64, gpu: f64) {
         let ok = |r: f64| r.is_finite() && r > 0.0;
-        let warm = self.last == Some(PlanKind::Split) && self.run >= SPLIT_WARMUP;
-        if !(warm && ok(cpu) && ok(gpu)) {
+        if self.last != Some(PlanKind::Split) || !(ok(cpu) && ok(gpu)) {
             return;
         }
         let i = match self.sides.binary_search_by_key(&gpu_heads, |s| s.gpu_heads) {
@@ -726,9 +693,8 @@ impl ClassRecord {
             },
         };
         let affordable = |k: PlanKind, t: f64| {
-            let n = probe_calls(k);
-            self.probe_loss + n * (t - best_t).max(0.0) + catch_up(k).max(0.0)
-                <= PROBE_BUDGET * (self.spent + n * best_t)
+            self.probe_loss + PROBE_CALLS * (t - best_t).max(0.0) + catch_up(k).max(0.0)
+                <= PROBE_BUDGET * (self.spent + PROBE_CALLS * best_t)
         };
         if let Some((k, reason)) = self.follow_up
             && corrected.iter().any(|&(_, c)| c == k)
@@ -818,10 +784,10 @@ mod tests {
         r.record(k, 1.0, secs, None);
     }
 
-    /// `k`'s sample: its cold calls (not samples) until the next is warm, then `secs`, all
-    /// as the winner.
+    /// `k`'s sample: a cold call (not a sample) when the class last ran another kind, then
+    /// `secs`, both as the winner.
     fn sampled(r: &mut ClassRecord, k: PlanKind, secs: f64) {
-        while !(r.last == Some(k) && r.run >= warmup(k)) {
+        if r.last != Some(k) {
             won(r, k, secs);
         }
         won(r, k, secs);
@@ -874,9 +840,8 @@ mod tests {
         // that took 2.2 ms: its factor is 1.1; the CPU's, recorded plainly, is over its
         // prediction.
         let mut r = ClassRecord::default();
-        for _ in 0..=SPLIT_WARMUP {
-            r.record_against(SPLIT, 1e-3, 2e-3, 2.2e-3, None);
-        }
+        r.record_against(SPLIT, 1e-3, 2e-3, 2.2e-3, None);
+        r.record_against(SPLIT, 1e-3, 2e-3, 2.2e-3, None);
         let f = r.factor(SPLIT).unwrap();
         assert!((f - 1.1).abs() < 1e-12, "{f}");
         r.record(CPU, 1e-3, 3e-3, None);
@@ -1092,9 +1057,7 @@ mod tests {
         let raw = [(1.0, CPU), (1.0, SPLIT)];
         let mut r = ClassRecord::default();
         sampled(&mut r, CPU, 1.0);
-        for _ in 0..SPLIT_WARMUP {
-            r.record(SPLIT, 1.0, 1.0, Some(1.0.into()));
-        }
+        r.record(SPLIT, 1.0, 1.0, Some(1.0.into()));
         r.record(SPLIT, 1.0, 2.0, Some(1.0.into()));
         let picks = simulate(
             &mut r,
@@ -1427,12 +1390,11 @@ mod tests {
 
     #[test]
     fn exploration_tries_near_plans_once_after_the_best() {
-        // Split predicted best (0.5) with the prior 1/0.7; never run: it runs first, three
-        // times (its warm-up is two calls).
+        // Split predicted best (0.5) with the prior 1/0.7; never run: it runs first, twice.
         let raw = [(1.0, CPU), (1.1, GPU), (0.5, SPLIT)];
         let prior = |k: PlanKind| if k == SPLIT { 1.0 / 0.7 } else { 1.0 };
         let mut r = ClassRecord::default();
-        for _ in 0..=SPLIT_WARMUP {
+        for _ in 0..2 {
             let p = r.pick(&raw, prior, 1.25);
             assert_eq!((p.kind, p.reason), (SPLIT, Reason::Best));
             r.record(SPLIT, 0.5, 1.2, p.probe_of());
@@ -1601,16 +1563,14 @@ mod tests {
     #[test]
     fn slow_calls_after_a_switch_cost_auto_little() {
         // Over 200 workloads of that class: median <= 1.03, 90th percentile <= 1.06
-        // (measured 1.022, 1.054; 1.022, 1.052 with a split sampled at its second call).
-        // Deflating a probe's sample (the second call after its switch) by the slowdown
-        // measured on the winner's own second calls made it worse (1.044, 1.053): the
-        // slowdowns differ by plan, and CPU re-checks then won on it.
+        // (measured 1.022, 1.052). Deflating a probe's sample (the second call after its
+        // switch) by the slowdown measured on the winner's own second calls made it worse
+        // (1.044, 1.053): the slowdowns differ by plan, and CPU re-checks then won on it.
         let (median, p90) = entry_ratios(None);
         eprintln!("after a switch: median {median:.3}, p90 {p90:.3}");
         assert!(median <= 1.03 && p90 <= 1.06, "median {median}, p90 {p90}");
         // In batches, as the bench times it: median <= 1.035, 90th percentile <= 1.07
-        // (measured 1.031, 1.067; 1.030, 1.062 with a split sampled at its second call;
-        // with the batches' first calls taken as warm, 1.043).
+        // (measured 1.030, 1.062; with the batches' first calls taken as warm, 1.043).
         let (median, p90) = entry_ratios(Some(35));
         eprintln!("after a switch, in batches: median {median:.3}, p90 {p90:.3}");
         assert!(median <= 1.035 && p90 <= 1.07, "median {median}, p90 {p90}");
@@ -1666,11 +1626,10 @@ mod tests {
 
     #[test]
     fn short_bursts_cost_auto_little() {
-        // Over 400 workloads: median <= 1.02, 90th percentile <= 1.035 (measured 1.014,
-        // 1.030; 1.011, 1.023 with a split sampled at its second call). Judging the
-        // incumbent, once its last call was back to normal, by that call or its prospect
-        // rather than a window a burst inflated read the same (1.012, 1.023): most of these
-        // bursts end before they move the lower median of five.
+        // Over 400 workloads: median <= 1.02, 90th percentile <= 1.035 (measured 1.011,
+        // 1.023). Judging the incumbent, once its last call was back to normal, by that
+        // call or its prospect rather than a window a burst inflated read the same (1.012,
+        // 1.023): most of these bursts end before they move the lower median of five.
         let (median, p90) = median_p90(400, short_burst_ratio);
         eprintln!("short bursts: median {median:.3}, p90 {p90:.3}");
         assert!(median <= 1.02 && p90 <= 1.035, "median {median}, p90 {p90}");
