@@ -495,6 +495,20 @@ fn both_sides(cpu: f64, gpu: f64, concurrent: bool) -> f64 {
     if concurrent { cpu.max(gpu) } else { cpu + gpu }
 }
 
+/// A split's cost with `gpu_heads` GPU heads, raw sides `(cpu, gpu)` and `fixed` seconds, at
+/// its head count's side factors as they stand in `rec`: what a split's call time is taken
+/// over for its factor ([`ClassRecord::record_against`]). None before its sides are measured.
+fn recosted_split(
+    rec: &ClassRecord,
+    gpu_heads: usize,
+    (cpu, gpu): (f64, f64),
+    fixed: f64,
+    concurrent: bool,
+) -> Option<f64> {
+    let (fc, fg) = rec.side_factors(gpu_heads)?;
+    Some(fixed + both_sides(fc * cpu, fg * gpu, concurrent))
+}
+
 /// The model's terms for costing the plans of one call: `work` per head, CPU
 /// `cpu.predict(pairs, rows)`, GPU `gpu.predict(pairs, gpu_rows)`, combined by `max` when
 /// they run concurrently (a real GPU) or `+` on shared cores (lavapipe), plus `split_cost`
@@ -1781,13 +1795,13 @@ impl Scheduler {
             rec.spanned(choice.started, ran.0 + ran.1);
             // A split's factor: over its cost with its sides' factors as now measured at its
             // head count (this call's sides included).
-            let ratio_s = match rec.side_factors(choice.split.gpu_heads.len()) {
-                Some((fc, fg)) if side_ratios.is_some() => {
-                    let (c, g) = (fc * choice.sides.0, fg * choice.sides.1);
-                    choice.split_fixed + both_sides(c, g, self.gpu.concurrent)
-                }
-                _ => raw,
-            };
+            let heads = choice.split.gpu_heads.len();
+            let ratio_s = side_ratios
+                .and_then(|_| {
+                    let (fixed, conc) = (choice.split_fixed, self.gpu.concurrent);
+                    recosted_split(rec, heads, choice.sides, fixed, conc)
+                })
+                .unwrap_or(raw);
             rec.record_against(choice.kind, raw, ratio_s, secs, choice.probe_of);
         }
     }
@@ -4008,9 +4022,9 @@ mod tests {
             if let (PlanKind::Split, Some((c, g))) = (pick.kind, sides) {
                 let (rc, rg) = (c / cands.split_sides.0, g / cands.split_sides.1);
                 rec.record_sides(split.gpu_heads.len(), rc, rg);
-                if let Some((fc, fg)) = rec.side_factors(split.gpu_heads.len()) {
-                    let (c, g) = cands.split_sides;
-                    ratio_s = 50e-6 + both_sides(fc * c, fg * g, true);
+                let heads = split.gpu_heads.len();
+                if let Some(r) = recosted_split(&rec, heads, cands.split_sides, 50e-6, true) {
+                    ratio_s = r;
                 }
             }
             rec.record_against(pick.kind, raw, ratio_s, secs, pick.probe_of());
@@ -4023,17 +4037,45 @@ mod tests {
     /// 1.0 ms, GPU 0.8 ms for all 16 heads) misses a GPU cost of 0.11 ms per head (all 16:
     /// 2.11 ms), and the CPU runs 1.1x its model, 1.21x on the split pool. With `k` GPU
     /// heads: (seconds, split sides), each time scaled by a call of `noise`.
-    fn split_truth(k: usize, mut noise: impl FnMut() -> f64) -> (f64, Option<(f64, f64)>) {
+    fn split_truth(k: usize, noise: impl FnMut() -> f64) -> (f64, Option<(f64, f64)>) {
+        class_truth(k, 1.1e-3, |k| 0.35e-3 + 0.11e-3 * k as f64, 1.0, noise)
+    }
+
+    /// A [`run_class`] truth: with `k` GPU heads of 16, (seconds, split sides). The CPU plan
+    /// takes `cpu_all`, the GPU plan `gpu_side(16)`; a split's CPU side is its heads on the
+    /// split pool (the CPU's model at 1.21x) times `cold`, its GPU side `gpu_side(k)`, and it
+    /// takes the slower side plus 50 us. Each time (each side) is scaled by a call of `noise`.
+    fn class_truth(
+        k: usize,
+        cpu_all: f64,
+        gpu_side: impl Fn(usize) -> f64,
+        cold: f64,
+        mut noise: impl FnMut() -> f64,
+    ) -> (f64, Option<(f64, f64)>) {
         let cpu_side = |heads: usize| 1.21 * (50e-6 + 5.9375e-11 * 1e6 * heads as f64);
-        let gpu_side = |k: usize| 0.35e-3 + 0.11e-3 * k as f64;
         match k {
-            0 => (1.1e-3 * noise(), None),
+            0 => (cpu_all * noise(), None),
             16 => (gpu_side(16) * noise(), None),
             k => {
-                let (c, g) = (cpu_side(16 - k) * noise(), gpu_side(k) * noise());
+                let c = cpu_side(16 - k) * cold * noise();
+                let g = gpu_side(k) * noise();
                 (c.max(g) + 50e-6, Some((c, g)))
             }
         }
+    }
+
+    /// `ratio(rng)` over 100 seeds, each with its own xorshift state for [`unit`]: (median,
+    /// 90th percentile).
+    fn over_seeds(ratio: impl Fn(&std::cell::Cell<u64>) -> f64) -> (f64, f64) {
+        let mut ratios: Vec<f64> = (1..=100u64)
+            .map(|seed| {
+                ratio(&std::cell::Cell::new(
+                    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                ))
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        (ratios[50], ratios[90])
     }
 
     #[test]
@@ -4079,18 +4121,13 @@ mod tests {
         // percentile 1.033 (1.039 and 1.062 with the sides' windows of 5 calls and the
         // split's factor over its cost when picked); costed with the prospects alone (the
         // earlier learner), seeds 1-5 read 1.145-1.173.
-        let mut ratios: Vec<f64> = (1..=100u64)
-            .map(|seed| {
-                let rng = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                let noise = || 0.9 + 0.4 * unit(&rng);
-                let truth = |k: usize| split_truth(k, &noise);
-                let (spent, _) = run_class(600, split_side_factors, truth);
-                let fixed = |k: usize| (0..600).map(|_| truth(k).0).sum::<f64>();
-                spent / (0..=16).map(fixed).fold(f64::INFINITY, f64::min)
-            })
-            .collect();
-        ratios.sort_by(f64::total_cmp);
-        let (median, p90) = (ratios[50], ratios[90]);
+        let (median, p90) = over_seeds(|rng| {
+            let noise = || 0.9 + 0.4 * unit(rng);
+            let truth = |k: usize| split_truth(k, &noise);
+            let (spent, _) = run_class(600, split_side_factors, truth);
+            let fixed = |k: usize| (0..600).map(|_| truth(k).0).sum::<f64>();
+            spent / (0..=16).map(fixed).fold(f64::INFINITY, f64::min)
+        });
         eprintln!("noisy sides: median {median:.3}, p90 {p90:.3}");
         assert!(median <= 1.05 && p90 <= 1.07, "{median} {p90}");
     }
@@ -4101,31 +4138,18 @@ mod tests {
     /// time at random, and with `burst` probability 2.5x that. Returns (median, 90th
     /// percentile).
     fn near_tie_ratios(burst: f64) -> (f64, f64) {
-        let mut ratios: Vec<f64> = (1..=100u64)
-            .map(|seed| {
-                let rng = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                let u = || unit(&rng);
-                let noise = || {
-                    let b = if u() < burst { 2.5 } else { 1.0 };
-                    b * (0.9 + 0.4 * u())
-                };
-                let cpu_side = |heads: usize| 1.21 * (50e-6 + 5.9375e-11 * 1e6 * heads as f64);
-                let gpu_side = |k: usize| 0.6e-3 + 0.03e-3 * k as f64;
-                let truth = |k: usize| match k {
-                    0 => (1.1e-3 * noise(), None),
-                    16 => (gpu_side(16) * noise(), None),
-                    k => {
-                        let (c, g) = (cpu_side(16 - k) * noise(), gpu_side(k) * noise());
-                        (c.max(g) + 50e-6, Some((c, g)))
-                    }
-                };
-                let (spent, _) = run_class(2000, split_side_factors, truth);
-                let fixed = |k: usize| (0..2000).map(|_| truth(k).0).sum::<f64>();
-                spent / (0..=16).map(fixed).fold(f64::INFINITY, f64::min)
-            })
-            .collect();
-        ratios.sort_by(f64::total_cmp);
-        (ratios[50], ratios[90])
+        over_seeds(|rng| {
+            let u = || unit(rng);
+            let noise = || {
+                let b = if u() < burst { 2.5 } else { 1.0 };
+                b * (0.9 + 0.4 * u())
+            };
+            let gpu_side = |k: usize| 0.6e-3 + 0.03e-3 * k as f64;
+            let truth = |k: usize| class_truth(k, 1.1e-3, gpu_side, 1.0, noise);
+            let (spent, _) = run_class(2000, split_side_factors, truth);
+            let fixed = |k: usize| (0..2000).map(|_| truth(k).0).sum::<f64>();
+            spent / (0..=16).map(fixed).fold(f64::INFINITY, f64::min)
+        })
     }
 
     #[test]
@@ -4154,53 +4178,38 @@ mod tests {
     /// and side 0.9-1.3x.
     fn cold_split_ratios() -> (f64, f64) {
         use std::cell::Cell;
-        let mut ratios: Vec<f64> = (1..=100u64)
-            .map(|seed| {
-                let rng = Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                let noise = || 0.9 + 0.4 * unit(&rng);
-                // Calls since the last split; the current run of splits; the gap before it.
-                let (since, run, gap) = (Cell::new(usize::MAX / 2), Cell::new(0), Cell::new(0));
-                let cpu_side = |heads: usize| 1.21 * (50e-6 + 5.9375e-11 * 1e6 * heads as f64);
-                let gpu_side = |k: usize| 0.1e-3 + 0.025e-3 * k as f64;
-                let truth = |k: usize| {
-                    let split = k != 0 && k != 16;
-                    if split {
-                        if since.get() > 0 {
-                            gap.set(since.get());
-                            run.set(0);
-                        }
-                        run.set(run.get() + 1);
-                        since.set(0);
-                    } else {
-                        since.set(since.get() + 1);
+        over_seeds(|rng| {
+            let noise = || 0.9 + 0.4 * unit(rng);
+            // Calls since the last split; the current run of splits; the gap before it.
+            let (since, run, gap) = (Cell::new(usize::MAX / 2), Cell::new(0), Cell::new(0));
+            let gpu_side = |k: usize| 0.1e-3 + 0.025e-3 * k as f64;
+            let truth = |k: usize| {
+                if k != 0 && k != 16 {
+                    if since.get() > 0 {
+                        gap.set(since.get());
+                        run.set(0);
                     }
-                    let cold = match (run.get(), gap.get() > 5) {
-                        (1, true) => 2.0,
-                        (2, true) => 1.6,
-                        (1, false) => 1.2,
-                        _ => 1.0,
-                    };
-                    match k {
-                        0 => (1.7e-3 * noise(), None),
-                        16 => (gpu_side(16) * noise(), None),
-                        k => {
-                            let c = cpu_side(16 - k) * cold * noise();
-                            let g = gpu_side(k) * noise();
-                            (c.max(g) + 50e-6, Some((c, g)))
-                        }
-                    }
-                };
-                let (spent, _) = run_class(2000, split_side_factors, truth);
-                let steady = |k: usize| {
+                    run.set(run.get() + 1);
                     since.set(0);
-                    run.set(10);
-                    (0..2000).map(|_| truth(k).0).sum::<f64>()
+                } else {
+                    since.set(since.get() + 1);
+                }
+                let cold = match (run.get(), gap.get() > 5) {
+                    (1, true) => 2.0,
+                    (2, true) => 1.6,
+                    (1, false) => 1.2,
+                    _ => 1.0,
                 };
-                spent / (0..=16).map(steady).fold(f64::INFINITY, f64::min)
-            })
-            .collect();
-        ratios.sort_by(f64::total_cmp);
-        (ratios[50], ratios[90])
+                class_truth(k, 1.7e-3, gpu_side, cold, noise)
+            };
+            let (spent, _) = run_class(2000, split_side_factors, truth);
+            let steady = |k: usize| {
+                since.set(0);
+                run.set(10);
+                (0..2000).map(|_| truth(k).0).sum::<f64>()
+            };
+            spent / (0..=16).map(steady).fold(f64::INFINITY, f64::min)
+        })
     }
 
     #[test]
