@@ -119,6 +119,10 @@ const LONG_STRIDE: u64 = 4;
 /// prospect of one or two calls is a guess, and a likely re-check is not budgeted.
 const LIKELY_SAMPLES: usize = 5;
 
+/// Warm split calls at one GPU head count before their CPU sides' lower median judges a
+/// split probe's sample there ([`ClassRecord::settled_cpu_side`]).
+const SETTLED_SIDES: usize = 5;
+
 /// A plan not run for this many calls of the class is re-checked whatever its factor says
 /// (within the budget): that factor may be a burst of slow calls long past.
 pub(super) const STALE_CALLS: u64 = 32;
@@ -410,6 +414,7 @@ impl ClassRecord {
     /// slower of two noisy sides among it), whatever they were when it was picked: a 2-head
     /// split explored before its sides were measured ran 2x its prediction, and that factor
     /// then priced the 15-head split of the next calls (decode ACP 16k, trace 550).
+    #[cfg(test)]
     pub(super) fn record_against(
         &mut self,
         kind: PlanKind,
@@ -418,7 +423,23 @@ impl ClassRecord {
         secs: f64,
         probe_of: Option<Probe>,
     ) {
-        let ratio = secs / ratio_s;
+        self.record_judged(kind, raw_s, ratio_s, secs, secs, probe_of);
+    }
+
+    /// [`ClassRecord::record_against`] with the kind's ratio, and whether a probe beat the
+    /// winner, taken from `judged_s` seconds, not `secs`: a split probe's sample with its
+    /// cold CPU side at its settled factor ([`ClassRecord::settled_cpu_side`]). The class's
+    /// time and probing's charge stay the call's `secs`: that is what it cost.
+    pub(super) fn record_judged(
+        &mut self,
+        kind: PlanKind,
+        raw_s: f64,
+        ratio_s: f64,
+        secs: f64,
+        judged_s: f64,
+        probe_of: Option<Probe>,
+    ) {
+        let ratio = judged_s / ratio_s;
         if !(ratio.is_finite() && ratio > 0.0) {
             return;
         }
@@ -466,14 +487,14 @@ impl ClassRecord {
             return;
         }
         if let Some(p) = probe_of {
-            k.promising = secs * HYSTERESIS < p.best_s;
+            k.promising = judged_s * HYSTERESIS < p.best_s;
             if !k.promising {
                 k.rechecks += 1;
             }
         }
         // Its samples are stale, or a probe beat the winner by more than noise does (by
         // RECHECK: its window holds a burst that has ended): the fresh sample replaces them.
-        let clear_win = probe_of.is_some_and(|p| secs * RECHECK < p.best_s);
+        let clear_win = probe_of.is_some_and(|p| judged_s * RECHECK < p.best_s);
         if self.calls - k.sampled_at > STALE_CALLS || clear_win {
             k.window.clear();
         }
@@ -532,6 +553,28 @@ impl ClassRecord {
         self.sides[i].cpu.push(cpu);
         self.sides[i].gpu.push(gpu);
         self.sides_version += 1;
+    }
+
+    /// The most a split call's CPU side may count, over its raw prediction, when the call
+    /// is a probe's sample (`probe`, and warm: the second call of a split probe): the lower
+    /// median of the CPU sides of the last warm split calls at `gpu_heads` GPU heads, once
+    /// [`SETTLED_SIDES`] of them are kept there. None for any other call.
+    ///
+    /// A split re-checked after a long lead of another plan runs its CPU side cold (the
+    /// split pool's threads and cores idled), for more than its warm-up call: over the 63
+    /// such re-checks of the H100 host's decode 16k and 64k classes (traces 550-552, 602),
+    /// every one ran the same GPU head count in both calls, and the CPU side took a median
+    /// 2.11x its settled factor at the first call, 1.46x at the second (the sample) and
+    /// 1.18x at the third. Judged on that sample, a split 5-10% faster than the all-GPU
+    /// plan lost every re-check, and `auto` ran the GPU.
+    pub(super) fn settled_cpu_side(&self, gpu_heads: usize, probe: bool) -> Option<f64> {
+        if !(probe && self.last == Some(PlanKind::Split) && !self.rested) {
+            return None;
+        }
+        let s = self.sides.iter().find(|s| s.gpu_heads == gpu_heads)?;
+        (s.cpu.len >= SETTLED_SIDES)
+            .then(|| s.cpu.lower_median())
+            .flatten()
     }
 
     /// Forgets the measurements of the plans `kinds` (their factors, prospects, re-check
