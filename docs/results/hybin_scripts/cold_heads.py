@@ -1,37 +1,41 @@
-# cold3.py TRACE.err.gz...: for each split re-check after > 50 calls without a split, whether its
-# first two calls ran the same GPU head count, and the CPU side's factor at calls 1, 2, 3 over
-# the class's steady factor at that head count (median over the 10th call on of runs of splits).
-import gzip, re, sys
+#!/usr/bin/env python3
+# cold_heads.py TRACE.err.gz...: each split re-check after > 50 calls without a split: whether its
+# first two calls ran the same GPU head count, and the CPU side's factor at calls 1, 2 and 3 over
+# the class's steady factor at that head count (median from the 10th call of a run of splits on).
+import sys
 from collections import defaultdict
-def med(a): a = sorted(a); return a[len(a) // 2] if a else float('nan')
-tot_same = tot = 0; r1 = []; r2 = []; r3 = []
+from autotrace import calls, med, positions
+
+same = total = 0
+at = ([], [], [])
 for f in sys.argv[1:]:
-    classes = defaultdict(list); pend = {}
-    for line in gzip.open(f, 'rt'):
-        if not line.startswith('[auto] ('): continue
-        key = line[7:line.index(')') + 1]
-        m = re.search(r'-> (\w+) \((\w+) by [\d.]+, (\d+) gpu heads', line)
-        if m: pend[key] = int(m.group(3)); continue
-        m = re.search(r' ran (\w+): ([\d.]+) ms', line)
-        if not m: continue
-        s = re.search(r'sides cpu [\d.]+ ms = ([\d.]+) x', line)
-        classes[key].append((m.group(1), pend.get(key, -1), s and float(s.group(1))))
-    for key, calls in classes.items():
-        prev, pos, last, steady, runs = None, 0, None, defaultdict(list), []
-        for i, (k, h, x) in enumerate(calls):
-            pos = pos + 1 if k == prev else 1; prev = k
-            if k != 'Split': continue
-            if pos >= 10 and x: steady[h].append(x)
-            if pos == 1: runs.append((i - last - 1 if last is not None else -1, []))
-            if pos <= 3: runs[-1][1].append((h, x))
-            last = i
+    for key, cs in calls(f).items():
+        pos = positions(cs)
+        steady = defaultdict(list)
+        for c, p in zip(cs, pos):
+            if c[0] == 'Split' and p >= 10 and c[3]:
+                steady[c[2]].append(c[3][1])
         st = {h: med(v) for h, v in steady.items() if len(v) >= 5}
-        for gap, cs in runs:
-            if gap <= 50 or len(cs) < 2: continue
-            tot += 1; tot_same += cs[0][0] == cs[1][0]
-            for j, acc in enumerate((r1, r2, r3)):
-                if j < len(cs) and cs[j][1] and cs[j][0] in st: acc.append(cs[j][1] / st[cs[j][0]])
-print(f'{tot} re-checks after > 50 calls without a split; same GPU head count in calls 1 and 2: {tot_same}')
-for n, a in (('1st', r1), ('2nd', r2), ('3rd', r3)):
+        last, runs = None, []
+        for i, (c, p) in enumerate(zip(cs, pos)):
+            if c[0] != 'Split':
+                continue
+            if p == 1:
+                runs.append((i - last - 1 if last is not None else -1, []))
+            if p <= 3:
+                runs[-1][1].append(c)
+            last = i
+        for gap, run in runs:
+            if gap <= 50 or len(run) < 2:
+                continue
+            total += 1
+            same += run[0][2] == run[1][2]
+            for j, c in enumerate(run):
+                if c[3] and c[2] in st:
+                    at[j].append(c[3][1] / st[c[2]])
+print(f'{total} re-checks after > 50 calls without a split; same GPU head count in calls 1 and 2: {same}')
+for name, a in zip(('1st', '2nd', '3rd'), at):
     a = sorted(a)
-    if a: print(f'{n} call: CPU side factor / steady: n {len(a)}, median {med(a):.2f}, p10 {a[len(a)//10]:.2f}, p90 {a[9*len(a)//10]:.2f}')
+    if a:
+        print(f'{name} call: CPU side factor / steady: n {len(a)}, median {med(a):.2f}, '
+              f'p10 {a[len(a) // 10]:.2f}, p90 {a[9 * len(a) // 10]:.2f}')
