@@ -1820,7 +1820,7 @@ impl Scheduler {
             rec.spanned(choice.started, ran.0 + ran.1);
             let heads = choice.split.gpu_heads.len();
             let (fixed, conc) = (choice.split_fixed, self.gpu.concurrent);
-            let judged = match sides.filter(|_| side_ratios.is_some()) {
+            let judged = match sides.filter(|_| choice.kind == PlanKind::Split) {
                 Some(cg) => {
                     let sample = (secs, choice.probe_of.is_some());
                     fold_split_sides(rec, heads, choice.sides, cg, sample, conc)

@@ -565,16 +565,19 @@ impl ClassRecord {
     /// such re-checks of the H100 host's decode 16k and 64k classes (traces 550-552, 602),
     /// every one ran the same GPU head count in both calls, and the CPU side took a median
     /// 2.11x its settled factor at the first call, 1.46x at the second (the sample) and
-    /// 1.18x at the third. Judged on that sample, a split 5-10% faster than the all-GPU
-    /// plan lost every re-check, and `auto` ran the GPU.
+    /// 1.18x at the third. Of 35 of them whose split was faster than the all-GPU plan
+    /// when steady, 6 won their re-check on that sample, 13 with it judged here, and no
+    /// slower split won (`docs/results/hybin_scripts/settled_sample.py`).
     pub(super) fn settled_cpu_side(&self, gpu_heads: usize, probe: bool) -> Option<f64> {
         if !(probe && self.last == Some(PlanKind::Split) && !self.rested) {
             return None;
         }
-        let s = self.sides.iter().find(|s| s.gpu_heads == gpu_heads)?;
-        (s.cpu.len >= SETTLED_SIDES)
-            .then(|| s.cpu.lower_median())
-            .flatten()
+        let i = self
+            .sides
+            .binary_search_by_key(&gpu_heads, |s| s.gpu_heads)
+            .ok()?;
+        let cpu = &self.sides[i].cpu;
+        (cpu.len >= SETTLED_SIDES).then(|| cpu.lower_median())?
     }
 
     /// Forgets the measurements of the plans `kinds` (their factors, prospects, re-check
