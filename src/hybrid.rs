@@ -497,7 +497,7 @@ fn both_sides(cpu: f64, gpu: f64, concurrent: bool) -> f64 {
 
 /// A split's cost with `gpu_heads` GPU heads, raw sides `(cpu, gpu)` and `fixed` seconds, at
 /// its head count's side factors as they stand in `rec`: what a split's call time is taken
-/// over for its factor ([`ClassRecord::record_against`]). None before its sides are measured.
+/// over for its factor ([`ClassRecord::record_judged`]). None before its sides are measured.
 fn recosted_split(
     rec: &ClassRecord,
     gpu_heads: usize,
@@ -548,7 +548,7 @@ fn fold_split_sides(
 /// what each side was seen to take (the all-GPU plan of an ACP decode ran 5x its model on
 /// the H100, and one split factor over 1- and 11-head splits could not express that). The
 /// split's own factor is its wall time over its cost at its head count's side factors as
-/// they stand after the call ([`ClassRecord::record_against`]): what costing the sides by
+/// they stand after the call ([`ClassRecord::record_judged`]): what costing the sides by
 /// their factors misses (the merge, the fixed cost's error, the slower of two noisy
 /// sides), whatever head count it was measured at.
 struct Costing<'w, S> {
@@ -1796,9 +1796,7 @@ impl Scheduler {
         if !(raw > 0.0 && secs.is_finite()) {
             return;
         }
-        let side_ratios = sides
-            .filter(|_| choice.kind == PlanKind::Split)
-            .map(|(c, g)| (c / choice.sides.0, g / choice.sides.1));
+        let split_sides = sides.filter(|_| choice.kind == PlanKind::Split);
         if trace_auto() && self.mode == Mode::Auto {
             trace_line!(
                 "[auto] {class:?} ran {:?}: {:.3} ms = {:.2} x predicted (+{:.0} us choosing){}",
@@ -1806,26 +1804,30 @@ impl Scheduler {
                 secs * 1e3,
                 secs / raw,
                 (choice.started.elapsed().as_secs_f64() - secs) * 1e6,
-                sides
-                    .zip(side_ratios)
-                    .map_or(String::new(), |((c, g), (rc, rg))| format!(
-                        "; sides cpu {:.3} ms = {rc:.2} x, gpu {:.3} ms = {rg:.2} x",
-                        c * 1e3,
-                        g * 1e3
-                    ))
+                split_sides.map_or(String::new(), |(c, g)| format!(
+                    "; sides cpu {:.3} ms = {:.2} x, gpu {:.3} ms = {:.2} x",
+                    c * 1e3,
+                    c / choice.sides.0,
+                    g * 1e3,
+                    g / choice.sides.1
+                ))
             );
         }
         if let Ok(mut fb) = self.feedback.lock() {
             let rec = fb.entry(class).or_default();
             rec.spanned(choice.started, ran.0 + ran.1);
-            let heads = choice.split.gpu_heads.len();
-            let (fixed, conc) = (choice.split_fixed, self.gpu.concurrent);
-            let judged = match sides.filter(|_| choice.kind == PlanKind::Split) {
+            // A split's factor: over its cost with its sides' factors as now measured at its
+            // head count (this call's sides included).
+            let (judged, ratio_s) = match split_sides {
                 Some(cg) => {
+                    let heads = choice.split.gpu_heads.len();
+                    let (fixed, conc) = (choice.split_fixed, self.gpu.concurrent);
                     let sample = (secs, choice.probe_of.is_some());
-                    fold_split_sides(rec, heads, choice.sides, cg, sample, conc)
+                    let judged = fold_split_sides(rec, heads, choice.sides, cg, sample, conc);
+                    let recosted = recosted_split(rec, heads, choice.sides, fixed, conc);
+                    (judged, recosted.unwrap_or(raw))
                 }
-                None => secs,
+                None => (secs, raw),
             };
             if judged < secs && trace_auto() && self.mode == Mode::Auto {
                 trace_line!(
@@ -1833,11 +1835,6 @@ impl Scheduler {
                     judged * 1e3
                 );
             }
-            // A split's factor: over its cost with its sides' factors as now measured at its
-            // head count (this call's sides included).
-            let ratio_s = side_ratios
-                .and_then(|_| recosted_split(rec, heads, choice.sides, fixed, conc))
-                .unwrap_or(raw);
             rec.record_judged(choice.kind, raw, ratio_s, secs, judged, choice.probe_of);
         }
     }

@@ -314,7 +314,7 @@ pub(super) struct ClassRecord {
 /// [`WINDOW`]: sides that moved with every call moved the split's costed time with them
 /// (one 12-head split of a decode dense 4k class of the H100 host was costed at 0.17-0.32
 /// ms from call to call, trace 512) and its plan with it; the split's own factor
-/// ([`ClassRecord::record_against`]) follows the short-term changes.
+/// ([`ClassRecord::record_judged`]) follows the short-term changes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Sides {
     gpu_heads: usize,
@@ -356,7 +356,7 @@ pub(super) struct Pick {
     pub whole_margin: f64,
 }
 
-/// What [`ClassRecord::record`] charges a probe's call against ([`Pick::probe_of`]).
+/// What [`ClassRecord::record_judged`] charges a probe's call against ([`Pick::probe_of`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Probe {
     /// The winner's corrected prediction (seconds): the call's excess is counted from it.
@@ -408,12 +408,7 @@ impl ClassRecord {
         self.record_against(kind, raw_s, raw_s, secs, probe_of);
     }
 
-    /// [`ClassRecord::record`] with the kind's ratio taken against `ratio_s` seconds, not
-    /// `raw_s`: a split's against its cost at its head count's side factors as they stand
-    /// after the call (see [`Sides`]), so its factor holds what those factors miss (the
-    /// slower of two noisy sides among it), whatever they were when it was picked: a 2-head
-    /// split explored before its sides were measured ran 2x its prediction, and that factor
-    /// then priced the 15-head split of the next calls (decode ACP 16k, trace 550).
+    /// [`ClassRecord::record_judged`] of a call judged as it ran.
     #[cfg(test)]
     pub(super) fn record_against(
         &mut self,
@@ -426,10 +421,20 @@ impl ClassRecord {
         self.record_judged(kind, raw_s, ratio_s, secs, secs, probe_of);
     }
 
-    /// [`ClassRecord::record_against`] with the kind's ratio, and whether a probe beat the
-    /// winner, taken from `judged_s` seconds, not `secs`: a split probe's sample with its
-    /// cold CPU side at its settled factor ([`ClassRecord::settled_cpu_side`]). The class's
-    /// time and probing's charge stay the call's `secs`: that is what it cost.
+    /// Folds a call of `kind` predicted (raw) at `raw_s` that took `secs`; `probe_of` is
+    /// [`Pick::probe_of`] of the pick that chose it.
+    ///
+    /// The kind's ratio is taken against `ratio_s` seconds, not `raw_s`: a split's against
+    /// its cost at its head count's side factors as they stand after the call (see
+    /// [`Sides`]), so its factor holds what those factors miss (the slower of two noisy
+    /// sides among it), whatever they were when it was picked: a 2-head split explored
+    /// before its sides were measured ran 2x its prediction, and that factor then priced
+    /// the 15-head split of the next calls (decode ACP 16k, trace 550).
+    ///
+    /// That ratio, and whether a probe beat the winner, come from `judged_s` seconds: the
+    /// call's `secs`, or for a split probe's sample its time with its cold CPU side at its
+    /// settled factor ([`ClassRecord::settled_cpu_side`]). The class's time and probing's
+    /// charge stay the call's `secs`: that is what it cost.
     pub(super) fn record_judged(
         &mut self,
         kind: PlanKind,
@@ -516,7 +521,7 @@ impl ClassRecord {
     }
 
     /// Notes the idle seconds before the next call (from the end of the class's last call
-    /// to the start of this one); call it before that call's [`ClassRecord::record`].
+    /// to the start of this one); call it before that call's [`ClassRecord::record_judged`].
     pub(super) fn idled(&mut self, gap_s: f64) {
         if !gap_s.is_finite() {
             return;
@@ -532,7 +537,7 @@ impl ClassRecord {
 
     /// Folds the sides of a split call with `gpu_heads` GPU heads, each side's measured /
     /// raw predicted seconds (the CPU's heads on the split pool, the GPU thread's heads),
-    /// before [`ClassRecord::record`] folds the call itself; only a warm call's (the
+    /// before [`ClassRecord::record_judged`] folds the call itself; only a warm call's (the
     /// class's last call was a split).
     pub(super) fn record_sides(&mut self, gpu_heads: usize, cpu: f64, gpu: f64) {
         let ok = |r: f64| r.is_finite() && r > 0.0;
