@@ -4,15 +4,11 @@
 # every run's first 2 calls over the plan's median at calls 6+ as a share of the class's time.
 import sys
 from collections import defaultdict
-from autotrace import calls, med
+from autotrace import calls, med, positions
 
 for f in sys.argv[1:]:
     for key, cs in calls(f).items():
-        pos, prev, p = [], None, 0
-        for c in cs:
-            p = p + 1 if c[0] == prev else 1
-            prev = c[0]
-            pos.append(p)
+        pos = positions(cs)
         switches = sum(1 for q in pos[1:] if q == 1)
         by, steady = defaultdict(list), defaultdict(list)
         for c, q in zip(cs, pos):
