@@ -30,6 +30,7 @@
 //! [`AttentionBackend::kind`] (`cpu`), hence in the session statistics. Backends hold no
 //! stream state (the session owns the cache), so nothing of the stream is lost.
 
+use crate::aligned::AlignedF32;
 use crate::backend::{
     Acp, AttentionBackend, AttentionStats, BackendKind, CacheHead, CacheSync, CpuBackend,
     DecodeCall, PrefillCall, WriteJournal,
@@ -3308,8 +3309,8 @@ impl Problem {
             heads: h,
             head_dim: d,
             n,
-            k: Vec::with_capacity(h * n * d),
-            v: Vec::with_capacity(h * n * d),
+            k: AlignedF32::with_capacity(h * n * d),
+            v: AlignedF32::with_capacity(h * n * d),
             c: vec![0.0; h * n],
             q: Vec::with_capacity(h * d),
             q_c: Vec::with_capacity(h),
@@ -3343,8 +3344,9 @@ pub struct DecodeProblem {
     pub heads: usize,
     pub head_dim: usize,
     pub n: usize,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    /// 64-byte aligned, as a session's cache is ([`AlignedF32`]).
+    pub k: AlignedF32,
+    pub v: AlignedF32,
     pub c: Vec<f64>,
     pub q: Vec<f32>,
     pub q_c: Vec<f64>,

@@ -12,6 +12,7 @@
 //! # Ok::<(), foxedge::Error>(())
 //! ```
 
+pub mod aligned;
 pub mod backend;
 pub mod config;
 pub mod error;

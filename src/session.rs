@@ -1,6 +1,7 @@
 //! A decoding session: per-layer state (retained K/V/c cache, k/v shift state, gate stream)
 //! over a shared [`Model`], fed token ids in chunks (prefill) or one at a time (decode).
 
+use crate::aligned::AlignedF32;
 use crate::backend::{
     self, Acp, AttentionBackend, BackendKind, CacheHead, CacheSync, DecodeCall, PrefillCall,
     WriteJournal,
@@ -144,9 +145,9 @@ static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
 /// writes, so a mirror a few steps behind finds its rows without reading every version.
 #[derive(Debug)]
 struct HeadCache {
-    /// `[n, hd]`.
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// `[n, hd]`, each head's rows from a 64-byte boundary ([`AlignedF32`]).
+    k: AlignedF32,
+    v: AlignedF32,
     /// `c_j` relative to the head's gate origin.
     c: Vec<f64>,
     /// Token position of each entry.
@@ -162,8 +163,8 @@ struct HeadCache {
 impl HeadCache {
     fn new() -> HeadCache {
         HeadCache {
-            k: Vec::new(),
-            v: Vec::new(),
+            k: AlignedF32::new(),
+            v: AlignedF32::new(),
             c: Vec::new(),
             pos: Vec::new(),
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
