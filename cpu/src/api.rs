@@ -286,6 +286,10 @@ impl AttentionStats {
 /// entry `j` has key `k[j*d .. (j+1)*d]`, value `v[j*d .. (j+1)*d]` and prefix sum
 /// `c[j]` (f64, relative to the head's origin, the same origin as the query's `c_t`).
 /// Grouped-query heads may share `k`/`v` slices; `c` is per query head because gates are.
+///
+/// Any alignment is accepted; rows that start on 64-byte boundaries load fastest (an
+/// AVX-512 load from elsewhere spans two cache lines). The facade's session cache is
+/// aligned so (`foxedge::aligned`).
 #[derive(Debug, Clone, Copy)]
 pub struct CacheHead<'a, T: Storage> {
     pub k: &'a [T],
