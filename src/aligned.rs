@@ -1,15 +1,17 @@
 //! Cache-line-aligned f32 storage for K and V rows.
 //!
 //! The CPU kernels load a row of `head_dim` f32 as whole vectors (16 lanes with AVX-512, 8
-//! with AVX2). A buffer from the global allocator starts on a 16-byte boundary, so with
-//! AVX-512 every such load of a row can straddle two 64-byte cache lines. [`AlignedF32`]
+//! with AVX2). An f32 buffer from the global allocator is only sure to start on a 16-byte
+//! boundary (glibc), so with AVX-512 every such load of a row can straddle two 64-byte
+//! cache lines. [`AlignedF32`]
 //! starts on a 64-byte boundary: with `head_dim` a multiple of 16, every row of a
 //! `[rows, head_dim]` buffer (and every head of a `[heads, n, head_dim]` one) starts a
 //! cache line.
 //!
 //! Measured on the dev VM (AVX-512, decode of 16 heads x 1K entries with ACP, the kept
-//! tail resident in L2): K and V at a 64-byte boundary ran 1-4% faster than at 16 bytes
-//! past one (BENCHMARKS.md, "Dev machine, session 29").
+//! tail resident in L2): K and V at a 64-byte boundary ran 1-4% faster than at 16-48 bytes
+//! past one in a harness, and the bench's decode ACP steps 16-19% faster than with the
+//! allocator's placement (BENCHMARKS.md, "Session 29").
 
 use std::collections::TryReserveError;
 use std::fmt;
