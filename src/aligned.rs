@@ -9,9 +9,10 @@
 //! cache line.
 //!
 //! Measured on the dev VM (AVX-512, decode of 16 heads x 1K entries with ACP, the kept
-//! tail resident in L2): K and V at a 64-byte boundary ran 0-5% faster than at 16-48 bytes
-//! past one in a harness (fastest or within 1% in 4 runs), and the bench's decode ACP steps 16-19% faster than with the
-//! allocator's placement (BENCHMARKS.md, "Session 29").
+//! tail resident in L2, 2026-11-28): K and V at a 64-byte boundary ran 0-5% faster than at
+//! 16-48 bytes past one in a harness, and the bench's decode ACP steps 16-19% faster than
+//! with the allocator's placement; on the H200 host the CPU's decode steps ran 12-34%
+//! faster (BENCHMARKS.md, "H200 host CPU").
 
 use std::collections::TryReserveError;
 use std::fmt;

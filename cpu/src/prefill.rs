@@ -16,7 +16,7 @@
 //! (AVX-512, AVX2+FMA, `wide` / NEON, or one-lane scalar: the reference that the vector
 //! paths are tested against). The `gemm` crate is not used: on 64 x 64 tiles its
 //! per-call packing left the whole kernel 1.6-2.5x slower than this register tile
-//! (measured; see BENCHMARKS.md, "CPU kernels").
+//! (measured 2026-11-22).
 
 use crate::api::{Acp, AttentionStats, Decisions, HeadStats, PrefillArgs, PrefillOptions, Storage};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};

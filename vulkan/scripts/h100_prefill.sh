@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prefill kernels on the GPU machine, in one device call; every variant is checked on the
 # device against the fixture and the CPU backend before it is timed.
-#   bash vulkan/scripts/h100_prefill.sh           # variant comparison (run 5c): ggml shapes
+#   bash vulkan/scripts/h100_prefill.sh           # variant comparison: ggml shapes
 #                                                  # (8 heads = B 2 x H 4, L 2048 / 8192),
 #                                                  # L 16384 B 8, L 4096 B 1
-#   bash vulkan/scripts/h100_prefill.sh tables     # BENCHMARKS tables 1 and 2 (run 5d)
+#   bash vulkan/scripts/h100_prefill.sh tables     # the BENCHMARKS.md prefill tables (H100)
 # Variants: PREFILL_VARIANTS (vk_bench --kernels). Logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

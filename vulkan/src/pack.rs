@@ -43,7 +43,8 @@ const TILE_ROWS: usize = 16;
 /// reads `slabs * TILE_ROWS` rows from a few contiguous runs; walking one slab at a time
 /// instead reads one row per `heads * d`-element stride (a new page each row at 16 x 64
 /// f32): packing a 16-head x 16K x 64 prefill's q, k and v (f32 to f16) took 10.7 ms that
-/// way against 4.9 by tiles on the H100 host (BENCHMARKS.md, run 280).
+/// way against 4.9 by tiles on the H100 host (BENCHMARKS.md, "Vulkan attention
+/// kernels").
 fn for_tiles<E: Send>(
     dst: &mut [E],
     d: usize,

@@ -97,8 +97,9 @@ impl FlashConfig {
     /// Subgroups per workgroup for `slabs` (batch x query heads) of `seq_q` rows: 8 (128-row
     /// tiles, half the K/V traffic of 64-row tiles) when that still gives at least 256
     /// workgroups (two per multiprocessor on a 132-SM H100), else 4. Measured on the H100
-    /// (BENCHMARKS.md, run 5): 8 wins at L = 8192 x 8 heads and L = 16384 x 32 heads by
-    /// 1.5x, 4 wins at L = 2048 x 8 heads and L = 4096 x 4 heads by 1.1-1.2x.
+    /// (2026-11-22; BENCHMARKS.md, "Vulkan attention kernels"): 8 wins at L = 8192 x 8
+    /// heads and L = 16384 x 32 heads by 1.5x, 4 wins at L = 2048 x 8 heads and L = 4096 x
+    /// 4 heads by 1.1-1.2x.
     pub fn auto_subgroups(slabs: usize, seq_q: usize) -> u32 {
         if slabs * seq_q.div_ceil(128) >= 256 {
             8
