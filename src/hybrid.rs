@@ -4908,15 +4908,10 @@ mod tests {
     /// and 16384 entries, one whole send of 4096).
     #[test]
     fn a_resident_re_measure_fits_from_resident_samples() {
-        let vk = match crate::vulkan_backend::open(None) {
-            Ok(b) => b,
-            Err(e) if std::env::var_os("CI").is_some() => {
-                panic!("CI is set but no Vulkan device is usable: {e}")
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: no Vulkan device ({e}); set CI=1 to make this a failure");
-                return;
-            }
+        let test = "a_resident_re_measure_fits_from_resident_samples";
+        let open = crate::vulkan_backend::open(None);
+        let Some(vk) = crate::test_device::or_skip(open, test, "Vulkan") else {
+            return;
         };
         let (again, resident) = calibrate_decode(&vk, 2, 8, DecodeFit::Resident).unwrap();
         assert!(resident);

@@ -27,6 +27,11 @@ pub mod session;
 mod vulkan_backend;
 mod weights;
 
+/// Skip-or-fail for unit tests that need a Vulkan device; shared with the integration tests.
+#[cfg(all(test, feature = "vulkan"))]
+#[path = "../tests/common/device.rs"]
+mod test_device;
+
 pub use backend::BackendKind;
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};

@@ -282,17 +282,8 @@ mod tests {
         }
     }
 
-    fn backend_or_skip() -> Option<Arc<VulkanBackend>> {
-        match open(None) {
-            Ok(b) => Some(Arc::new(b)),
-            Err(e) if std::env::var_os("CI").is_some() => {
-                panic!("CI is set but no Vulkan device is usable: {e}")
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: no Vulkan device ({e}); set CI=1 to make this a failure");
-                None
-            }
-        }
+    fn backend_or_skip(test: &str) -> Option<Arc<VulkanBackend>> {
+        crate::test_device::or_skip(open(None), test, "Vulkan").map(Arc::new)
     }
 
     fn worst(a: &[f32], b: &[f32]) -> f32 {
@@ -316,9 +307,12 @@ mod tests {
 
     #[test]
     fn f16_prefill_storage_matches_the_cpu_within_f16_rounding() {
-        let Some(vb) = backend_or_skip() else { return };
+        let test = "f16_prefill_storage_matches_the_cpu_within_f16_rounding";
+        let Some(vb) = backend_or_skip(test) else {
+            return;
+        };
         if !vb.vk.info().storage_16bit {
-            eprintln!("SKIPPED: the device has no 16-bit storage");
+            eprintln!("SKIPPED {test}: the device has no 16-bit storage");
             return;
         }
         let (t, nh, d) = (200usize, 3usize, 64usize);
@@ -391,7 +385,10 @@ mod tests {
 
     #[test]
     fn resident_session_uploads_o1_rows_and_releases_mirrors() {
-        let Some(vb) = backend_or_skip() else { return };
+        let test = "resident_session_uploads_o1_rows_and_releases_mirrors";
+        let Some(vb) = backend_or_skip(test) else {
+            return;
+        };
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).unwrap());
         let ids: Vec<u32> = NpyArray::read(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))

@@ -6,8 +6,11 @@ use foxedge::{Model, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub mod device;
 pub mod reference;
 pub mod synth;
+
+pub use device::or_skip;
 
 /// `tests/fixtures/fox-tiny-pro/<name>`.
 pub fn fixture(name: &str) -> PathBuf {
@@ -34,21 +37,6 @@ pub fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
 pub fn input_ids() -> Vec<u32> {
     let a = NpyArray::read(fixture("input_ids.npy")).expect("fixture reads");
     a.to_i32().unwrap().into_iter().map(|x| x as u32).collect()
-}
-
-/// `r`'s value, or None when the Vulkan-backed `what` is unavailable: with `CI` set that
-/// fails test `test`; without it the test says why it skips.
-pub fn or_skip<T, E: std::fmt::Display>(r: Result<T, E>, test: &str, what: &str) -> Option<T> {
-    match r {
-        Ok(x) => Some(x),
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("{test}: CI is set but the {what} backend is unavailable: {e}")
-        }
-        Err(e) => {
-            eprintln!("{test}: SKIPPED (no Vulkan device, CI unset): {e}");
-            None
-        }
-    }
 }
 
 /// (max abs difference, relative L2 error ‖a − b‖ / ‖b‖).

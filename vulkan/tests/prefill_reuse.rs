@@ -253,7 +253,7 @@ fn prefill_concurrent_calls_share_no_buffers() {
 fn f32_inputs_stored_as_f16_equal_f16_inputs_bit_for_bit() {
     let Some(vk) = device() else { return };
     if !vk.info().storage_16bit {
-        eprintln!("SKIPPED: the device has no 16-bit storage");
+        eprintln!("SKIPPED {}: the device has no 16-bit storage", test_name());
         return;
     }
     // `prefill_f16_storage` rounds f32 q, k, v to f16 (nearest even) while packing: the

@@ -5,8 +5,9 @@ use foxedge_vulkan::{AttentionShape, Layout, Vulkan};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The Vulkan device, or `None` (test skipped with a printed reason) when there is none.
-/// With `CI` set, a missing device fails the test instead.
+/// The Vulkan device, or `None` when there is none: the test then prints why it skips and
+/// passes, unless `CI` is set (to anything but "", "0" or "false"), where a missing device
+/// fails it, so a CI machine that should have one (lavapipe) never skips in silence.
 pub fn device() -> Option<Vulkan> {
     match Vulkan::new() {
         Ok(v) => {
@@ -14,13 +15,27 @@ pub fn device() -> Option<Vulkan> {
             Some(v)
         }
         Err(e) => {
-            if std::env::var_os("CI").is_some() {
-                panic!("CI is set and no Vulkan device is usable: {e}");
+            let test = test_name();
+            if ci() {
+                panic!("{test}: CI is set, so a Vulkan device is required: {e}");
             }
-            eprintln!("SKIPPED: no Vulkan device ({e}); set CI=1 to make this a failure");
+            eprintln!("SKIPPED {test}: no Vulkan device ({e}); with CI set this fails");
             None
         }
     }
+}
+
+/// Whether `CI` is set, and not to "", "0" or "false".
+fn ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| {
+        let v = v.to_string_lossy();
+        !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false")
+    })
+}
+
+/// The running test's name: the test harness names each test's thread after it.
+pub fn test_name() -> String {
+    std::thread::current().name().unwrap_or("test").to_owned()
 }
 
 pub fn rng(seed: u64) -> StdRng {
