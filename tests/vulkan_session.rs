@@ -40,7 +40,11 @@ fn vulkan_session_with_budget_eviction_matches_cpu() {
         sinks: 4,
         ..Default::default()
     };
-    let Some(mut gpu) = vulkan_or_skip(&model, &opts, "budget_eviction") else {
+    let Some(mut gpu) = vulkan_or_skip(
+        &model,
+        &opts,
+        "vulkan_session_with_budget_eviction_matches_cpu",
+    ) else {
         return;
     };
     assert_eq!(gpu.backend(), BackendKind::Vulkan);
@@ -94,7 +98,8 @@ fn vulkan_session_rebases_and_resets_like_cpu() {
         window: 4,
         ..Default::default()
     };
-    let Some(mut gpu) = vulkan_or_skip(&model, &opts, "rebase") else {
+    let Some(mut gpu) = vulkan_or_skip(&model, &opts, "vulkan_session_rebases_and_resets_like_cpu")
+    else {
         std::fs::remove_dir_all(dir).ok();
         return;
     };
