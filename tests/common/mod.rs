@@ -10,6 +10,7 @@ pub mod device;
 pub mod reference;
 pub mod synth;
 
+#[allow(unused_imports)] // not every test binary needs a device
 pub use device::or_skip;
 
 /// `tests/fixtures/fox-tiny-pro/<name>`.
