@@ -17,10 +17,10 @@
 //! calls in a row asked of it is allocated again at their size, and a slot no call used for
 //! [`SHRINK_CALLS`] calls is freed. Otherwise one long prompt holds its buffers for the
 //! process's life: on the H100 host 518 MiB after 16k-token calls of 16 heads, where 1k
-//! calls need 32 MiB (BENCHMARKS.md, "Vulkan attention kernels"), and on a board whose GPU shares the
-//! host's memory the application loses that memory. [`SHRINK_CALLS`] spans a few chunks of
-//! a model's layers, so a prompt's short last chunk does not make the next prompt allocate
-//! again.
+//! calls need 32 MiB (BENCHMARKS.md, "Vulkan attention kernels"), and on a board whose GPU
+//! shares the host's memory the application loses that memory. [`SHRINK_CALLS`] spans a
+//! few chunks of a model's layers, so a prompt's short last chunk does not make the next
+//! prompt allocate again.
 
 use crate::device::Context;
 use crate::error::Result;
