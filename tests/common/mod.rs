@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 pub mod reference;
 pub mod synth;
+pub mod workload;
 
 /// `tests/fixtures/fox-tiny-pro/<name>`.
 pub fn fixture(name: &str) -> PathBuf {
