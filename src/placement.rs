@@ -54,7 +54,7 @@ use calibrate::{calibrate, decode_secs, prefill_secs};
 /// Recorded calls per plan and class whose median is the plan's correction.
 const WINDOW: usize = 7;
 /// A plan is tried, or re-checked, when its estimate is within this factor of the best.
-const EXPLORE: f64 = 1.5;
+const EXPLORE: f64 = 2.0;
 /// Calls of a class between re-checks of its runner-up.
 const RECHECK_EVERY: u64 = 64;
 /// A split's correction before its class has measured one: a split's sides slow each
@@ -162,10 +162,11 @@ impl Record {
         ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
         let best = ranked.first().map_or((Plan::Cpu, 0.0), |x| *x);
         let near = |x: &(Plan, f64)| x.1 <= EXPLORE * best.1;
+        // A plan the class has not measured is tried once the class has run a call.
         let untried = ranked
             .iter()
             .skip(1)
-            .find(|x| near(x) && self.ratios[x.0 as usize].is_empty());
+            .find(|x| near(x) && self.last.is_some() && self.ratios[x.0 as usize].is_empty());
         let recheck = ranked
             .get(1)
             .filter(|x| near(x) && self.calls.is_multiple_of(RECHECK_EVERY));

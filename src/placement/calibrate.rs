@@ -27,7 +27,7 @@ impl Line {
 
     /// The line through two measurements `(pairs, secs)`, both terms clamped to `>= 0`
     /// (timer noise); a flat pair charges the larger call's time per pair.
-    fn through((p1, s1): (u64, f64), (p2, s2): (u64, f64)) -> Line {
+    pub(super) fn through((p1, s1): (u64, f64), (p2, s2): (u64, f64)) -> Line {
         let dp = p2.saturating_sub(p1) as f64;
         let b = if dp > 0.0 { (s2 - s1) / dp } else { 0.0 };
         let b = if b > 0.0 { b } else { s2 / p2.max(1) as f64 };
