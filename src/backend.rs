@@ -53,8 +53,8 @@ const JOURNAL_MIN: usize = 16;
 /// the journal holds the latest `keep = max(16, n / 16)` writes at least (all of them
 /// since the last [`WriteJournal::rewrote_all`]) and `2 keep` at most: past `2 keep` the
 /// oldest are dropped down to `keep`, so a drop moves `keep` words per `keep` writes.
-/// Its memory is at most about half a byte per entry ([`crate::session::entry_bytes`]
-/// counts it).
+/// Its memory is at most about half a byte per entry (the session's `entry_bytes` counts
+/// it).
 #[derive(Debug, Default)]
 pub(crate) struct WriteJournal {
     since: u64,
@@ -167,8 +167,8 @@ pub(crate) struct PrefillCall<'a> {
     pub v: &'a [f32],
     pub log_f: &'a [f32],
     /// `Off`, `Bound` (one `U` per head), `ObservedNorms`, or `Decided`: this call's
-    /// decisions on the kernels' default tile grid ([`crate::decisions`]), made by a caller
-    /// that planned the call from them.
+    /// decisions on the kernels' default tile grid (foxedge-core's, as the kernels would
+    /// make them), made by a caller that planned the call from them.
     pub acp: Acp<'a>,
     /// The heads to compute (strictly increasing, each `< heads`); `None`: all. The other
     /// heads' output rows are left as they are, and the statistics cover these heads

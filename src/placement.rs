@@ -1,6 +1,6 @@
 //! Where an attention call runs: all on the CPU, all on the GPU, or whole heads split
 //! between them (`hybrid`), and `auto`, which picks one of these per call from measured
-//! times. [`open`] gives the backend of each [`BackendKind`].
+//! times.
 //!
 //! # Split
 //! Heads are independent in attention, so a call can run some heads on the CPU and the
@@ -145,7 +145,9 @@ struct Record {
 impl Record {
     /// The median of `p`'s ratios (the lower of two middles), None before any.
     fn factor(&self, p: Plan) -> Option<f64> {
-        let mut v = self.ratios[p as usize].clone();
+        let (r, mut v) = (&self.ratios[p as usize], [0.0; WINDOW]);
+        let v = &mut v[..r.len()];
+        v.copy_from_slice(r);
         v.sort_by(f64::total_cmp);
         v.get(v.len().saturating_sub(1) / 2).copied()
     }
@@ -154,24 +156,18 @@ impl Record {
     /// and whether the class's previous call ran it too (then this call is recorded).
     fn pick(&mut self, est: &[Option<f64>; 3]) -> (Plan, bool) {
         self.calls += 1;
-        let by_est = |p: &Plan| est[*p as usize];
-        let mut ranked: Vec<(Plan, f64)> = PLANS
-            .iter()
-            .filter_map(|p| Some((*p, by_est(p)?)))
-            .collect();
+        let mut ranked = PLANS.map(|p| (p, est[p as usize].unwrap_or(f64::INFINITY)));
         ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
-        let best = ranked.first().map_or((Plan::Cpu, 0.0), |x| *x);
+        let best = ranked[0];
         let near = |x: &(Plan, f64)| x.1 <= EXPLORE * best.1;
         // A plan the class has not measured is tried once the class has run a call.
-        let untried = ranked
+        let untried = ranked[1..]
             .iter()
-            .skip(1)
             .find(|x| near(x) && self.last.is_some() && self.ratios[x.0 as usize].is_empty());
-        let recheck = ranked
-            .get(1)
-            .filter(|x| near(x) && self.calls.is_multiple_of(RECHECK_EVERY));
+        let recheck =
+            Some(&ranked[1]).filter(|x| near(x) && self.calls.is_multiple_of(RECHECK_EVERY));
         let plan = match (self.again.take(), untried.or(recheck)) {
-            (Some(p), _) if by_est(&p).is_some() => p,
+            (Some(p), _) if est[p as usize].is_some() => p,
             (_, Some(&(p, _))) => {
                 self.again = Some(p);
                 p
@@ -377,19 +373,13 @@ impl Placement {
         match r {
             Err(e) if is_device_failure(&e) => {
                 if !self.fell_back.swap(true, Ordering::AcqRel) {
-                    eprintln!(
-                        "foxedge: {} backend: {e}; attention continues on the CPU",
-                        self.kind_name()
-                    );
+                    let kind = if self.auto { "auto" } else { "hybrid" };
+                    eprintln!("foxedge: {kind} backend: {e}; attention continues on the CPU");
                 }
                 cpu()
             }
             r => r,
         }
-    }
-
-    fn kind_name(&self) -> &'static str {
-        if self.auto { "auto" } else { "hybrid" }
     }
 
     /// The pool a split's CPU side runs in (None: the sides run one after the other).

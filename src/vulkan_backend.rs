@@ -289,8 +289,8 @@ impl AttentionBackend for CpuFallback {
 mod tests {
     //! The f16 prefill storage against the CPU (f16 rounding tolerance), and the `vulkan`
     //! kind's CPU fallback on a device that fails mid-stream (a stand-in device: a real
-    //! one cannot be lost on demand). Sessions on a shared Vulkan backend are tested in
-    //! `crate::session`.
+    //! one cannot be lost on demand). Sessions on a shared Vulkan backend are tested with
+    //! the session.
     use super::*;
     use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
 
