@@ -22,8 +22,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CacheSync<'a> {
     /// Unique per cache head for the life of the process ([`fresh_cache_ids`]).
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub id: u64,
     /// The newest row version of this head.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub version: u64,
     /// `[n]` the version at which each row was last written (read by the Vulkan mirror).
     #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]

@@ -31,6 +31,7 @@ pub(crate) enum Opened {
     /// `cpu`, or `auto` without a device.
     Cpu(CpuBackend),
     /// `vulkan` (with its CPU fallback) on the named device.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     Vulkan(Box<dyn AttentionBackend>, String),
     /// `hybrid` or `auto`.
     Placed(Box<Placement>),
