@@ -285,7 +285,7 @@ impl PrefillInputs {
 /// One decode step of one query per head against `n` cached entries per head.
 ///
 /// Each [`Engine::decode`] of it is one step of a stream whose newest row was just
-/// written ([`StepSync`]), so a backend that keeps the cache resident on a device sends one
+/// written, so a backend that keeps the cache resident on a device sends one
 /// row per head per step after the first. After changing `k`, `v` or `c` in place, call
 /// [`Engine::release`] or decode a clone (a clone is a new cache).
 ///

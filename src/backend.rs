@@ -1,11 +1,11 @@
 //! The attention-kernel interface a backend implements, and the CPU backend.
 //!
 //! The model runner does the dense layer math itself and calls a backend only for
-//! forgetting attention (prefill and decode), through the [`AttentionBackend`] trait. Its
+//! forgetting attention (prefill and decode), through the `AttentionBackend` trait. Its
 //! calls carry the kernels' own argument, pruning and statistics types (foxedge-cpu's,
 //! which foxedge-vulkan shares) plus what the facade adds: the heads a call computes (one
 //! side of a CPU/GPU split) and change tracking of cache heads for a device-resident
-//! mirror ([`CacheSync`]).
+//! mirror (`CacheSync`).
 
 use crate::error::{Error, Result};
 use foxedge_cpu::{

@@ -272,7 +272,7 @@ struct LayerState {
 }
 
 /// Bytes held per cache entry: K and V (f32) plus c (f64), position (u64), the row's
-/// version (u64, for device mirrors) and a byte of write journal ([`WriteJournal`]:
+/// version (u64, for device mirrors) and a byte of write journal (`WriteJournal`:
 /// at most one u32 per 8 entries, or 33 per head).
 pub fn entry_bytes(head_dim: usize) -> usize {
     2 * head_dim * 4 + 25
