@@ -93,3 +93,25 @@ pub(crate) fn resolve(
         Opened::Placed(p) => p,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_opens_or_says_why() {
+        assert_eq!(
+            resolve(BackendKind::Cpu, None).unwrap().kind(),
+            BackendKind::Cpu
+        );
+        let none = Some("no-such-vulkan-device-xyz");
+        assert_eq!(
+            resolve(BackendKind::Auto, none).unwrap().kind(),
+            BackendKind::Cpu
+        );
+        for k in [BackendKind::Vulkan, BackendKind::Hybrid] {
+            let e = resolve(k, none).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::BackendUnavailable, "{k}: {e}");
+        }
+    }
+}
