@@ -1,8 +1,8 @@
-//! `auto`'s own time per decode step, outside the kernels: the work count, the plan, the
-//! bookkeeping and the learning (`PlanCounts::scheduler_ns`). The GPU side is an idle device
-//! (`Engine::auto_over_idle_device`: its steps take no time, so auto runs the all-GPU plan
-//! in steady state, as in the H100 host's 16k and 64k decode cells). Real gates: the bundled
-//! fox-tiny-pro over the long fixture, 16 heads (4 layers x 4), one query per step.
+//! `auto`'s own time per decode step, outside the kernels: the choice, the bookkeeping and
+//! the learning (`PlanCounts::scheduler_ns`), beside the whole step on the plan it runs.
+//! Real gates: the bundled fox-tiny-pro over the long fixture, 16 heads (4 layers x 4), one
+//! query per step. Without a Vulkan device `auto` is the CPU backend (no placement, nothing
+//! of its own to measure): it says so and exits.
 //!
 //!     cargo bench -p foxedge --bench auto_overhead
 //!     FOXEDGE_BENCH_LENGTHS=4k,16k FOXEDGE_BENCH_STEPS=50000 FOXEDGE_BENCH_THRASH=4000000 \
@@ -15,7 +15,8 @@
 
 mod common;
 
-use foxedge::hybrid::Engine;
+use foxedge::BackendKind;
+use foxedge::attention::Engine;
 use std::time::Instant;
 
 fn main() -> foxedge::Result<()> {
@@ -35,8 +36,13 @@ fn main() -> foxedge::Result<()> {
             let d = big.prefix(len)?.decode_at(len)?;
             let mut out = vec![0.0f32; d.heads * d.head_dim];
             for (name, acp) in common::MODES {
-                let eng = Engine::auto_over_idle_device();
-                eng.calibrate(big.heads, big.head_dim)?;
+                let eng = Engine::new(BackendKind::Auto)?;
+                if eng.calibrate(big.heads, big.head_dim)?.is_none() {
+                    eprintln!(
+                        "auto_overhead: no Vulkan device, auto is the CPU; nothing to measure"
+                    );
+                    return Ok(());
+                }
                 for _ in 0..2000 {
                     eng.decode(&d, acp, &mut out)?;
                 }

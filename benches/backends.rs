@@ -6,8 +6,7 @@
 //!     cargo bench --bench backends                      # the whole grid (slow on 2 cores)
 //!     FOXEDGE_BENCH_LENGTHS=1k,4k cargo bench --bench backends
 //!     cargo bench --bench backends -- 'prefill/.*/acp'  # criterion's name filter
-//!     cargo bench --bench backends -- auto_overhead     # auto's own time per decode step
-//!     cargo bench --bench auto_overhead                 # the same, a table; cold caches too
+//!     cargo bench --bench auto_overhead                 # auto's own time per decode step
 //!
 //! Throughput is kept FLOPs (`4 * head_dim * kept_pairs`) per second. Backends without a
 //! Vulkan device are left out with a message (the CPU is always measured), and so is a cell
@@ -20,7 +19,7 @@ mod common;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge::BackendKind;
-use foxedge::hybrid::{Engine, Problem};
+use foxedge::attention::{Engine, PrefillInputs};
 use std::time::Duration;
 
 fn max_call_s() -> f64 {
@@ -29,7 +28,7 @@ fn max_call_s() -> f64 {
 }
 
 /// [`workload`], or `None` after saying why it could not be built.
-fn workload_or_say(max_len: usize) -> Option<Problem> {
+fn workload_or_say(max_len: usize) -> Option<PrefillInputs> {
     common::workload(max_len)
         .map_err(|e| eprintln!("cannot build the real-gate workload: {e}"))
         .ok()
@@ -102,7 +101,8 @@ fn bench(c: &mut Criterion) {
                         );
                         continue;
                     }
-                    g.throughput(Throughput::Elements(st.flops(p.head_dim) as u64));
+                    let flops = 4 * p.head_dim as u64 * st.kept_pairs();
+                    g.throughput(Throughput::Elements(flops));
                     let id = BenchmarkId::new(format!("{k}/{acp_name}"), len);
                     g.bench_function(id, |b| {
                         b.iter(|| match &dp {
@@ -117,37 +117,5 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-/// `auto`'s own time per decode step: an `auto` engine over a device that does no work
-/// (`Engine::auto_over_idle_device`), on the same real-gate caches. What this reads is what
-/// `auto` adds to the plan it runs (work counting, planning, bookkeeping), at any device.
-fn auto_overhead(c: &mut Criterion) {
-    let lens = common::lengths("1k,4k,16k,64k");
-    let Some(&max_len) = lens.iter().max() else {
-        return;
-    };
-    let Some(big) = workload_or_say(max_len) else {
-        return;
-    };
-    let eng = Engine::auto_over_idle_device();
-    if let Err(e) = eng.calibrate(big.heads, big.head_dim) {
-        eprintln!("auto_overhead: calibration failed: {e}");
-        return;
-    }
-    let mut g = c.benchmark_group("auto_overhead");
-    g.warm_up_time(Duration::from_millis(500));
-    g.measurement_time(Duration::from_secs(2));
-    for &len in &lens {
-        let Ok(d) = big.prefix(len).and_then(|p| p.decode_at(len)) else {
-            continue;
-        };
-        let mut out = vec![0.0f32; d.heads * d.head_dim];
-        for (acp_name, acp) in common::MODES {
-            let id = BenchmarkId::new(format!("decode/{acp_name}"), len);
-            g.bench_function(id, |b| b.iter(|| eng.decode(&d, acp, &mut out).map(|_| ())));
-        }
-    }
-    g.finish();
-}
-
-criterion_group!(benches, bench, auto_overhead);
+criterion_group!(benches, bench);
 criterion_main!(benches);

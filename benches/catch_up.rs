@@ -1,7 +1,7 @@
 //! What a GPU decode step costs after the CPU ran `S` steps of the same cache: the device's
 //! mirror is then `S` rows per head behind (each step writes one row per head), and the
-//! step sends them. `auto` pays this on every GPU re-check of a class the CPU leads; its
-//! model charges the rows beyond one step's at 1/256 (`AMORTIZE_STEPS` in `hybrid.rs`).
+//! step sends them. `auto` pays this on the first call of every GPU re-check of a class
+//! the CPU leads (a call it does not record, see `src/placement.rs`).
 //! The idle control sleeps as long as the `S` CPU steps took, with the mirror one row
 //! behind, so the GPU's own wake-up after idling is told apart from the rows.
 //!
@@ -18,7 +18,7 @@
 mod common;
 
 use foxedge::BackendKind;
-use foxedge::hybrid::Engine;
+use foxedge::attention::Engine;
 use std::time::{Duration, Instant};
 
 fn median(mut v: Vec<f64>) -> f64 {

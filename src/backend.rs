@@ -1,38 +1,19 @@
-//! Backend selection and the attention-kernel interface a backend implements.
+//! The attention-kernel interface a backend implements, and the CPU backend.
 //!
 //! The model runner does the dense layer math itself and calls a backend only for
-//! forgetting attention (prefill and decode), through the `AttentionBackend` trait, whose argument
-//! types are plain data (sizes, slices, bounds) that every backend can take.
+//! forgetting attention (prefill and decode), through the `AttentionBackend` trait. Its
+//! calls carry the kernels' own argument, pruning and statistics types (foxedge-cpu's,
+//! which foxedge-vulkan shares) plus what the facade adds: the heads a call computes (one
+//! side of a CPU/GPU split) and change tracking of cache heads for a device-resident
+//! mirror (`CacheSync`).
 
 use crate::error::{Error, Result};
-use crate::hybrid::PrefillBoundary;
+use foxedge_cpu::{
+    Acp, AttentionStats, CacheHead, DecodeArgs, HeadStats, PrefillArgs, PrefillOptions,
+};
 use std::fmt;
 use std::str::FromStr;
-
-/// How attention may prune (ACP paper, section 3); thresholds are derived by foxedge-core.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Acp<'a> {
-    /// Dense.
-    Off,
-    /// A logit bound `U_h` per head and `ln eps`.
-    Bound { u: &'a [f64], ln_eps: f64 },
-    /// Prefill only: U from this call's observed q and k norms (models without QK-norm).
-    ObservedNorms { ln_eps: f64 },
-}
-
-/// One head's retained cache: `n` entries in slot order (not position order).
-/// `k`, `v`: `[n, head_dim]`; `c`: `[n]` cumulative log gates relative to the head origin;
-/// `pos`: `[n]` token positions, given when a step has several queries (causal mask).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CacheHead<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub c: &'a [f64],
-    pub pos: Option<&'a [u64]>,
-    /// Change tracking for backends that keep the head resident on a device; `None`: the
-    /// backend must treat every row as new.
-    pub sync: Option<CacheSync<'a>>,
-}
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Identity and row versions of one cache head, so a device-side mirror uploads only the
 /// rows written since it last synced (appends, swap-delete moves, re-based `c`).
@@ -40,9 +21,11 @@ pub(crate) struct CacheHead<'a> {
 /// change (k, v or c) gets a version greater than every earlier one of this `id`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CacheSync<'a> {
-    /// Unique per cache head for the life of the process (never reused).
+    /// Unique per cache head for the life of the process ([`fresh_cache_ids`]).
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub id: u64,
     /// The newest row version of this head.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub version: u64,
     /// `[n]` the version at which each row was last written (read by the Vulkan mirror).
     #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
@@ -52,6 +35,14 @@ pub(crate) struct CacheSync<'a> {
     /// `row_version`.
     #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     pub journal: Option<(u64, &'a [u32])>,
+}
+
+/// `count` consecutive cache ids never handed out before in this process: the first is
+/// returned. Every owner of a cache head (a session, a benchmark's decode inputs, a
+/// calibration) takes its ids here, so a device mirror keyed by id never mixes two heads.
+pub(crate) fn fresh_cache_ids(count: usize) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(count as u64, Ordering::Relaxed)
 }
 
 /// Fewest writes a [`WriteJournal`] keeps.
@@ -64,8 +55,8 @@ const JOURNAL_MIN: usize = 16;
 /// the journal holds the latest `keep = max(16, n / 16)` writes at least (all of them
 /// since the last [`WriteJournal::rewrote_all`]) and `2 keep` at most: past `2 keep` the
 /// oldest are dropped down to `keep`, so a drop moves `keep` words per `keep` writes.
-/// Its memory is at most about half a byte per entry ([`crate::session::entry_bytes`]
-/// counts it).
+/// Its memory is at most about half a byte per entry (the session's `entry_bytes` counts
+/// it).
 #[derive(Debug, Default)]
 pub(crate) struct WriteJournal {
     since: u64,
@@ -116,13 +107,6 @@ impl WriteJournal {
         self.rows
             .try_reserve_exact(want.saturating_sub(self.rows.len()))
     }
-}
-
-/// Kept and attendable query-key pairs of one call, per head.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct AttentionStats {
-    pub kept_pairs: Vec<u64>,
-    pub total_pairs: Vec<u64>,
 }
 
 /// Which compute backend a session runs attention on.
@@ -184,45 +168,21 @@ pub(crate) struct PrefillCall<'a> {
     pub k: &'a [f32],
     pub v: &'a [f32],
     pub log_f: &'a [f32],
+    /// `Off`, `Bound` (one `U` per head), `ObservedNorms`, or `Decided`: this call's
+    /// decisions on the kernels' default tile grid (foxedge-core's, as the kernels would
+    /// make them), made by a caller that planned the call from them.
     pub acp: Acp<'a>,
-    /// The ACP decisions of this very call (`crate::hybrid::prefill_boundary` of it), when
-    /// the caller already made them to plan the call; a backend may use them instead of
-    /// deciding again.
-    pub decided: Option<&'a PrefillBoundary>,
     /// The heads to compute (strictly increasing, each `< heads`); `None`: all. The other
     /// heads' output rows are left as they are, and the statistics cover these heads
     /// alone, in order (a split's two sides share one call's output this way). `acp`'s
-    /// bounds and `decided` stay indexed by the call's heads.
+    /// bounds and decisions stay indexed by the call's heads.
     pub only: Option<&'a [usize]>,
 }
 
-impl<'a> PrefillCall<'a> {
-    /// The kernels' pruning mode for this call: the caller's decisions when it made them on
-    /// the kernels' tile grid (the scheduler planned the call from them; at 1k tokens x 16
-    /// heads they cost 28-47 us on the H100 host's CPU, 2-3% of an ACP prefill there, and
-    /// the GPU path then reads no gates either), else the call's own mode.
-    pub(crate) fn kernel_acp(&self) -> foxedge_cpu::Acp<'_> {
-        match self.decided {
-            Some(b) if b.block == foxedge_cpu::PrefillOptions::default().block_q => {
-                foxedge_cpu::Acp::Decided(foxedge_cpu::Decisions {
-                    c: &b.c,
-                    start_blocks: &b.start_blocks,
-                    delta: &b.delta,
-                })
-            }
-            _ => kernels_acp(self.acp),
-        }
-    }
-
-    /// The kernels' arguments for this call (one batch row, seq-first, keys from 0), with
-    /// `q`, `k`, `v` in storage `T`: the call's own slices, or a copy of them rounded to `T`.
-    pub(crate) fn kernel_args<'b, T: foxedge_cpu::Storage>(
-        &'b self,
-        q: &'b [T],
-        k: &'b [T],
-        v: &'b [T],
-    ) -> foxedge_cpu::PrefillArgs<'b, T> {
-        foxedge_cpu::PrefillArgs {
+impl PrefillCall<'_> {
+    /// The kernels' arguments: one batch row, seq-first, keys from 0.
+    pub(crate) fn args(&self) -> PrefillArgs<'_, f32> {
+        PrefillArgs {
             shape: foxedge_core::AttentionShape {
                 batch: 1,
                 heads_q: self.heads,
@@ -232,28 +192,125 @@ impl<'a> PrefillCall<'a> {
                 head_dim: self.head_dim,
                 layout: foxedge_core::Layout::SeqFirst,
             },
-            q,
-            k,
-            v,
+            q: self.q,
+            k: self.k,
+            v: self.v,
             log_fgate: self.log_f,
             seq_start: None,
+        }
+    }
+
+    /// The kernels' options: this call's pruning and heads, default tiles.
+    pub(crate) fn options(&self) -> PrefillOptions<'_> {
+        PrefillOptions {
+            acp: self.acp,
+            heads: self.only,
+            ..Default::default()
         }
     }
 }
 
 /// Queries of one step against the retained cache (which already holds their own keys).
 ///
-/// `q`, `out`: `[heads, n_queries, head_dim]`; `q_c`: `[heads, n_queries]`; `q_pos`:
-/// `[heads, n_queries]` when some cache head carries positions (several queries).
+/// `args` is the kernels' call: `q`, `out`: `[heads, n_queries, head_dim]`. `acp` is `Off`,
+/// `Bound` (one `U` per head) or `Threshold` (one `delta` per head).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DecodeCall<'a> {
-    pub head_dim: usize,
-    pub n_queries: usize,
-    pub q: &'a [f32],
-    pub q_c: &'a [f64],
-    pub q_pos: Option<&'a [u64]>,
-    pub heads: &'a [CacheHead<'a>],
+    pub args: DecodeArgs<'a, f32, f32>,
+    /// One per head of `args`, or empty: the heads carry no change tracking (a backend
+    /// that mirrors caches must then treat every row as new).
+    pub sync: &'a [CacheSync<'a>],
     pub acp: Acp<'a>,
+}
+
+/// The heads `idx` of a decode call, gathered ([`DecodeCall::part`]): queries and
+/// per-head pruning values are copied, cache heads stay views.
+pub(crate) struct DecodePart<'c> {
+    q: Vec<f32>,
+    q_c: Vec<f64>,
+    q_pos: Option<Vec<u64>>,
+    heads: Vec<CacheHead<'c, f32>>,
+    sync: Vec<CacheSync<'c>>,
+    /// The heads' bounds or thresholds, where the call's `acp` has them.
+    per_head: Vec<f64>,
+}
+
+impl<'c> DecodeCall<'c> {
+    /// Heads `idx` (each `< heads`) of this call, to run as a call of their own
+    /// ([`DecodePart::call`]).
+    pub(crate) fn part(&self, idx: &[usize]) -> DecodePart<'c> {
+        let a = &self.args;
+        let (nq, d) = (a.n_queries, a.head_dim);
+        let rows = |x: &[f64], per: usize| -> Vec<f64> {
+            idx.iter()
+                .flat_map(|&h| x[h * per..(h + 1) * per].to_vec())
+                .collect()
+        };
+        DecodePart {
+            q: idx
+                .iter()
+                .flat_map(|&h| a.q[h * nq * d..(h + 1) * nq * d].to_vec())
+                .collect(),
+            q_c: rows(a.q_c, nq),
+            q_pos: a.q_pos.map(|p| {
+                idx.iter()
+                    .flat_map(|&h| p[h * nq..(h + 1) * nq].to_vec())
+                    .collect()
+            }),
+            heads: idx.iter().map(|&h| a.heads[h]).collect(),
+            sync: idx
+                .iter()
+                .filter_map(|&h| self.sync.get(h).copied())
+                .collect(),
+            per_head: match self.acp {
+                Acp::Bound { u, .. } => rows(u, 1),
+                Acp::Threshold(t) => rows(t, 1),
+                _ => Vec::new(),
+            },
+        }
+    }
+}
+
+impl DecodePart<'_> {
+    /// The part as a call, pruned as `whole` was.
+    pub(crate) fn call<'a>(&'a self, whole: &DecodeCall<'a>) -> DecodeCall<'a> {
+        let acp = match whole.acp {
+            Acp::Bound { ln_eps, .. } => Acp::Bound {
+                u: &self.per_head,
+                ln_eps,
+            },
+            Acp::Threshold(_) => Acp::Threshold(&self.per_head),
+            other => other,
+        };
+        DecodeCall {
+            args: DecodeArgs {
+                head_dim: whole.args.head_dim,
+                n_queries: whole.args.n_queries,
+                q: &self.q,
+                q_c: &self.q_c,
+                q_pos: self.q_pos.as_deref(),
+                heads: &self.heads,
+            },
+            sync: &self.sync,
+            acp,
+        }
+    }
+}
+
+/// The statistics of an `n`-head call from its parts' (each part's heads `idx`, in order).
+pub(crate) fn merge_stats<'i>(
+    n: usize,
+    parts: impl IntoIterator<Item = (&'i [usize], AttentionStats)>,
+) -> AttentionStats {
+    let mut st = AttentionStats {
+        heads: vec![HeadStats::default(); n],
+    };
+    for (idx, part) in parts {
+        for (&h, hs) in idx.iter().zip(part.heads) {
+            st.heads[h] = hs;
+        }
+    }
+    st
 }
 
 /// A prefill whose kernels ran ([`AttentionBackend::prefill_run`]): `finish` writes its
@@ -330,7 +387,7 @@ pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
 }
 
 /// The SIMD CPU kernels of foxedge-cpu.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct CpuBackend;
 
 impl AttentionBackend for CpuBackend {
@@ -339,50 +396,15 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let args = call.kernel_args(call.q, call.k, call.v);
-        let opts = foxedge_cpu::PrefillOptions {
-            acp: call.kernel_acp(),
-            heads: call.only,
-            ..Default::default()
-        };
-        let st = foxedge_cpu::prefill(&args, &opts, out, None).map_err(kernel_error)?;
-        Ok(convert_stats(&st))
+        foxedge_cpu::prefill(&call.args(), &call.options(), out, None).map_err(kernel_error)
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let heads: Vec<foxedge_cpu::CacheHead<'_, f32>> = call
-            .heads
-            .iter()
-            .map(|h| foxedge_cpu::CacheHead {
-                k: h.k,
-                v: h.v,
-                c: h.c,
-                pos: h.pos,
-            })
-            .collect();
-        let args = foxedge_cpu::DecodeArgs {
-            head_dim: call.head_dim,
-            n_queries: call.n_queries,
-            q: call.q,
-            q_c: call.q_c,
-            q_pos: call.q_pos,
-            heads: &heads,
-        };
         let opts = foxedge_cpu::DecodeOptions {
-            acp: kernels_acp(call.acp),
+            acp: call.acp,
             ..Default::default()
         };
-        let st = foxedge_cpu::decode(&args, &opts, out, None).map_err(kernel_error)?;
-        Ok(convert_stats(&st))
-    }
-}
-
-/// The kernels' pruning mode for `a` (the CPU and Vulkan kernels share one `Acp` type).
-pub(crate) fn kernels_acp(a: Acp<'_>) -> foxedge_cpu::Acp<'_> {
-    match a {
-        Acp::Off => foxedge_cpu::Acp::Off,
-        Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },
-        Acp::ObservedNorms { ln_eps } => foxedge_cpu::Acp::ObservedNorms { ln_eps },
+        foxedge_cpu::decode(&call.args, &opts, out, None).map_err(kernel_error)
     }
 }
 
@@ -391,19 +413,11 @@ fn kernel_error(e: foxedge_core::Error) -> Error {
     Error::Internal(format!("attention kernel refused its arguments: {e}"))
 }
 
-fn convert_stats(st: &foxedge_cpu::AttentionStats) -> AttentionStats {
-    AttentionStats {
-        kept_pairs: st.heads.iter().map(|h| h.kept_pairs).collect(),
-        total_pairs: st.heads.iter().map(|h| h.total_pairs).collect(),
-    }
-}
-
-/// The backend for `kind`, or [`Error::BackendUnavailable`] saying why not.
-pub(crate) fn resolve(kind: BackendKind) -> Result<Box<dyn AttentionBackend>> {
-    match kind {
-        BackendKind::Cpu => Ok(Box::new(CpuBackend)),
-        other => crate::hybrid::resolve(other, None),
-    }
+/// Whether a GPU backend's error means "stop using the GPU" (a lost device, device memory
+/// exhausted) rather than bad input: the call then reruns on the CPU, and so does every
+/// later one.
+pub(crate) fn is_device_failure(e: &Error) -> bool {
+    matches!(e, Error::BackendUnavailable(_) | Error::OutOfMemory { .. })
 }
 
 #[cfg(test)]
@@ -477,6 +491,5 @@ mod tests {
             assert_eq!(k.name().parse::<BackendKind>().unwrap(), k);
         }
         assert!("tpu".parse::<BackendKind>().is_err());
-        assert_eq!(resolve(BackendKind::Cpu).unwrap().kind(), BackendKind::Cpu);
     }
 }

@@ -1,6 +1,6 @@
 //! foxedge: Forgetting Attention (FoX) inference for edge devices. The facade: the FoX model
 //! runner over memory-mapped reference checkpoints, sessions with a certified retention
-//! (KV) cache, backend selection, and the helpers the `foxedge` command line uses.
+//! (KV) cache, backend selection, and standalone forgetting attention ([`attention`]).
 //!
 //! ```no_run
 //! use foxedge::{Model, Session, SessionOptions};
@@ -13,15 +13,18 @@
 //! ```
 
 pub mod aligned;
+pub mod attention;
 pub mod backend;
 pub mod config;
+mod decisions;
 pub mod error;
-pub mod hybrid;
 pub mod model;
 pub mod npy;
 mod ops;
+mod placement;
 pub mod plot;
 pub mod sample;
+mod select;
 pub mod session;
 #[cfg(feature = "vulkan")]
 mod vulkan_backend;

@@ -1,11 +1,12 @@
-//! The facade adapter over foxedge-vulkan: [`AttentionBackend`] on a Vulkan device.
+//! The facade adapter over foxedge-vulkan: [`AttentionBackend`] on a Vulkan device, and
+//! the `vulkan` backend kind: that device with the CPU kernels behind it ([`CpuFallback`]).
 //!
 //! Same calls, same math and the same per-head statistics as the CPU backend (both take
 //! their ACP thresholds from foxedge-core). Device failures become facade errors:
 //! no loader / no driver / no device → [`Error::BackendUnavailable`] at open time; a lost
 //! device → [`Error::BackendUnavailable`] on that call and every later one (the adapter
-//! remembers it; a caller that wants to go on must use another backend, see
-//! `crate::hybrid`); device memory exhausted → [`Error::OutOfMemory`].
+//! remembers it); device memory exhausted → [`Error::OutOfMemory`]. [`CpuFallback`] turns
+//! either into a rerun on the CPU.
 //!
 //! Decode keeps each cache head that comes with a [`crate::backend::CacheSync`] resident on
 //! the device (`foxedge_vulkan::ResidentCache`, keyed by the sync id): a step uploads only
@@ -15,9 +16,11 @@
 //! least recently used ones are dropped when device memory runs short.
 
 use crate::backend::{
-    AttentionBackend, AttentionStats, BackendKind, DecodeCall, PrefillCall, PrefillRun,
+    AttentionBackend, BackendKind, CpuBackend, DecodeCall, PrefillCall, PrefillRun,
+    is_device_failure,
 };
 use crate::error::{Error, Result};
+use foxedge_cpu::AttentionStats;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -129,22 +132,6 @@ impl VulkanBackend {
     }
 }
 
-fn convert(st: &foxedge_vulkan::AttentionStats) -> AttentionStats {
-    AttentionStats {
-        kept_pairs: st.heads.iter().map(|h| h.kept_pairs).collect(),
-        total_pairs: st.heads.iter().map(|h| h.total_pairs).collect(),
-    }
-}
-
-/// The kernel options of `call`: its ACP and its heads.
-fn prefill_options<'c>(call: &'c PrefillCall<'_>) -> foxedge_vulkan::PrefillOptions<'c> {
-    foxedge_vulkan::PrefillOptions {
-        acp: call.kernel_acp(),
-        heads: call.only,
-        ..Default::default()
-    }
-}
-
 /// A Vulkan prefill whose output waits in readback memory.
 struct Ran<'b> {
     backend: &'b VulkanBackend,
@@ -153,8 +140,7 @@ struct Ran<'b> {
 
 impl PrefillRun for Ran<'_> {
     fn finish(self: Box<Self>, out: &mut [f32]) -> Result<AttentionStats> {
-        let st = self.run.finish(out).map_err(|e| self.backend.map_err(e))?;
-        Ok(convert(&st))
+        self.run.finish(out).map_err(|e| self.backend.map_err(e))
     }
 }
 
@@ -165,15 +151,13 @@ impl AttentionBackend for VulkanBackend {
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
-        let opts = prefill_options(call);
-        let args = call.kernel_args(call.q, call.k, call.v);
-        let st = if self.f16_prefill {
+        let (args, opts) = (call.args(), call.options());
+        if self.f16_prefill {
             self.vk.prefill_f16_storage(&args, &opts, out, None)
         } else {
             self.vk.prefill(&args, &opts, out, None)
         }
-        .map_err(|e| self.map_err(e))?;
-        Ok(convert(&st))
+        .map_err(|e| self.map_err(e))
     }
 
     fn prefill_run(
@@ -182,8 +166,7 @@ impl AttentionBackend for VulkanBackend {
         on_packed: &mut dyn FnMut(),
     ) -> Result<Box<dyn PrefillRun + '_>> {
         self.check_alive()?;
-        let opts = prefill_options(call);
-        let args = call.kernel_args(call.q, call.k, call.v);
+        let (args, opts) = (call.args(), call.options());
         let run = self
             .vk
             .prefill_run(&args, &opts, self.f16_prefill, on_packed)
@@ -193,55 +176,39 @@ impl AttentionBackend for VulkanBackend {
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         self.check_alive()?;
-        let heads: Vec<foxedge_vulkan::CacheHead<'_, f32>> = call
-            .heads
-            .iter()
-            .map(|h| foxedge_vulkan::CacheHead {
-                k: h.k,
-                v: h.v,
-                c: h.c,
-                pos: h.pos,
-            })
-            .collect();
-        let args = foxedge_vulkan::DecodeArgs {
-            head_dim: call.head_dim,
-            n_queries: call.n_queries,
-            q: call.q,
-            q_c: call.q_c,
-            q_pos: call.q_pos,
-            heads: &heads,
-        };
-        let entries: usize = call.heads.iter().map(|h| h.c.len()).sum();
+        let args = &call.args;
+        let entries: usize = args.heads.iter().map(|h| h.c.len()).sum();
         let opts = foxedge_vulkan::DecodeOptions {
-            acp: crate::backend::kernels_acp(call.acp),
-            split: foxedge_vulkan::auto_split(entries * call.n_queries),
+            acp: call.acp,
+            split: foxedge_vulkan::auto_split(entries * args.n_queries),
             ..Default::default()
         };
-        let st = if call.heads.iter().any(|h| h.sync.is_some()) {
-            let sync: Vec<Option<foxedge_vulkan::HeadSync<'_>>> = call
-                .heads
-                .iter()
-                .map(|h| {
-                    h.sync.map(|s| foxedge_vulkan::HeadSync {
-                        id: s.id,
-                        version: s.version,
-                        row_version: s.row_version,
-                        journal: s
-                            .journal
-                            .map(|(since, rows)| foxedge_vulkan::Journal { since, rows }),
-                    })
-                })
-                .collect();
-            let mut r = self
-                .resident
-                .lock()
-                .map_err(|_| Error::Internal("vulkan resident cache lock poisoned".into()))?;
-            r.decode(&args, &sync, &opts, out, None)
-        } else {
-            self.vk.decode(&args, &opts, out, None)
+        if call.sync.is_empty() {
+            return self
+                .vk
+                .decode(args, &opts, out, None)
+                .map_err(|e| self.map_err(e));
         }
-        .map_err(|e| self.map_err(e))?;
-        Ok(convert(&st))
+        let sync: Vec<Option<foxedge_vulkan::HeadSync<'_>>> = call
+            .sync
+            .iter()
+            .map(|s| {
+                Some(foxedge_vulkan::HeadSync {
+                    id: s.id,
+                    version: s.version,
+                    row_version: s.row_version,
+                    journal: s
+                        .journal
+                        .map(|(since, rows)| foxedge_vulkan::Journal { since, rows }),
+                })
+            })
+            .collect();
+        let mut r = self
+            .resident
+            .lock()
+            .map_err(|_| Error::Internal("vulkan resident cache lock poisoned".into()))?;
+        r.decode(args, &sync, &opts, out, None)
+            .map_err(|e| self.map_err(e))
     }
 
     fn release_cache(&self, ids: &[u64]) {
@@ -251,49 +218,147 @@ impl AttentionBackend for VulkanBackend {
     }
 }
 
+/// The `vulkan` backend kind: every call on the GPU backend `gpu`; a call the device
+/// fails (lost, out of device memory) reruns on the CPU, and so does every later call,
+/// said once on stderr. Backends hold no stream state (the session owns the cache), so
+/// the stream goes on intact; [`AttentionBackend::kind`] then reports `cpu`.
+#[derive(Debug)]
+pub(crate) struct CpuFallback {
+    gpu: Box<dyn AttentionBackend>,
+    fell_back: AtomicBool,
+}
+
+impl CpuFallback {
+    pub(crate) fn new(gpu: Box<dyn AttentionBackend>) -> Self {
+        CpuFallback {
+            gpu,
+            fell_back: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the GPU failed and the CPU took over.
+    pub(crate) fn fell_back(&self) -> bool {
+        self.fell_back.load(Ordering::Acquire)
+    }
+
+    /// `r` from the GPU, or `cpu()`'s rerun when the GPU failed as a device.
+    fn or_cpu<R>(&self, r: Result<R>, cpu: impl FnOnce() -> Result<R>) -> Result<R> {
+        match r {
+            Err(e) if is_device_failure(&e) => {
+                if !self.fell_back.swap(true, Ordering::AcqRel) {
+                    eprintln!("foxedge: vulkan backend: {e}; attention continues on the CPU");
+                }
+                cpu()
+            }
+            r => r,
+        }
+    }
+}
+
+impl AttentionBackend for CpuFallback {
+    fn kind(&self) -> BackendKind {
+        if self.fell_back() {
+            BackendKind::Cpu
+        } else {
+            BackendKind::Vulkan
+        }
+    }
+
+    fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        if self.fell_back() {
+            return CpuBackend.prefill(call, out);
+        }
+        let r = self.gpu.prefill(call, out);
+        self.or_cpu(r, || CpuBackend.prefill(call, out))
+    }
+
+    fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        if self.fell_back() {
+            return CpuBackend.decode(call, out);
+        }
+        let r = self.gpu.decode(call, out);
+        self.or_cpu(r, || CpuBackend.decode(call, out))
+    }
+
+    fn release_cache(&self, ids: &[u64]) {
+        self.gpu.release_cache(ids);
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    //! A session on one shared Vulkan backend: logits equal the CPU session's (|diff| <=
-    //! 2e-3 on O(10) logits: the kernels differ by ~1e-6 relative per attention output,
-    //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
-    //! reset or dropped session frees its mirrors without disturbing another session's.
+    //! The f16 prefill storage against the CPU (f16 rounding tolerance), and the `vulkan`
+    //! kind's CPU fallback on a device that fails mid-stream (a stand-in device: a real
+    //! one cannot be lost on demand). Sessions on a shared Vulkan backend are tested with
+    //! the session.
     use super::*;
-    use crate::backend::{Acp, AttentionBackend, DecodeCall, PrefillCall};
-    use crate::session::{Budget, Session, SessionOptions};
-    use crate::{Model, npy::NpyArray};
-    use std::sync::Arc;
+    use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
 
-    /// Lets several sessions share one backend (and its mirrors) in a test.
+    /// The device this process would open, or None (saying why) when there is none and
+    /// `CI` is unset.
+    fn backend_or_skip(test: &str) -> Option<VulkanBackend> {
+        crate::test_device::or_skip(open(None), test, "Vulkan")
+    }
+
+    /// The CPU kernels standing in for a device, failing as a lost device on demand.
     #[derive(Debug)]
-    struct Shared(Arc<VulkanBackend>);
+    struct Flaky(std::sync::Arc<AtomicBool>);
 
-    impl AttentionBackend for Shared {
+    impl AttentionBackend for Flaky {
         fn kind(&self) -> BackendKind {
             BackendKind::Vulkan
         }
         fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-            self.0.prefill(call, out)
+            if self.0.load(Ordering::Acquire) {
+                return Err(Error::BackendUnavailable("vulkan: device lost".into()));
+            }
+            CpuBackend.prefill(call, out)
         }
         fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-            self.0.decode(call, out)
-        }
-        fn release_cache(&self, ids: &[u64]) {
-            self.0.release_cache(ids);
+            if self.0.load(Ordering::Acquire) {
+                return Err(Error::BackendUnavailable("vulkan: device lost".into()));
+            }
+            CpuBackend.decode(call, out)
         }
     }
 
-    fn backend_or_skip(test: &str) -> Option<Arc<VulkanBackend>> {
-        crate::test_device::or_skip(open(None), test, "Vulkan").map(Arc::new)
-    }
-
-    fn worst(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(
-                0.0,
-                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
-            )
+    #[test]
+    fn device_loss_mid_decode_falls_back_to_the_cpu() {
+        let (n, d) = (300usize, 16usize);
+        let k: Vec<f32> = (0..n * d)
+            .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        let v: Vec<f32> = (0..n * d)
+            .map(|i| ((i * 5) % 11) as f32 / 11.0 - 0.5)
+            .collect();
+        let c: Vec<f64> = (0..n).map(|j| -0.01 * (n - 1 - j) as f64).collect();
+        let q = vec![0.25f32; 2 * d];
+        let heads = [CacheHead {
+            k: &k,
+            v: &v,
+            c: &c,
+            pos: None,
+        }; 2];
+        let call = DecodeCall {
+            args: DecodeArgs::one_query(d, &q, &[0.0, 0.0], &heads),
+            sync: &[],
+            acp: Acp::Off,
+        };
+        let fail = std::sync::Arc::new(AtomicBool::new(false));
+        let b = CpuFallback::new(Box::new(Flaky(fail.clone())));
+        let (mut a, mut x) = (vec![0.0f32; 2 * d], vec![0.0f32; 2 * d]);
+        b.decode(&call, &mut a).unwrap();
+        assert_eq!(b.kind(), BackendKind::Vulkan);
+        fail.store(true, Ordering::Release);
+        let st = b.decode(&call, &mut x).unwrap();
+        assert_eq!(a, x, "the step reran on the CPU");
+        assert_eq!(st.kept_pairs(), 2 * n as u64);
+        assert!(b.fell_back());
+        assert_eq!(b.kind(), BackendKind::Cpu);
+        // Every later call runs on the CPU without asking the device.
+        fail.store(false, Ordering::Release);
+        b.decode(&call, &mut x).unwrap();
+        assert_eq!(b.kind(), BackendKind::Cpu);
     }
 
     #[test]
@@ -346,13 +411,10 @@ mod tests {
                 u: &u,
                 ln_eps: -10.0,
             },
-            decided: None,
             only: None,
         };
         let mut want = vec![0.0f32; q.len()];
-        let st_want = crate::backend::CpuBackend
-            .prefill(&call, &mut want)
-            .unwrap();
+        let st_want = CpuBackend.prefill(&call, &mut want).unwrap();
         let rel = |x: &[f32]| {
             let (mut e, mut n) = (0.0f64, 0.0f64);
             for (a, b) in x.iter().zip(&want) {
@@ -381,100 +443,5 @@ mod tests {
         let (e32, e16) = (rel(&a), rel(&b));
         assert!(e16 <= 5e-3, "f16 rel L2 {e16}");
         assert!(e32 < e16 && e32 <= 1e-4, "f32 rel L2 {e32}, f16 {e16}");
-    }
-
-    #[test]
-    fn resident_session_uploads_o1_rows_and_releases_mirrors() {
-        let test = "resident_session_uploads_o1_rows_and_releases_mirrors";
-        let Some(vb) = backend_or_skip(test) else {
-            return;
-        };
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).unwrap());
-        let ids: Vec<u32> = NpyArray::read(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
-            .unwrap()
-            .to_i32()
-            .unwrap()
-            .iter()
-            .map(|&x| x as u32)
-            .collect();
-        let v = model.info().vocab;
-        let opts = SessionOptions {
-            budget: Some(Budget::EntriesPerHead(64)),
-            window: 8,
-            sinks: 2,
-            ..Default::default()
-        };
-        let pair = || {
-            let cpu = Session::new(model.clone(), opts.clone()).unwrap();
-            let mut gpu = Session::new(model.clone(), opts.clone()).unwrap();
-            gpu.set_backend(Box::new(Shared(vb.clone())));
-            (cpu, gpu)
-        };
-        let (mut ca, mut ga) = pair();
-        let (mut x, mut y) = (vec![0.0f32; v], vec![0.0f32; v]);
-        ca.feed(&ids[..48], Some(&mut x)).unwrap();
-        ga.feed(&ids[..48], Some(&mut y)).unwrap();
-        assert!(worst(&x, &y) <= 2e-3);
-        // The first decode step uploads each head's cache once.
-        ca.feed(&ids[48..49], Some(&mut x)).unwrap();
-        ga.feed(&ids[48..49], Some(&mut y)).unwrap();
-        let c0 = vb.cache_counters();
-        assert_eq!(c0.mirrors, 16, "4 layers x 4 heads");
-        let steps = 120;
-        let mut live_sum = 0u64;
-        for &t in &ids[49..49 + steps] {
-            ca.feed(&[t], Some(&mut x)).unwrap();
-            ga.feed(&[t], Some(&mut y)).unwrap();
-            assert!(worst(&x, &y) <= 2e-3, "logits differ by {}", worst(&x, &y));
-            live_sum += ga.stats().live_entries;
-        }
-        let c1 = vb.cache_counters();
-        let rows = c1.rows_uploaded - c0.rows_uploaded;
-        eprintln!(
-            "{steps} steps: {rows} rows uploaded ({:.1}/step), {:.0} live entries/step; {c1:?}",
-            rows as f64 / steps as f64,
-            live_sum as f64 / steps as f64
-        );
-        assert!(ga.stats().evicted_forced > 0, "the budget must move rows");
-        // Per step and head: the appended row, plus the row a swap-delete moved into a
-        // freed slot (at most 2 rows per eviction), nothing else.
-        assert!(rows <= steps as u64 * 16 * 3, "{rows} rows");
-        assert!(
-            rows * 10 < live_sum,
-            "uploads must not scale with the cache"
-        );
-        assert_eq!(c1.full_uploads, c0.full_uploads);
-        // The sessions' write journals name every steady step's rows: no head reads all of
-        // its row versions.
-        assert_eq!(c1.scans, c0.scans, "steady steps scanned row versions");
-
-        // A second session on the same backend, interleaved; then the first is reset.
-        let (mut cb, mut gb) = pair();
-        cb.feed(&ids[..30], Some(&mut x)).unwrap();
-        gb.feed(&ids[..30], Some(&mut y)).unwrap();
-        ga.reset().unwrap();
-        ca.reset().unwrap();
-        assert_eq!(vb.cache_counters().mirrors, 0, "reset releases the mirrors");
-        let (mut xa, mut ya) = (vec![0.0f32; v], vec![0.0f32; v]);
-        for i in 0..40 {
-            ca.feed(&ids[200 + i..201 + i], Some(&mut xa)).unwrap();
-            ga.feed(&ids[200 + i..201 + i], Some(&mut ya)).unwrap();
-            cb.feed(&ids[30 + i..31 + i], Some(&mut x)).unwrap();
-            gb.feed(&ids[30 + i..31 + i], Some(&mut y)).unwrap();
-            assert!(worst(&xa, &ya) <= 2e-3 && worst(&x, &y) <= 2e-3, "step {i}");
-        }
-        assert_eq!(vb.cache_counters().mirrors, 32);
-        drop(ga);
-        assert_eq!(
-            vb.cache_counters().mirrors,
-            16,
-            "a dropped session frees its mirrors"
-        );
-        for i in 40..50 {
-            cb.feed(&ids[30 + i..31 + i], Some(&mut x)).unwrap();
-            gb.feed(&ids[30 + i..31 + i], Some(&mut y)).unwrap();
-            assert!(worst(&x, &y) <= 2e-3, "step {i}");
-        }
     }
 }

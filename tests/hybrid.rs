@@ -12,8 +12,9 @@
 
 mod common;
 
+use common::workload::{read_token_rows, real_gate_inputs};
 use common::{fixture, input_ids, or_skip, tiny};
-use foxedge::hybrid::{AcpMode, Engine, Problem, read_token_rows, real_gate_problem};
+use foxedge::attention::{AcpMode, Engine, PrefillInputs};
 use foxedge::{BackendKind, ErrorKind, Model, Session, SessionOptions};
 use std::sync::{Arc, OnceLock};
 
@@ -29,13 +30,13 @@ fn model() -> Arc<Model> {
 }
 
 /// The model's 16 real heads (4 layers x 4) over the first `len` tokens of the long fixture.
-fn real(len: usize) -> Problem {
+fn real(len: usize) -> PrefillInputs {
     let rows = read_token_rows(&fixture("long_input_ids.npy")).unwrap();
-    real_gate_problem(&model(), &rows, len).unwrap()
+    real_gate_inputs(&model(), &rows, len).unwrap()
 }
 
 /// A random problem with per-head gate strengths from nearly 0 (global) to strong (local).
-fn random_problem(t: usize, heads: usize, d: usize, seed: u64) -> Problem {
+fn random_problem(t: usize, heads: usize, d: usize, seed: u64) -> PrefillInputs {
     use rand::{Rng, SeedableRng};
     let mut r = rand::rngs::StdRng::seed_from_u64(seed);
     let n = t * heads * d;
@@ -50,7 +51,7 @@ fn random_problem(t: usize, heads: usize, d: usize, seed: u64) -> Problem {
         .collect();
     // |s q.k| <= s |q| |k| <= sqrt(d)/... : inputs in [-1,1]^d give |q.k| <= d.
     let u = vec![(d as f64).sqrt(); heads];
-    Problem {
+    PrefillInputs {
         t,
         heads,
         head_dim: d,
@@ -99,7 +100,7 @@ fn hybrid_prefill_equals_cpu_random_and_splits_heads() {
         assert_eq!(all, (0..6).collect::<Vec<_>>(), "every head exactly once");
     }
     assert_eq!(hy.kind(), BackendKind::Hybrid);
-    assert!(hy.calibration().is_some());
+    assert!(hy.calibrate(p.heads, p.head_dim).unwrap().is_some());
 }
 
 #[test]

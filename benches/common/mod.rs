@@ -1,8 +1,11 @@
 //! What the benches share.
 
-use foxedge::hybrid::{AcpMode, Problem, read_token_rows, real_gate_problem};
+use foxedge::attention::{AcpMode, PrefillInputs};
 use foxedge::{Model, Result};
 use std::sync::Arc;
+
+#[path = "../../tests/common/workload.rs"]
+mod workload;
 
 /// `FOXEDGE_BENCH_LENGTHS` (else `default`): comma-separated token counts, `k` = 1024
 /// (e.g. `1k,4k,16k`); counts below 2 are dropped.
@@ -44,9 +47,10 @@ pub const MODES: [(&str, AcpMode); 2] = [
 
 /// The bundled fox-tiny-pro run over the long fixture for real gates, `max_len` tokens:
 /// 16 heads (4 layers x 4).
-pub fn workload(max_len: usize) -> Result<Problem> {
+pub fn workload(max_len: usize) -> Result<PrefillInputs> {
     let root = root();
     let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
-    let rows = read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
-    real_gate_problem(&model, &rows, max_len)
+    let rows =
+        workload::read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
+    workload::real_gate_inputs(&model, &rows, max_len)
 }

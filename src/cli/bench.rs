@@ -6,13 +6,17 @@
 //! the kept fraction, and speedups: against the CPU (same op, length and pruning) and of
 //! ACP against dense (same backend).
 
+mod workload;
+
 use super::args::Args;
-use foxedge::hybrid::{AcpMode, CallStats, Engine, read_token_rows, real_gate_problem};
+use super::pool::{cell_label, sample_mean};
+use foxedge::attention::{AcpMode, AttentionStats, Engine};
 use foxedge::plot::{PALETTE, Series, line_chart};
 use foxedge::{BackendKind, Error, Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use workload::{read_token_rows, real_gate_inputs};
 
 /// One measured cell.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -84,9 +88,6 @@ struct Report {
     head_dim: usize,
     device: Option<String>,
     calibration: Option<String>,
-    /// The same engine's calibration after the last cell, where it changed (its costs
-    /// measured again after a calibration on a busy host).
-    calibration_end: Option<String>,
     /// Timing method, in words.
     method: String,
     cells: Vec<Cell>,
@@ -215,7 +216,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         ids_path.display()
     );
     let t0 = Instant::now();
-    let big = real_gate_problem(&model, &rows, max_len)?;
+    let big = real_gate_inputs(&model, &rows, max_len)?;
     eprintln!(
         "[bench] captured in {:.1} s; measuring the FMA peak",
         t0.elapsed().as_secs_f64()
@@ -246,12 +247,10 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         }
     }
     let mut calibration = None;
-    let mut calibrated = None;
-    for (i, (k, e)) in engines.iter().enumerate() {
+    for (k, e) in &engines {
         if let Some(c) = e.calibrate(big.heads, big.head_dim)? {
             eprintln!("[bench] {k} calibration: {c}");
             calibration = Some(c.to_string());
-            calibrated = Some(i);
         }
     }
     let device_name = engines.iter().find_map(|(_, e)| e.device());
@@ -282,7 +281,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                 } else {
                     p.heads * p.head_dim
                 };
-                let run = |i: usize, out: &mut [f32]| -> Result<CallStats> {
+                let run = |i: usize, out: &mut [f32]| -> Result<AttentionStats> {
                     let eng = &engines[i].1;
                     match dps.get(i) {
                         Some(d) => eng.decode(d, mode, out),
@@ -306,7 +305,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                     let mut sorted = r.samples.clone();
                     sorted.sort_by(f64::total_cmp);
                     let med = quantile(&sorted, 0.5);
-                    let gflops = r.stats.flops(p.head_dim) / med / 1e9;
+                    let gflops = flops(&r.stats, p.head_dim) / med / 1e9;
                     cells.push(Cell {
                         op,
                         len,
@@ -391,10 +390,6 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         });
     }
 
-    let calibration_end = calibrated
-        .and_then(|i| engines[i].1.calibration())
-        .map(|c| c.to_string())
-        .filter(|c| Some(c) != calibration.as_ref());
     let report = Report {
         machine_peak_gflops: peak,
         threads,
@@ -402,7 +397,6 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         head_dim: big.head_dim,
         device: device_name,
         calibration,
-        calibration_end,
         method: format!(
             "per cell: up to {} untimed calls per backend, then up to {} rounds with the backends \
              interleaved (a random order each round), each sample a batch of calls after one \
@@ -459,7 +453,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
 struct Measured {
     after: Vec<String>,
     out: Vec<f32>,
-    stats: CallStats,
+    stats: AttentionStats,
     gpu_heads: Option<usize>,
     plans: Option<[u64; 3]>,
     scheduler_us: Option<f64>,
@@ -475,7 +469,7 @@ fn measure(
     engines: &[(String, Engine)],
     n_out: usize,
     method: Method,
-    run: impl Fn(usize, &mut [f32]) -> Result<CallStats>,
+    run: impl Fn(usize, &mut [f32]) -> Result<AttentionStats>,
 ) -> Result<Vec<Measured>> {
     let k = engines.len();
     let mut ms: Vec<Measured> = Vec::with_capacity(k);
@@ -492,7 +486,7 @@ fn measure(
             ms.push(Measured {
                 after: Vec::new(),
                 out: Vec::new(),
-                stats: CallStats::default(),
+                stats: AttentionStats::default(),
                 gpu_heads: None,
                 plans: None,
                 scheduler_us: None,
@@ -767,13 +761,6 @@ fn total_ratio(singles: &[&Cell], auto: &Cell) -> (String, f64) {
         })
 }
 
-/// Mean seconds a call over a cell's samples (each a batch's seconds per call, all batches
-/// of a cell the same length): None without samples or when not finite and > 0.
-pub(super) fn sample_mean(samples: &[f64]) -> Option<f64> {
-    let m = samples.iter().sum::<f64>() / samples.len() as f64;
-    (m.is_finite() && m > 0.0).then_some(m)
-}
-
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     match sorted.len() {
         0 => f64::NAN,
@@ -852,6 +839,11 @@ fn fixture_ids(model_dir: &Path) -> Result<PathBuf> {
         })
 }
 
+/// Kept FLOPs of a call: `4 · head_dim · kept` (QK^T and PV, a multiply-add = 2 FLOPs).
+fn flops(st: &AttentionStats, head_dim: usize) -> f64 {
+    4.0 * head_dim as f64 * st.kept_pairs() as f64
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -871,9 +863,6 @@ fn print_table(r: &Report) {
     );
     if let Some(c) = &r.calibration {
         println!("# calibration: {c}");
-    }
-    if let Some(c) = &r.calibration_end {
-        println!("# calibration after the last cell: {c}");
     }
     println!("# method: {}", r.method);
     println!(
@@ -1049,12 +1038,6 @@ fn find_cell<'a>(
 
 fn cell_name(c: &Cell) -> String {
     cell_label(c.op, c.len as u64, c.acp)
-}
-
-/// A cell's name in the table's summary lines and the report's `auto_vs_best`
-/// (`decode L=4096 acp`); `--pool` matches cells across reports by it.
-pub(super) fn cell_label(op: &str, len: u64, acp: bool) -> String {
-    format!("{op} L={len} {}", if acp { "acp" } else { "dense" })
 }
 
 fn len_name(len: usize) -> String {

@@ -3,7 +3,7 @@
 //! Figures 1 and 6), and prints each head's threshold and kept fraction.
 
 use super::args::Args;
-use foxedge::hybrid::{AcpMode, Problem, capture_prefill};
+use foxedge::attention::{AcpMode, PrefillInputs, capture_prefill};
 use foxedge::plot::{DecayPanel, decay_heatmaps};
 use foxedge::{Error, Model, Result};
 use std::path::{Path, PathBuf};
@@ -77,7 +77,7 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         })?;
     }
     let layers = capture_prefill(&model, &ids)?;
-    let p = Problem::concat_heads(&layers)?;
+    let p = PrefillInputs::concat_heads(&layers)?;
     draw_decay(&plot, &p, ln_eps, &heads, info.heads, clip)?;
     eprintln!("wrote {}", plot.display());
     Ok(())
@@ -105,7 +105,7 @@ fn parse_head(s: &str, layers: usize, heads: usize) -> Result<(usize, usize)> {
 /// (default: twice the most negative threshold drawn, so the boundary sits mid-scale).
 pub fn draw_decay(
     path: &Path,
-    p: &Problem,
+    p: &PrefillInputs,
     ln_eps: f64,
     heads: &[(usize, usize)],
     per_layer: usize,

@@ -87,6 +87,19 @@ pub struct Summary {
     pub devices_differ: bool,
 }
 
+/// A cell's name in `bench`'s summary lines and its report's `auto_vs_best`
+/// (`decode L=4096 acp`); pooling matches cells across reports by it.
+pub(super) fn cell_label(op: &str, len: u64, acp: bool) -> String {
+    format!("{op} L={len} {}", if acp { "acp" } else { "dense" })
+}
+
+/// Mean seconds a call over a cell's samples (each a batch's seconds per call, all batches
+/// of a cell the same length): None without samples or when not finite and > 0.
+pub(super) fn sample_mean(samples: &[f64]) -> Option<f64> {
+    let m = samples.iter().sum::<f64>() / samples.len() as f64;
+    (m.is_finite() && m > 0.0).then_some(m)
+}
+
 /// One-sided 95% quantile of Student's t with `df` degrees of freedom (`df >= 1`): table
 /// values to 30, then `1.645 + 1.6 / df` (within 0.002 of the quantile from 40 up).
 fn t95(df: usize) -> f64 {
@@ -160,7 +173,7 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
         ) else {
             return Err(bad(path, "a cell without op, len, acp or backend"));
         };
-        named.push((super::bench::cell_label(op, len, acp), backend, c));
+        named.push((cell_label(op, len, acp), backend, c));
     }
     let entry = |cell: &str, b: &str| {
         named
@@ -176,7 +189,7 @@ fn parse(path: &Path, text: &str) -> Result<Run> {
             .iter()
             .filter_map(Value::as_f64)
             .collect();
-        super::bench::sample_mean(&v)
+        sample_mean(&v)
     };
     let mut totals = Vec::new();
     let mut costs = Vec::new();

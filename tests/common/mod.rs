@@ -9,6 +9,7 @@ use std::sync::Arc;
 pub mod device;
 pub mod reference;
 pub mod synth;
+pub mod workload;
 
 #[allow(unused_imports)] // not every test binary needs a device
 pub use device::or_skip;
