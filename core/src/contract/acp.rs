@@ -36,13 +36,13 @@ pub const SERIAL_DECISIONS: usize = 1 << 16;
 /// The ACP threshold of prefill slab `bh = b * heads_q + h` (`None`: dense), whose
 /// unpadded keys are `key_start..seq_k` (`N = seq_k - key_start`):
 ///
-/// - [`Acp::Off`]: `None`;
-/// - [`Acp::Threshold`]`(d)`: `d[bh]` (`batch * heads_q` values, none NaN);
-/// - [`Acp::Bound`]: `threshold(U, N, ln_eps)` with `U = u[h]` (`heads_q` values) or
+/// - [`Acp::Off`] gives `None`;
+/// - [`Acp::Threshold`]`(d)` gives `d[bh]` (`batch * heads_q` values, none NaN);
+/// - [`Acp::Bound`] gives `threshold(U, N, ln_eps)` with `U = u[h]` (`heads_q` values) or
 ///   `u[bh]` (`batch * heads_q` values);
-/// - [`Acp::ObservedNorms`]: the same with `U = |scale| max_t ||q_t|| max_j ||k_j||`
+/// - [`Acp::ObservedNorms`] gives the same with `U = |scale| max_t ||q_t|| max_j ||k_j||`
 ///   over the slab's unpadded query rows and keys (f64 norms), valid for this call only;
-/// - [`Acp::Decided`]: the caller's `delta[bh]`.
+/// - [`Acp::Decided`] gives the caller's `delta[bh]`.
 ///
 /// Errors: an invalid shape ([`Error::BadShape`]); `bh >= batch * heads_q` or
 /// `key_start >= seq_k` ([`Error::BadArgument`]); a threshold or bound slice of the wrong

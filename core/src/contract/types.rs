@@ -444,3 +444,92 @@ impl Iterator for SelectedSlabs<'_> {
 }
 
 impl ExactSizeIterator for SelectedSlabs<'_> {}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use crate::shape::Layout;
+    use proptest::prelude::*;
+    use std::vec::Vec;
+
+    fn shape(batch: usize, heads_q: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            heads_q,
+            heads_kv: 1,
+            seq_q: 1,
+            seq_k: 1,
+            head_dim: 8,
+            layout: Layout::SeqFirst,
+        }
+    }
+
+    proptest! {
+        /// The slabs are `b * heads_q + h` for every batch row and selected head, in order.
+        #[test]
+        fn selected_slabs_are_every_batch_rows_heads(
+            batch in 1usize..4,
+            heads_q in 1usize..9,
+            pick in proptest::collection::vec(any::<bool>(), 8),
+            all in any::<bool>(),
+        ) {
+            let sh = shape(batch, heads_q);
+            let sel: Vec<usize> = (0..heads_q).filter(|&h| pick[h]).collect();
+            let heads = (!all).then_some(&sel[..]);
+            let want: Vec<usize> = (0..batch)
+                .flat_map(|b| {
+                    let hs: Vec<usize> = heads.map_or((0..heads_q).collect(), <[usize]>::to_vec);
+                    hs.into_iter().map(move |h| b * heads_q + h)
+                })
+                .collect();
+            let it = selected_slabs(&sh, heads).unwrap();
+            prop_assert_eq!(it.len(), want.len());
+            prop_assert_eq!(it.collect::<Vec<_>>(), want);
+        }
+    }
+
+    #[test]
+    fn selected_slabs_errors() {
+        let sh = shape(2, 4);
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[1, 4])),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[2, 2])),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[3, 1])),
+            Err(Error::BadArgument(_))
+        ));
+        assert_eq!(selected_slabs(&sh, Some(&[])).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn storage_round_trips() {
+        let x = [1.0f32, -2.5, 0.1, 65504.0];
+        let mut h = [f16::ZERO; 4];
+        let mut b = [bf16::ZERO; 4];
+        let mut back = [0.0f32; 4];
+        f16::from_f32_slice(&x, &mut h);
+        bf16::from_f32_slice(&x, &mut b);
+        for (i, &v) in x.iter().enumerate() {
+            assert_eq!(h[i], f16::from_f32(v));
+            assert_eq!(b[i], bf16::from_f32(v));
+            assert_eq!(f16::bits16(&h).unwrap()[i], h[i].to_bits());
+            assert_eq!(bf16::bits16(&b).unwrap()[i], b[i].to_bits());
+        }
+        f16::to_f32_slice(&h, &mut back);
+        assert!(back.iter().zip(&h).all(|(a, e)| *a == e.to_f32()));
+        bf16::to_f32_slice(&b, &mut back);
+        assert!(back.iter().zip(&b).all(|(a, e)| *a == e.to_f32()));
+        assert!(f32::bits16(&x).is_none());
+        assert_eq!(f32::as_f32(&x), Some(&x[..]));
+        assert_eq!(
+            (f32::DTYPE, f16::DTYPE, bf16::DTYPE),
+            (DType::F32, DType::F16, DType::Bf16)
+        );
+    }
+}
