@@ -55,61 +55,20 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
+/// The contract's checks ([`DecodeArgs::check`]), then the output lengths.
 fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
     out_len: usize,
     lse_len: Option<usize>,
 ) -> Result<()> {
-    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
-    if d == 0 || d % 8 != 0 {
-        return Err(Error::BadShape("head_dim must be a positive multiple of 8"));
-    }
-    if nq == 0 || nh == 0 {
-        return Err(Error::BadShape(
-            "decode needs at least one head and one query",
-        ));
-    }
-    let rows = nh
-        .checked_mul(nq)
-        .filter(|r| r.checked_mul(d).is_some())
-        .ok_or(Error::BadShape("element count overflows usize"))?;
-    bad_len("decode q", rows * d, args.q.len())?;
-    bad_len("decode q_c", rows, args.q_c.len())?;
-    bad_len("decode out", rows * d, out_len)?;
+    args.check(opts)?;
+    let rows = args.heads.len() * args.n_queries;
+    bad_len("decode out", rows * args.head_dim, out_len)?;
     if let Some(l) = lse_len {
         bad_len("decode lse", rows, l)?;
     }
-    if args.q_c.iter().any(|x| !x.is_finite()) {
-        return Err(Error::BadArgument("query c_t must be finite"));
-    }
-    if let Some(p) = args.q_pos {
-        bad_len("decode q_pos", rows, p.len())?;
-    }
-    for hc in args.heads {
-        let n = hc.c.len();
-        let nd = n
-            .checked_mul(d)
-            .ok_or(Error::BadShape("cache size overflows usize"))?;
-        bad_len("cache k (entries * head_dim)", nd, hc.k.len())?;
-        bad_len("cache v (entries * head_dim)", nd, hc.v.len())?;
-        if hc.c.iter().any(|x| !x.is_finite()) {
-            return Err(Error::BadArgument("cache c_j must be finite"));
-        }
-        if let Some(p) = hc.pos {
-            bad_len("cache pos", n, p.len())?;
-            if args.q_pos.is_none() {
-                return Err(Error::BadArgument("cache has positions but q_pos is None"));
-            }
-        }
-    }
-    if opts.block_k == 0 || opts.split == 0 {
-        return Err(Error::BadArgument("block_k and split must be > 0"));
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(Error::BadArgument("sm_scale must be finite"));
-    }
-    acp::check_decode_acp(&opts.acp, nh)
+    Ok(())
 }
 
 /// Partial softmax of one (head, split): per query `m`, `l`, then `acc` (`d` values).

@@ -154,14 +154,15 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     Ok(stats)
 }
 
+/// The contract's checks ([`PrefillArgs::check`]), then the output lengths.
 fn validate<T: Storage>(
     args: &PrefillArgs<'_, T>,
     opts: &PrefillOptions<'_>,
     out_len: usize,
     lse_len: Option<usize>,
 ) -> Result<()> {
+    args.check(opts)?;
     let sh = &args.shape;
-    sh.validate()?;
     let len = |what, expected, got| {
         if expected == got {
             Ok(())
@@ -173,25 +174,9 @@ fn validate<T: Storage>(
             })
         }
     };
-    len("q", sh.q_len(), args.q.len())?;
-    len("k", sh.kv_len(), args.k.len())?;
-    len("v", sh.kv_len(), args.v.len())?;
-    len("log_fgate", sh.gate_len(), args.log_fgate.len())?;
     len("out", sh.q_len(), out_len)?;
     if let Some(l) = lse_len {
         len("lse", sh.batch * sh.heads_q * sh.seq_q, l)?;
-    }
-    if let Some(s) = args.seq_start {
-        len("seq_start", sh.batch, s.len())?;
-        if s.iter().any(|&x| x >= sh.seq_k) {
-            return Err(Error::BadArgument("seq_start values must be < seq_k"));
-        }
-    }
-    if opts.block_q == 0 || opts.block_k == 0 {
-        return Err(Error::BadArgument("block sizes must be > 0"));
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(Error::BadArgument("sm_scale must be finite"));
     }
     Ok(())
 }

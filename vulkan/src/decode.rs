@@ -220,7 +220,7 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
-/// The checks foxedge-cpu's decode makes, with the same errors.
+/// The contract's checks ([`DecodeArgs::check`]), then the device's index limits.
 pub(crate) fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
@@ -235,57 +235,7 @@ pub(crate) fn validate_except_c<Q: Storage, T: Storage>(
     opts: &DecodeOptions<'_>,
     synced: impl Fn(usize) -> bool,
 ) -> Result<()> {
-    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
-    let bad = |m| Err(Error::Input(foxedge_core::Error::BadShape(m)));
-    if d == 0 || d % 8 != 0 {
-        return bad("head_dim must be a positive multiple of 8");
-    }
-    if nq == 0 || nh == 0 {
-        return bad("decode needs at least one head and one query");
-    }
-    let rows = nh
-        .checked_mul(nq)
-        .filter(|r| r.checked_mul(d).is_some())
-        .ok_or(Error::Input(foxedge_core::Error::BadShape(
-            "element count overflows usize",
-        )))?;
-    bad_len("decode q", rows * d, args.q.len())?;
-    bad_len("decode q_c", rows, args.q_c.len())?;
-    if args.q_c.iter().any(|x| !x.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("query c_t must be finite").into());
-    }
-    if let Some(p) = args.q_pos {
-        bad_len("decode q_pos", rows, p.len())?;
-    }
-    for (h, hc) in args.heads.iter().enumerate() {
-        let n = hc.c.len();
-        let nd = n
-            .checked_mul(d)
-            .ok_or(Error::Input(foxedge_core::Error::BadShape(
-                "cache size overflows usize",
-            )))?;
-        bad_len("cache k (entries * head_dim)", nd, hc.k.len())?;
-        bad_len("cache v (entries * head_dim)", nd, hc.v.len())?;
-        if !synced(h) {
-            check_c(hc.c)?;
-        }
-        if let Some(p) = hc.pos {
-            bad_len("cache pos", n, p.len())?;
-            if args.q_pos.is_none() {
-                return Err(foxedge_core::Error::BadArgument(
-                    "cache has positions but q_pos is None",
-                )
-                .into());
-            }
-        }
-    }
-    if opts.block_k == 0 || opts.split == 0 {
-        return Err(foxedge_core::Error::BadArgument("block_k and split must be > 0").into());
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("sm_scale must be finite").into());
-    }
-    acp::check_decode_acp(&opts.acp, nh)?;
+    args.check_except_c(opts, synced)?;
     if args.heads.iter().any(|h| h.c.len() > u32::MAX as usize / 4) {
         return Err(Error::Unsupported(
             "cache too large for u32 indexing".into(),

@@ -397,37 +397,10 @@ impl std::fmt::Debug for PreparedPrefill {
     }
 }
 
+/// The contract's checks ([`PrefillArgs::check`]), then the device's index limits.
 fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) -> Result<()> {
+    args.check(opts)?;
     let sh = &args.shape;
-    sh.validate()?;
-    let len = |what, expected: usize, got: usize| -> Result<()> {
-        if expected == got {
-            Ok(())
-        } else {
-            Err(foxedge_core::Error::BadLength {
-                what,
-                expected,
-                got,
-            }
-            .into())
-        }
-    };
-    len("q", sh.q_len(), args.q.len())?;
-    len("k", sh.kv_len(), args.k.len())?;
-    len("v", sh.kv_len(), args.v.len())?;
-    len("log_fgate", sh.gate_len(), args.log_fgate.len())?;
-    if let Some(s) = args.seq_start {
-        len("seq_start", sh.batch, s.len())?;
-        if s.iter().any(|&x| x >= sh.seq_k) {
-            return Err(foxedge_core::Error::BadArgument("seq_start must be < seq_k").into());
-        }
-    }
-    if opts.block_q == 0 || opts.block_k == 0 {
-        return Err(foxedge_core::Error::BadArgument("block sizes must be > 0").into());
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("sm_scale must be finite").into());
-    }
     let max = u32::MAX as usize;
     if sh.seq_k > max / 2 || sh.batch * sh.heads_q > 65_535 * 64 {
         return Err(Error::Unsupported(

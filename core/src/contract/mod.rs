@@ -15,10 +15,12 @@
 //!   the change tracking of a device-resident cache head ([`HeadSync`]).
 //! - [`acp`]: per head the threshold `delta` from an [`Acp`] and the number of keys; the
 //!   start blocks of each query block (prefill); which cache blocks a step skips (decode).
+//! - what a valid call is: [`PrefillArgs::check`], [`DecodeArgs::check`].
 //!
 //! [`AttentionStats`] holds a `Vec`: it needs the `alloc` feature (`std` implies it).
 
 pub mod acp;
+mod check;
 pub mod types;
 
 pub use acp::{
