@@ -1,9 +1,11 @@
-//! Costs of the decisions: boundary search at 16K tokens and one retention-policy step
-//! (4 heads, 4096-entry budget per head) in steady state. Run:
+//! Costs of the decisions: boundary search at 16K tokens, one decode step's block minima
+//! (16 heads x 64K entries, 64 per block, against the plain fold) and one retention-policy
+//! step (4 heads, 4096-entry budget per head) in steady state. Run:
 //! `cargo bench -p foxedge-core --bench core`.
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use foxedge_core::boundary::{BlockGrid, first_kept_keys, start_blocks};
+use foxedge_core::contract::acp::block_min;
 use foxedge_core::gate::cumsum_strided;
 use foxedge_core::retention::{ForcedOrder, HeadState, PolicyConfig, RetentionPolicy, Slot};
 use foxedge_core::threshold::{DEFAULT_LN_EPS, threshold};
@@ -39,6 +41,23 @@ fn boundary(c: &mut Criterion) {
             b.iter(|| first_kept_keys(black_box(&cs), Some(delta), 0, 0, &mut tok).unwrap())
         });
     }
+    g.finish();
+}
+
+fn decode_minima(c: &mut Criterion) {
+    let cs: Vec<f64> = (0..16 * 65536).map(|j| -(j as f64) * 1e-3).collect();
+    let mut g = c.benchmark_group("decode_block_minima_16x64k");
+    g.bench_function("block_min", |b| {
+        b.iter(|| black_box(&cs).chunks(64).map(block_min).sum::<f64>())
+    });
+    g.bench_function("fold", |b| {
+        b.iter(|| {
+            black_box(&cs)
+                .chunks(64)
+                .map(|x| x.iter().copied().fold(f64::INFINITY, f64::min))
+                .sum::<f64>()
+        })
+    });
     g.finish();
 }
 
@@ -99,5 +118,5 @@ fn retention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, boundary, retention);
+criterion_group!(benches, boundary, decode_minima, retention);
 criterion_main!(benches);

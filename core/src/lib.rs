@@ -1,8 +1,9 @@
 //! foxedge-core: the decisions of forgetting attention, with no tensors and no allocation.
 //!
 //! Gate math, ACP logit bounds and thresholds, the pruning boundary over a block grid,
-//! certified eviction bounds and the retention-cache policy. Kernels (`foxedge-cpu`,
-//! `foxedge-vulkan`) compute what this crate decides; nothing here touches tensor memory.
+//! certified eviction bounds, the retention-cache policy, and the kernel call contract.
+//! Kernels (`foxedge-cpu`, `foxedge-vulkan`) compute what this crate decides; nothing here
+//! writes tensor memory (only an observed-norms threshold reads q and k).
 //!
 //! - [`gate`]: stable log-sigmoid, validated f64 cumulative log gates `c`, re-basing streams.
 //! - [`threshold`]: the logit bound `U` and the ACP threshold `delta = -2U - ln L + ln eps`.
@@ -10,6 +11,8 @@
 //!   token-level first kept key, and kept/total pair counts.
 //! - [`eviction`]: the certificate `B_t = exp(2U + c_t + logsumexp_{evicted}(-c_j))`.
 //! - [`retention`]: the per-layer cache policy (sinks, window, budgets, swap-delete moves).
+//! - [`contract`]: the kernel call contract (arguments, options, statistics) and the ACP
+//!   decisions every backend makes with it.
 //!
 //! A prefill call with ACP, per (batch, head):
 //!
@@ -34,7 +37,11 @@
 #![no_std]
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "alloc")]
+extern crate alloc;
+
 pub mod boundary;
+pub mod contract;
 pub mod error;
 pub mod eviction;
 pub mod gate;

@@ -14,12 +14,14 @@
 //!
 //! ACP: a block of `block_k` entries is skipped (its K and V rows are never read) when
 //! `c_t - min_j c_j < delta` for every query, i.e. the block's largest decay is below the
-//! threshold core derived.
+//! threshold (both decided by `foxedge_core::contract::acp`).
 
-use crate::api::{Acp, AttentionStats, DType, DecodeArgs, DecodeOptions, HeadStats, Storage};
 use crate::prefill::scale_row;
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch};
-use foxedge_core::{Error, Result, threshold};
+use foxedge_core::contract::{
+    AttentionStats, DType, DecodeArgs, DecodeOptions, HeadStats, Storage, acp,
+};
+use foxedge_core::{Error, Result};
 use rayon::prelude::*;
 
 /// One decode step with the widest instruction set of this CPU.
@@ -53,79 +55,18 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
+/// The contract's checks ([`DecodeArgs::check`]), then the output lengths.
 fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
     out_len: usize,
     lse_len: Option<usize>,
 ) -> Result<()> {
-    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
-    if d == 0 || d % 8 != 0 {
-        return Err(Error::BadShape("head_dim must be a positive multiple of 8"));
-    }
-    if nq == 0 || nh == 0 {
-        return Err(Error::BadShape(
-            "decode needs at least one head and one query",
-        ));
-    }
-    let rows = nh
-        .checked_mul(nq)
-        .filter(|r| r.checked_mul(d).is_some())
-        .ok_or(Error::BadShape("element count overflows usize"))?;
-    bad_len("decode q", rows * d, args.q.len())?;
-    bad_len("decode q_c", rows, args.q_c.len())?;
-    bad_len("decode out", rows * d, out_len)?;
+    args.check(opts)?;
+    let rows = args.heads.len() * args.n_queries;
+    bad_len("decode out", rows * args.head_dim, out_len)?;
     if let Some(l) = lse_len {
         bad_len("decode lse", rows, l)?;
-    }
-    if args.q_c.iter().any(|x| !x.is_finite()) {
-        return Err(Error::BadArgument("query c_t must be finite"));
-    }
-    if let Some(p) = args.q_pos {
-        bad_len("decode q_pos", rows, p.len())?;
-    }
-    for hc in args.heads {
-        let n = hc.c.len();
-        let nd = n
-            .checked_mul(d)
-            .ok_or(Error::BadShape("cache size overflows usize"))?;
-        bad_len("cache k (entries * head_dim)", nd, hc.k.len())?;
-        bad_len("cache v (entries * head_dim)", nd, hc.v.len())?;
-        if hc.c.iter().any(|x| !x.is_finite()) {
-            return Err(Error::BadArgument("cache c_j must be finite"));
-        }
-        if let Some(p) = hc.pos {
-            bad_len("cache pos", n, p.len())?;
-            if args.q_pos.is_none() {
-                return Err(Error::BadArgument("cache has positions but q_pos is None"));
-            }
-        }
-    }
-    if opts.block_k == 0 || opts.split == 0 {
-        return Err(Error::BadArgument("block_k and split must be > 0"));
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(Error::BadArgument("sm_scale must be finite"));
-    }
-    match opts.acp {
-        Acp::Off => {}
-        Acp::Threshold(t) => {
-            bad_len("decode ACP thresholds (one per head)", nh, t.len())?;
-            if t.iter().any(|x| x.is_nan()) {
-                return Err(Error::BadArgument("ACP threshold is NaN"));
-            }
-        }
-        Acp::Bound { u, .. } => bad_len("decode ACP bounds (one per head)", nh, u.len())?,
-        Acp::ObservedNorms { .. } => {
-            return Err(Error::BadArgument(
-                "ObservedNorms needs every key: pass Bound or Threshold to decode",
-            ));
-        }
-        Acp::Decided(_) => {
-            return Err(Error::BadArgument(
-                "Decided holds prefill decisions: pass Bound or Threshold to decode",
-            ));
-        }
     }
     Ok(())
 }
@@ -157,12 +98,7 @@ pub fn decode_with_isa<Q: Storage, T: Storage, O: Storage>(
     // Decisions: one delta per head, from core.
     let mut deltas = Vec::with_capacity(nh);
     for (h, hc) in args.heads.iter().enumerate() {
-        let n = hc.c.len();
-        deltas.push(match opts.acp {
-            Acp::Threshold(t) => Some(t[h]),
-            Acp::Bound { u, ln_eps } if n > 0 => Some(threshold::threshold(u[h], n, ln_eps)?),
-            _ => None,
-        });
+        deltas.push(acp::decode_delta(&opts.acp, h, hc.c.len())?);
     }
 
     // Queries widened and pre-scaled once.
@@ -441,10 +377,8 @@ impl<Q: Storage, T: Storage> Split<'_, '_, Q, T> {
             if pairs > 0 {
                 part.total_blocks += 1;
             }
-            let pruned = delta.is_some_and(|dl| {
-                let cmin = min_c(&hc.c[b0..b1]);
-                qc.iter().all(|&ct| ct - cmin < dl)
-            });
+            let pruned = delta
+                .is_some_and(|dl| acp::decode_block_pruned(qc, acp::block_min(&hc.c[b0..b1]), dl));
             if pruned || pairs == 0 {
                 b0 = b1;
                 continue;
@@ -481,22 +415,6 @@ impl<Q: Storage, T: Storage> Split<'_, '_, Q, T> {
         }
         part
     }
-}
-
-/// `min_j c_j` with four independent chains (the c are finite: validated).
-#[inline(always)]
-fn min_c(c: &[f64]) -> f64 {
-    let mut m = [f64::INFINITY; 4];
-    let mut it = c.chunks_exact(4);
-    for ch in &mut it {
-        for (a, &x) in m.iter_mut().zip(ch) {
-            *a = if x < *a { x } else { *a };
-        }
-    }
-    for &x in it.remainder() {
-        m[0] = m[0].min(x);
-    }
-    m[0].min(m[1]).min(m[2].min(m[3]))
 }
 
 /// `s_n = q·k_{e+n}` for `n < N`: `N` independent FMA chains over `d`, one load of each

@@ -14,20 +14,21 @@
 //! f64 until a tile converts it to f32 relative to the tile's first query row, so `D` near
 //! the diagonal is exact even when `|c|` is large.
 //!
-//! Core decides, kernels compute: thresholds and boundaries come from `foxedge-core`.
+//! Core decides, kernels compute: the call's types and its ACP decisions (thresholds and
+//! boundaries) come from `foxedge_core::contract`.
 
-mod api;
 mod decode;
 pub mod limits;
 mod prefill;
 pub mod reference;
 pub mod simd;
 
-pub use api::{
-    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
-    PrefillArgs, PrefillOptions, Storage,
-};
 pub use decode::{decode, decode_with_isa};
+/// The kernel contract (`foxedge_core::contract`), re-exported at this crate's root.
+pub use foxedge_core::contract::{
+    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
+    PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage, check_decisions, selected_slabs,
+};
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};
-pub use prefill::{SERIAL_DECISIONS, check_decisions, prefill, prefill_with_isa, selected_slabs};
+pub use prefill::{prefill, prefill_with_isa};
 pub use simd::Isa;

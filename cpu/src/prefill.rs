@@ -18,10 +18,12 @@
 //! per-call packing left the whole kernel 1.6-2.5x slower than this register tile
 //! (measured 2026-11-22).
 
-use crate::api::{Acp, AttentionStats, Decisions, HeadStats, PrefillArgs, PrefillOptions, Storage};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
-use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{AttentionShape, Error, Result, gate, threshold};
+use foxedge_core::boundary::BlockGrid;
+use foxedge_core::contract::{
+    Acp, AttentionStats, PrefillArgs, PrefillOptions, Storage, acp, selected_slabs,
+};
+use foxedge_core::{Error, Result, gate};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -65,7 +67,7 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     let grid = BlockGrid::new(opts.block_q, opts.block_k, sh.seq_q, sh.seq_k)?;
     let heads = sh.batch * sh.heads_q;
     let nqb = grid.q_blocks();
-    let slabs = selected_slabs(sh, opts.heads)?;
+    let slabs: Vec<usize> = selected_slabs(sh, opts.heads)?.collect();
 
     // Decisions, per (batch, query head): c (f64), delta, start blocks, pair counts.
     let key_start: Vec<usize> = match args.seq_start {
@@ -77,11 +79,13 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     };
     let (c, starts): (Cow<'_, [f64]>, Cow<'_, [u32]>) = match opts.acp {
         Acp::Decided(dec) => {
-            check_decisions(&dec, &grid, heads, sh.seq_k)?;
+            acp::check_decisions(&dec, &grid, heads, sh.seq_k)?;
             for &bh in &slabs {
                 let ks = key_start[bh / sh.heads_q];
                 let st = &dec.start_blocks[bh * nqb..(bh + 1) * nqb];
-                stats.heads.push(head_stats(&grid, st, ks, dec.delta[bh]));
+                stats
+                    .heads
+                    .push(acp::head_stats(&grid, st, ks, dec.delta[bh]));
             }
             (Cow::Borrowed(dec.c), Cow::Borrowed(dec.start_blocks))
         }
@@ -99,11 +103,11 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
                     let gates = &args.log_fgate[sh.gate_at(b, 0, h)..];
                     gate::cumsum_strided(gates, sh.gate_stride(), 0.0, cb)?;
                 }
-                let cb = &*cb;
-                let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
                 let st = &mut starts[bh * nqb..(bh + 1) * nqb];
-                boundary::start_blocks(&grid, cb, delta, key_start[b], st)?;
-                stats.heads.push(head_stats(&grid, st, key_start[b], delta));
+                let ks = key_start[b];
+                stats.heads.push(acp::decide_slab(
+                    args, &opts.acp, scale, &grid, bh, ks, cb, st,
+                )?);
             }
             (Cow::Owned(c), Cow::Owned(starts))
         }
@@ -150,14 +154,15 @@ pub fn prefill_with_isa<T: Storage, O: Storage>(
     Ok(stats)
 }
 
+/// The contract's checks ([`PrefillArgs::check`]), then the output lengths.
 fn validate<T: Storage>(
     args: &PrefillArgs<'_, T>,
     opts: &PrefillOptions<'_>,
     out_len: usize,
     lse_len: Option<usize>,
 ) -> Result<()> {
+    args.check(opts)?;
     let sh = &args.shape;
-    sh.validate()?;
     let len = |what, expected, got| {
         if expected == got {
             Ok(())
@@ -169,178 +174,11 @@ fn validate<T: Storage>(
             })
         }
     };
-    len("q", sh.q_len(), args.q.len())?;
-    len("k", sh.kv_len(), args.k.len())?;
-    len("v", sh.kv_len(), args.v.len())?;
-    len("log_fgate", sh.gate_len(), args.log_fgate.len())?;
     len("out", sh.q_len(), out_len)?;
     if let Some(l) = lse_len {
         len("lse", sh.batch * sh.heads_q * sh.seq_q, l)?;
     }
-    if let Some(s) = args.seq_start {
-        len("seq_start", sh.batch, s.len())?;
-        if s.iter().any(|&x| x >= sh.seq_k) {
-            return Err(Error::BadArgument("seq_start values must be < seq_k"));
-        }
-    }
-    if opts.block_q == 0 || opts.block_k == 0 {
-        return Err(Error::BadArgument("block sizes must be > 0"));
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(Error::BadArgument("sm_scale must be finite"));
-    }
     Ok(())
-}
-
-/// The ACP threshold of (b, h), from core; `None` when ACP is off.
-fn head_delta<T: Storage>(
-    args: &PrefillArgs<'_, T>,
-    opts: &PrefillOptions<'_>,
-    scale: f32,
-    b: usize,
-    h: usize,
-    key_start: usize,
-) -> Result<Option<f64>> {
-    let sh = &args.shape;
-    let bh = b * sh.heads_q + h;
-    let n_keys = sh.seq_k - key_start;
-    match opts.acp {
-        Acp::Off | Acp::Decided(_) => Ok(None),
-        Acp::Threshold(d) => {
-            if d.len() != sh.batch * sh.heads_q {
-                return Err(Error::BadLength {
-                    what: "ACP thresholds (batch * heads_q)",
-                    expected: sh.batch * sh.heads_q,
-                    got: d.len(),
-                });
-            }
-            if d[bh].is_nan() {
-                return Err(Error::BadArgument("ACP threshold is NaN"));
-            }
-            Ok(Some(d[bh]))
-        }
-        Acp::Bound { u, ln_eps } => {
-            let uh = if u.len() == sh.heads_q {
-                u[h]
-            } else if u.len() == sh.batch * sh.heads_q {
-                u[bh]
-            } else {
-                return Err(Error::BadLength {
-                    what: "ACP bounds (heads_q or batch * heads_q)",
-                    expected: sh.heads_q,
-                    got: u.len(),
-                });
-            };
-            threshold::threshold(uh, n_keys, ln_eps).map(Some)
-        }
-        Acp::ObservedNorms { ln_eps } => {
-            let d = sh.head_dim;
-            let first_t = key_start.saturating_sub(sh.q_offset());
-            let mut qn = 0.0f64;
-            for t in first_t..sh.seq_q {
-                qn = qn.max(norm(&args.q[sh.q_at(b, t, h)..][..d]));
-            }
-            let hk = h / sh.group();
-            let mut kn = 0.0f64;
-            for j in key_start..sh.seq_k {
-                kn = kn.max(norm(&args.k[sh.kv_at(b, j, hk)..][..d]));
-            }
-            let u = threshold::bound_from_norms(qn, kn, f64::from(scale.abs()))?;
-            threshold::threshold(u, n_keys, ln_eps).map(Some)
-        }
-    }
-}
-
-/// A head's pair and block counts for the statistics (core's `count_pairs`).
-fn head_stats(grid: &BlockGrid, starts: &[u32], key_start: usize, delta: Option<f64>) -> HeadStats {
-    let pc = boundary::count_pairs(grid, starts, key_start);
-    HeadStats {
-        kept_pairs: pc.kept_pairs,
-        total_pairs: pc.total_pairs,
-        kept_blocks: pc.kept_blocks,
-        total_blocks: pc.total_blocks,
-        delta,
-    }
-}
-
-/// Gate entries (tokens x heads) up to which a backend forms or reads its ACP decisions on
-/// the calling thread. Once `c` is formed, a head's decisions cost 1-2 ns a token (start
-/// blocks, and the GPU's split of `c`), while waking a thread pool costs tens of
-/// microseconds. On the H100 host, deciding 16 heads x 1K tokens took 82 us median in
-/// parallel and takes 28-47 us serially; the Vulkan prefill's decisions phase there fell
-/// from 0.40 to 0.30 ms at 16 x 4K (serial now) and from 1.36 to 0.63 ms at 16 x 16K
-/// (parallel, with the faster checks). So up to 16 heads x 4K tokens they run serially.
-/// Heads whose threshold comes from observed norms (O(tokens x head_dim) each) are decided
-/// in parallel at any size.
-pub const SERIAL_DECISIONS: usize = 1 << 16;
-
-/// Checks [`Acp::Decided`]'s lengths (`heads` = batch x query heads), that `c` is finite
-/// and that every query block starts at or before its diagonal block (what the tile loops
-/// of every backend rely on).
-pub fn check_decisions(
-    dec: &Decisions<'_>,
-    grid: &BlockGrid,
-    heads: usize,
-    seq_k: usize,
-) -> Result<()> {
-    let nqb = grid.q_blocks();
-    for (what, expected, got) in [
-        ("Decided c", heads * seq_k, dec.c.len()),
-        ("Decided start_blocks", heads * nqb, dec.start_blocks.len()),
-        ("Decided delta", heads, dec.delta.len()),
-    ] {
-        if expected != got {
-            return Err(Error::BadLength {
-                what,
-                expected,
-                got,
-            });
-        }
-    }
-    // Branch-free (16K values on the dev machine: 3.8 us, against 5.3 us for `any`).
-    if !dec.c.iter().fold(true, |ok, x| ok & x.is_finite()) {
-        return Err(Error::BadArgument("Decided c must be finite"));
-    }
-    for st in dec.start_blocks.chunks_exact(nqb.max(1)) {
-        if st
-            .iter()
-            .enumerate()
-            .any(|(qb, &s)| s as usize > grid.diag_block(qb))
-        {
-            return Err(Error::BadArgument(
-                "Decided start block after its query block's diagonal",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The (batch, query head) slabs, `b * heads_q + h`, that a call with
-/// [`PrefillOptions::heads`] = `heads` computes, in increasing order: every slab for
-/// `None`. Errors: a head `>= heads_q`, or heads not strictly increasing.
-pub fn selected_slabs(shape: &AttentionShape, heads: Option<&[usize]>) -> Result<Vec<usize>> {
-    let hq = shape.heads_q;
-    let Some(sel) = heads else {
-        return Ok((0..shape.batch * hq).collect());
-    };
-    if sel.iter().any(|&h| h >= hq) {
-        return Err(Error::BadArgument("selected heads must be < heads_q"));
-    }
-    if sel.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(Error::BadArgument(
-            "selected heads must be strictly increasing",
-        ));
-    }
-    Ok((0..shape.batch)
-        .flat_map(|b| sel.iter().map(move |&h| b * hq + h))
-        .collect())
-}
-
-fn norm<T: Storage>(x: &[T]) -> f64 {
-    x.iter()
-        .map(|v| f64::from(v.to_f32()).powi(2))
-        .sum::<f64>()
-        .sqrt()
 }
 
 /// A mutable buffer written by several tasks, each to its own disjoint elements.

@@ -5,7 +5,7 @@
 //! o_i = Σ_j w_ij v_j / Σ_j w_ij,  w_ij = exp(s q_i·k_j + c_i - c_j),  lse_i = ln Σ_j w_ij
 //! ```
 
-use crate::api::{DecodeArgs, PrefillArgs, Storage};
+use foxedge_core::contract::{DecodeArgs, PrefillArgs, Storage};
 
 /// Reference prefill. Returns `(out, lse)`: `out` in `args.shape.layout`, `lse` in
 /// `[batch, heads_q, seq_q]` order. Row `t` of (b, h) attends keys

@@ -617,7 +617,7 @@ mod x86 {
     }
 }
 
-use crate::api::{DType, Storage};
+use foxedge_core::contract::{DType, Storage};
 
 /// Instruction set a kernel runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

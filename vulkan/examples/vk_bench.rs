@@ -738,7 +738,7 @@ fn main() {
 
 /// [`check_and_time_decode`] with one query per head over head-major `k`, `v` (each head
 /// `cs[h].len()` rows).
-fn check_and_time_cache<T: Storage + foxedge_cpu::Storage>(
+fn check_and_time_cache<T: Storage>(
     vk: &Vulkan,
     (k, v): (&[T], &[T]),
     cs: &[Vec<f64>],
@@ -764,7 +764,7 @@ fn check_and_time_cache<T: Storage + foxedge_cpu::Storage>(
     check_and_time_decode(vk, &a, split, failures)
 }
 
-fn check_and_time_decode<T: Storage + foxedge_cpu::Storage>(
+fn check_and_time_decode<T: Storage>(
     vk: &Vulkan,
     a: &DecodeArgs<'_, f32, T>,
     split: usize,

@@ -1,9 +1,9 @@
 //! Grow-only buffers that prefill calls reuse: staging (host-visible, written by the host),
 //! device-local (bound to the kernels) and readback (host-visible, read by the host).
 //!
-//! Ownership is exclusive: the [`crate::device::Context`] keeps one pooled arena; a prefill
-//! call takes it for as long as its [`crate::PreparedPrefill`] lives (a [`Lease`]) and gives
-//! it back on drop. A call that finds it taken (another `PreparedPrefill` alive, or a
+//! Ownership is exclusive: a [`crate::Vulkan`] handle (and its clones) keeps one pooled
+//! arena (a [`Pool`]); a prefill call takes it for as long as its [`crate::PreparedPrefill`]
+//! lives (a [`Lease`]) and gives it back on drop. A call that finds it taken (another `PreparedPrefill` alive, or a
 //! concurrent call) gets a fresh, unpooled arena that allocates exact sizes, as before the
 //! arena existed, and is freed with its call. No two live calls ever share a buffer.
 //!
@@ -24,7 +24,7 @@
 
 use crate::device::Context;
 use crate::error::Result;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use vulkano::buffer::Subbuffer;
 
 /// What a slot's buffer is for.
@@ -166,25 +166,49 @@ impl Arena {
     }
 }
 
-/// Exclusive use of an arena for one prefill call: the context's pooled one when it was
-/// free (given back on drop), else a fresh one.
+/// The pooled prefill arena of a [`crate::Vulkan`] handle, shared by its clones: `None`
+/// while a prefill call holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct Pool(Arc<Mutex<Option<Arena>>>);
+
+impl Pool {
+    pub fn new() -> Self {
+        Self(Arc::new(Mutex::new(Some(Arena::new(true)))))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Arena>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Frees the pooled buffers (when no call holds them; a call that does keeps its own).
+    pub fn release(&self) {
+        let mut g = self.lock();
+        if g.is_some() {
+            *g = Some(Arena::new(true));
+        }
+    }
+
+    /// Bytes the pooled arena holds (0 while a call holds it).
+    pub fn bytes(&self) -> u64 {
+        self.lock().as_ref().map_or(0, Arena::bytes)
+    }
+}
+
+/// Exclusive use of an arena for one prefill call: the pool's arena when it was free
+/// (given back on drop), else a fresh one.
 #[derive(Debug)]
 pub(crate) struct Lease {
-    ctx: Arc<Context>,
+    pool: Pool,
     pub arena: Arena,
 }
 
 impl Lease {
-    pub fn take(ctx: &Arc<Context>) -> Self {
-        let pooled = ctx
-            .prefill_arena
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+    pub fn take(pool: &Pool) -> Self {
+        let pooled = pool.lock().take();
         let mut arena = pooled.unwrap_or_else(|| Arena::new(false));
         arena.begin_call();
         Self {
-            ctx: ctx.clone(),
+            pool: pool.clone(),
             arena,
         }
     }
@@ -195,11 +219,7 @@ impl Drop for Lease {
         if self.arena.pooled() {
             self.arena.end_call();
             let a = std::mem::replace(&mut self.arena, Arena::new(false));
-            *self
-                .ctx
-                .prefill_arena
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(a);
+            *self.pool.lock() = Some(a);
         }
     }
 }

@@ -27,46 +27,19 @@
 //! readback buffers are kept from step to step and grow only (`arena.rs`), so a steady
 //! step allocates nothing.
 
-use crate::api::{AttentionStats, DecodeArgs, DecodeOptions, Storage};
 use crate::arena::{Arena, Kind};
 use crate::decode::{self, HeadRef, Uploads};
 use crate::device::Context;
 use crate::error::{Error, Result};
 use crate::pack::pack_rows;
+use foxedge_core::contract::{
+    AttentionStats, DecodeArgs, DecodeOptions, HeadSync, Journal, Storage,
+};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use vulkano::buffer::Subbuffer;
 use vulkano::command_buffer::{BufferCopy, CopyBufferInfo};
 use vulkano::memory::MemoryHeapFlags;
-
-/// Change tracking of one cache head, from its owner.
-///
-/// Invariant (the caller's): `row_version[j] <= version` for every live row `j`, and a row
-/// whose contents change (k, v, c or position), or an index that becomes live, gets a
-/// version greater than every version this `id` had before. `id` is never reused.
-#[derive(Debug, Clone, Copy)]
-pub struct HeadSync<'a> {
-    pub id: u64,
-    /// The newest row version of the head.
-    pub version: u64,
-    /// `[n]` the version at which each row was last written.
-    pub row_version: &'a [u64],
-    /// The head's latest writes, if its owner keeps them.
-    pub journal: Option<Journal<'a>>,
-}
-
-/// The latest writes of one cache head, oldest first: `rows[i]` is the row written at
-/// version `since + 1 + i` (every version after `since` wrote exactly one row).
-///
-/// Invariant (the caller's): `since + rows.len()` is the head's `version`, and every row
-/// write after version `since` is listed. A write that changes many rows at once (a
-/// re-basing of every `c`) empties the journal and sets `since` to its version. Rows
-/// listed that are no longer live (`>= n`, the head shrank) are skipped.
-#[derive(Debug, Clone, Copy)]
-pub struct Journal<'a> {
-    pub since: u64,
-    pub rows: &'a [u32],
-}
 
 /// Counters of a [`ResidentCache`] since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -11,12 +11,11 @@
 //! head buffers; more heads take more dispatches in the same command buffer. The same layout
 //! serves a call's one-off upload ([`prepare`]) and the resident cache (`cache.rs`).
 
-use crate::api::{Acp, AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage};
 use crate::arena::{Arena, Kind};
 use crate::device::Context;
 use crate::error::{Error, Result};
 use crate::pack::{pack_rows, split_f64};
-use foxedge_core::threshold;
+use foxedge_core::contract::{AttentionStats, DecodeArgs, DecodeOptions, HeadStats, Storage, acp};
 use std::sync::Arc;
 use std::time::Duration;
 use vulkano::buffer::{BufferContents, Subbuffer};
@@ -221,7 +220,7 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
-/// The checks foxedge-cpu's decode makes, with the same errors.
+/// The contract's checks ([`DecodeArgs::check`]), then the device's index limits.
 pub(crate) fn validate<Q: Storage, T: Storage>(
     args: &DecodeArgs<'_, Q, T>,
     opts: &DecodeOptions<'_>,
@@ -236,78 +235,7 @@ pub(crate) fn validate_except_c<Q: Storage, T: Storage>(
     opts: &DecodeOptions<'_>,
     synced: impl Fn(usize) -> bool,
 ) -> Result<()> {
-    let (d, nq, nh) = (args.head_dim, args.n_queries, args.heads.len());
-    let bad = |m| Err(Error::Input(foxedge_core::Error::BadShape(m)));
-    if d == 0 || d % 8 != 0 {
-        return bad("head_dim must be a positive multiple of 8");
-    }
-    if nq == 0 || nh == 0 {
-        return bad("decode needs at least one head and one query");
-    }
-    let rows = nh
-        .checked_mul(nq)
-        .filter(|r| r.checked_mul(d).is_some())
-        .ok_or(Error::Input(foxedge_core::Error::BadShape(
-            "element count overflows usize",
-        )))?;
-    bad_len("decode q", rows * d, args.q.len())?;
-    bad_len("decode q_c", rows, args.q_c.len())?;
-    if args.q_c.iter().any(|x| !x.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("query c_t must be finite").into());
-    }
-    if let Some(p) = args.q_pos {
-        bad_len("decode q_pos", rows, p.len())?;
-    }
-    for (h, hc) in args.heads.iter().enumerate() {
-        let n = hc.c.len();
-        let nd = n
-            .checked_mul(d)
-            .ok_or(Error::Input(foxedge_core::Error::BadShape(
-                "cache size overflows usize",
-            )))?;
-        bad_len("cache k (entries * head_dim)", nd, hc.k.len())?;
-        bad_len("cache v (entries * head_dim)", nd, hc.v.len())?;
-        if !synced(h) {
-            check_c(hc.c)?;
-        }
-        if let Some(p) = hc.pos {
-            bad_len("cache pos", n, p.len())?;
-            if args.q_pos.is_none() {
-                return Err(foxedge_core::Error::BadArgument(
-                    "cache has positions but q_pos is None",
-                )
-                .into());
-            }
-        }
-    }
-    if opts.block_k == 0 || opts.split == 0 {
-        return Err(foxedge_core::Error::BadArgument("block_k and split must be > 0").into());
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("sm_scale must be finite").into());
-    }
-    match opts.acp {
-        Acp::Off => {}
-        Acp::Threshold(t) => {
-            bad_len("decode ACP thresholds (one per head)", nh, t.len())?;
-            if t.iter().any(|x| x.is_nan()) {
-                return Err(foxedge_core::Error::BadArgument("ACP threshold is NaN").into());
-            }
-        }
-        Acp::Bound { u, .. } => bad_len("decode ACP bounds (one per head)", nh, u.len())?,
-        Acp::ObservedNorms { .. } => {
-            return Err(foxedge_core::Error::BadArgument(
-                "ObservedNorms needs every key: pass Bound or Threshold to decode",
-            )
-            .into());
-        }
-        Acp::Decided(_) => {
-            return Err(foxedge_core::Error::BadArgument(
-                "Decided holds prefill decisions: pass Bound or Threshold to decode",
-            )
-            .into());
-        }
-    }
+    args.check_except_c(opts, synced)?;
     if args.heads.iter().any(|h| h.c.len() > u32::MAX as usize / 4) {
         return Err(Error::Unsupported(
             "cache too large for u32 indexing".into(),
@@ -351,7 +279,7 @@ fn plan_head<Q: Storage, T: Storage>(
     let blocks = n.div_ceil(bk);
     let min_of = |b: usize| match minima {
         Some(m) => m[b],
-        None => block_min(&hc.c[b * bk..((b + 1) * bk).min(n)]),
+        None => acp::block_min(&hc.c[b * bk..((b + 1) * bk).min(n)]),
     };
     if (hc.pos.is_none() || qpos.is_none()) && nq > 0 {
         // Every entry is attendable by every query: only the gates decide.
@@ -367,10 +295,7 @@ fn plan_head<Q: Storage, T: Storage>(
         };
         // Branch-free: a block is kept when some query has `c_t - cmin >= delta`.
         let mut kept: Vec<u32> = (0..blocks)
-            .map(|b| {
-                let cmin = min_of(b);
-                u32::from(!qc.iter().all(|&ct| ct - cmin < dl))
-            })
+            .map(|b| u32::from(!acp::decode_block_pruned(qc, min_of(b), dl)))
             .collect();
         st.kept_blocks = kept.iter().map(|&k| u64::from(k)).sum();
         // Every kept block holds `bk` entries but the last, which holds `n - (blocks-1) bk`.
@@ -397,10 +322,7 @@ fn plan_head<Q: Storage, T: Storage>(
         if pairs > 0 {
             st.total_blocks += 1;
         }
-        let pruned = delta.is_some_and(|dl| {
-            let cmin = min_of(b0 / bk);
-            qc.iter().all(|&ct| ct - cmin < dl)
-        });
+        let pruned = delta.is_some_and(|dl| acp::decode_block_pruned(qc, min_of(b0 / bk), dl));
         let keep = !pruned && pairs > 0;
         if keep {
             st.kept_pairs += pairs;
@@ -416,28 +338,10 @@ fn plan_head<Q: Storage, T: Storage>(
     HeadPlan { kept, stats: st }
 }
 
-/// The least of `c` (+inf when empty), as `fold(inf, f64::min)` (a NaN never wins either
-/// way), in 4 independent lanes that the compiler keeps in vector registers: the ACP
-/// decisions scan every cached entry of every head each step.
-fn block_min(c: &[f64]) -> f64 {
-    let mut m = [f64::INFINITY; 4];
-    let mut chunks = c.chunks_exact(4);
-    for x in &mut chunks {
-        for i in 0..4 {
-            m[i] = if x[i] < m[i] { x[i] } else { m[i] };
-        }
-    }
-    let mut r = f64::min(f64::min(m[0], m[1]), f64::min(m[2], m[3]));
-    for &x in chunks.remainder() {
-        r = r.min(x);
-    }
-    r
-}
-
 /// `[ceil(n / bk)]` the least `c` of each `bk`-entry block of `c` (the ACP decisions'
 /// `min_j c_j` per block), O(n).
 pub(crate) fn block_minima(c: &[f64], bk: usize) -> Vec<f64> {
-    c.chunks(bk).map(block_min).collect()
+    c.chunks(bk).map(acp::block_min).collect()
 }
 
 /// [`block_minima`] of `c` from those of an earlier state of it, `old` over `old_n`
@@ -453,7 +357,7 @@ pub(crate) fn update_block_minima(
 ) -> Vec<f64> {
     let n = c.len();
     let blocks = n.div_ceil(bk);
-    let min_of = |b: usize| block_min(&c[b * bk..((b + 1) * bk).min(n)]);
+    let min_of = |b: usize| acp::block_min(&c[b * bk..((b + 1) * bk).min(n)]);
     // Blocks from the first whose extent or rows past `old_n` changed.
     let tail = old_n.min(n) / bk;
     old.truncate(tail.min(blocks));
@@ -486,11 +390,7 @@ pub(crate) fn plan<Q: Storage, T: Storage>(
     let one = |h: usize| {
         let hc = &args.heads[h];
         let n = hc.c.len();
-        let delta = match opts.acp {
-            Acp::Threshold(t) => Some(t[h]),
-            Acp::Bound { u, ln_eps } if n > 0 => Some(threshold::threshold(u[h], n, ln_eps)?),
-            _ => None,
-        };
+        let delta = acp::decode_delta(&opts.acp, h, n)?;
         let m = minima
             .get(h)
             .and_then(Option::as_deref)
@@ -701,7 +601,7 @@ pub(crate) struct HeadRef {
 pub(crate) fn upload_head<T: Storage>(
     ctx: &Context,
     up: &mut Uploads,
-    hc: &crate::api::CacheHead<'_, T>,
+    hc: &foxedge_core::contract::CacheHead<'_, T>,
     d: usize,
     f16: bool,
 ) -> Result<HeadRef> {
@@ -1042,7 +942,7 @@ pub(crate) fn prepare<Q: Storage, T: Storage>(
 ) -> Result<PreparedDecode> {
     validate(args, opts)?;
     let d = args.head_dim;
-    let f16 = T::DTYPE == crate::api::DType::F16;
+    let f16 = T::DTYPE == foxedge_core::contract::DType::F16;
     let kernel = kernel(ctx, tuning, d, f16)?;
     let (plans, stats) = plan(args, opts, &[])?;
     let limit = ctx.binding_limit.load(std::sync::atomic::Ordering::Relaxed) as usize;
@@ -1123,7 +1023,7 @@ impl PreparedDecode {
 
 #[cfg(test)]
 mod tests {
-    use super::{block_min, block_minima, update_block_minima};
+    use super::{block_minima, update_block_minima};
     use proptest::prelude::*;
 
     proptest! {
@@ -1165,42 +1065,6 @@ mod tests {
                 got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             );
-        }
-
-        #[test]
-        fn block_min_is_the_fold(
-            c in proptest::collection::vec(
-                prop_oneof![
-                    8 => -1e6f64..1e3,
-                    1 => Just(f64::NAN),
-                    1 => Just(f64::NEG_INFINITY),
-                ],
-                0..70,
-            ),
-        ) {
-            let want = c.iter().copied().fold(f64::INFINITY, f64::min);
-            prop_assert_eq!(block_min(&c).to_bits(), want.to_bits());
-        }
-    }
-
-    /// Not a check: prints the time of one step's block minima (16 heads x 64k entries, 64
-    /// per block) with `block_min` and with the plain fold it replaced. Run with
-    /// `cargo test --release -p foxedge-vulkan --lib block_min_timing -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn block_min_timing() {
-        let c: Vec<f64> = (0..16 * 65536).map(|j| -(j as f64) * 1e-3).collect();
-        let time = |f: &dyn Fn(&[f64]) -> f64| {
-            let t = std::time::Instant::now();
-            for _ in 0..50 {
-                std::hint::black_box(c.chunks(64).map(f).sum::<f64>());
-            }
-            t.elapsed().as_secs_f64() / 50.0 * 1e3
-        };
-        for _ in 0..3 {
-            let fold = time(&|b| b.iter().copied().fold(f64::INFINITY, f64::min));
-            let lanes = time(&block_min);
-            println!("one step's block minima: fold {fold:.3} ms, block_min {lanes:.3} ms");
         }
     }
 }

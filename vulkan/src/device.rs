@@ -144,8 +144,6 @@ pub(crate) struct Context {
     /// output, probed once; empty without cooperative matrices): `prefill.rs` decides from
     /// it whether and how `prefill_fa.glsl` runs.
     pub fa_layout: std::sync::OnceLock<Vec<u32>>,
-    /// Prefill's reusable buffers (`arena.rs`): `None` while a prefill call holds them.
-    pub prefill_arena: Mutex<Option<crate::arena::Arena>>,
     /// Nanoseconds a submit polls its fence before blocking ([`SPIN_ENV`]).
     pub spin_wait_ns: std::sync::atomic::AtomicU64,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
@@ -378,7 +376,6 @@ impl Context {
             flash_cfg: 0.into(),
             fa_layout: std::sync::OnceLock::new(),
             decode_no_subgroups: false.into(),
-            prefill_arena: Mutex::new(Some(crate::arena::Arena::new(true))),
             spin_wait_ns: spin_us(props.device_type).saturating_mul(1000).into(),
             pipelines: Mutex::new(HashMap::new()),
         })

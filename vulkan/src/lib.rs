@@ -1,11 +1,11 @@
 //! foxedge-vulkan: forgetting attention with ACP on a Vulkan device (vulkano 0.35,
-//! precompiled SPIR-V), computing what `foxedge-cpu` computes with the same API shape.
+//! precompiled SPIR-V), computing what `foxedge-cpu` computes from the same call: both
+//! take the kernel contract of `foxedge_core::contract`, re-exported here.
 //!
 //! - [`Vulkan::prefill`]: `o_i = Σ_j w_ij v_j / Σ_j w_ij`, `w_ij = exp(s q_i·k_j + c_i − c_j)`
 //!   over causal keys `seq_start[b] <= j <= i`; under ACP each query block starts at the key
-//!   block `foxedge_core::boundary::start_blocks` chose (ACP paper, Algorithm 1), with
-//!   `delta` from `foxedge_core::threshold`. Shared-memory tiles and an online softmax
-//!   (`shaders/prefill.glsl`).
+//!   block that `foxedge_core::contract::acp` decided (ACP paper, Algorithm 1).
+//!   Shared-memory tiles and an online softmax (`shaders/prefill.glsl`).
 //! - [`Vulkan::decode`]: new queries against an unordered cache whose entries carry `c_j`;
 //!   split over the cache (flash-decoding) with an exact merge in the same dispatch (the
 //!   last workgroup of a query merges, `shaders/decode.glsl`), subgroup reductions where the
@@ -22,7 +22,6 @@
 //! Every failure is an [`Error`]: no loader, no driver, no device, out of device memory,
 //! device lost, limits the call exceeds, bad input.
 
-mod api;
 mod arena;
 mod cache;
 mod decode;
@@ -31,14 +30,16 @@ mod error;
 mod pack;
 mod prefill;
 
-pub use api::{
-    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
-    PrefillArgs, PrefillOptions, Storage,
-};
-pub use cache::{CacheCounters, HeadSync, Journal, ResidentCache, ResidentOptions};
+pub use cache::{CacheCounters, ResidentCache, ResidentOptions};
 pub use decode::{DecodeTuning, PreparedDecode, auto_split};
 pub use device::{DEVICE_ENV, DeviceInfo, DeviceSelection, list_devices};
 pub use error::{Error, Result};
+/// The kernel contract (`foxedge_core::contract`), the same types `foxedge-cpu` takes. On
+/// the GPU, bf16 storage is widened to f32 on upload (GLSL has no bf16 type).
+pub use foxedge_core::contract::{
+    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
+    HeadSync, Journal, PrefillArgs, PrefillOptions, Storage,
+};
 pub use foxedge_core::{AttentionShape, Layout};
 pub use prefill::{FlashConfig, PrefillKernel, PrefillTile, PreparedPrefill};
 
@@ -122,6 +123,8 @@ impl PrefillRun {
 #[derive(Debug, Clone)]
 pub struct Vulkan {
     ctx: Arc<device::Context>,
+    /// Prefill's reusable buffers (`arena.rs`).
+    prefill_pool: arena::Pool,
     decode_tuning: Arc<std::sync::Mutex<DecodeTuning>>,
 }
 
@@ -135,6 +138,7 @@ impl Vulkan {
     pub fn with_selection(sel: &DeviceSelection) -> Result<Self> {
         Ok(Self {
             ctx: Arc::new(device::Context::new(sel)?),
+            prefill_pool: arena::Pool::new(),
             decode_tuning: Arc::default(),
         })
     }
@@ -271,7 +275,7 @@ impl Vulkan {
             }
             .into());
         }
-        let p = prefill::prepare(&self.ctx, args, opts, half, &mut || {})?;
+        let p = prefill::prepare(&self.ctx, &self.prefill_pool, args, opts, half, &mut || {})?;
         let kernel = p.run(1)?;
         let (download, unpack) = p.read_timed(out, lse)?;
         profile_line::<O>(&p, T::DTYPE, kernel, download, unpack);
@@ -293,7 +297,14 @@ impl Vulkan {
         f16_storage: bool,
         on_packed: &mut dyn FnMut(),
     ) -> Result<PrefillRun> {
-        let p = prefill::prepare(&self.ctx, args, opts, f16_storage, on_packed)?;
+        let p = prefill::prepare(
+            &self.ctx,
+            &self.prefill_pool,
+            args,
+            opts,
+            f16_storage,
+            on_packed,
+        )?;
         let kernel = p.run(1)?;
         let download = p.download(false)?;
         Ok(PrefillRun {
@@ -309,26 +320,14 @@ impl Vulkan {
     /// [`Vulkan::prefill_buffer_bytes`]); later calls allocate them again.
     /// A prefill call alive at the time keeps its buffers until it is dropped.
     pub fn release_prefill_buffers(&self) {
-        let mut g = self
-            .ctx
-            .prefill_arena
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if g.is_some() {
-            *g = Some(arena::Arena::new(true));
-        }
+        self.prefill_pool.release();
     }
 
     /// Bytes of the buffers prefill calls keep for reuse (0 while a call holds them). They
     /// grow to fit each call; a buffer more than 4x what 64 calls in a row needed is
     /// allocated again at their size, and one no call used for 64 calls is freed.
     pub fn prefill_buffer_bytes(&self) -> u64 {
-        self.ctx
-            .prefill_arena
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .as_ref()
-            .map_or(0, arena::Arena::bytes)
+        self.prefill_pool.bytes()
     }
 
     /// Uploads a prefill call and decides its blocks, without running it (benchmarks run
@@ -339,7 +338,7 @@ impl Vulkan {
         args: &PrefillArgs<'_, T>,
         opts: &PrefillOptions<'_>,
     ) -> Result<PreparedPrefill> {
-        prefill::prepare(&self.ctx, args, opts, false, &mut || {})
+        prefill::prepare(&self.ctx, &self.prefill_pool, args, opts, false, &mut || {})
     }
 
     /// One decode step: same arguments, results and statistics as `foxedge_cpu::decode`.

@@ -5,7 +5,7 @@
 //! [`pack_f32_into`] / [`pack_f16_into`] straight into mapped staging memory, tiles of
 //! rows in parallel, and unpacks with [`unpack_rows`] straight from mapped readback memory.
 
-use crate::api::Storage;
+use foxedge_core::contract::Storage;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;

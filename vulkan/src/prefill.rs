@@ -1,5 +1,5 @@
 //! Prefill on the device: host-side decisions (c in f64, delta and start blocks from
-//! foxedge-core), packing into the device layout, and one of three kernels: the scalar
+//! `foxedge_core::contract::acp`), packing into the device layout, and one of three kernels: the scalar
 //! tiled `prefill.glsl` (any device), the tensor-core `prefill_cm.comp` (S and P through
 //! shared memory) and the tensor-core `prefill_fa.glsl` (softmax in registers, K/V tiles
 //! staged once per workgroup, work list of (slab, query tile) items, heaviest first).
@@ -25,14 +25,16 @@
 //! `D` matters (|D| small next to |c|) `hi_i - hi_j` is exact (Sterbenz), so the error of D
 //! is a rounding of D itself, on any sequence length, without per-tile re-uploads.
 
-use crate::api::{Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, Storage};
-use crate::arena::{Kind, Lease};
+use crate::arena::{Kind, Lease, Pool};
 use crate::device::Context;
 use crate::error::{Error, Result};
 use crate::pack::{pack_f16_into, pack_f32_into, split_f64, unpack_rows};
-use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{AttentionShape, Layout, gate, threshold};
-use foxedge_cpu::SERIAL_DECISIONS;
+use foxedge_core::boundary::BlockGrid;
+use foxedge_core::contract::{
+    Acp, AttentionStats, HeadStats, PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage, acp,
+    selected_slabs,
+};
+use foxedge_core::{AttentionShape, Layout, gate};
 use half::slice::HalfBitsSliceExt;
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -396,110 +398,10 @@ impl std::fmt::Debug for PreparedPrefill {
     }
 }
 
-/// `delta` of one (batch, query head), exactly as foxedge-cpu derives it (through core).
-fn head_delta<T: Storage>(
-    args: &PrefillArgs<'_, T>,
-    opts: &PrefillOptions<'_>,
-    scale: f32,
-    b: usize,
-    h: usize,
-    key_start: usize,
-) -> Result<Option<f64>> {
-    let sh = &args.shape;
-    let bh = b * sh.heads_q + h;
-    let n_keys = sh.seq_k - key_start;
-    Ok(match opts.acp {
-        Acp::Off => None,
-        // The caller's thresholds (its c and start blocks are read in place).
-        Acp::Decided(dec) => *dec.delta.get(bh).ok_or(foxedge_core::Error::BadLength {
-            what: "Decided delta (batch * heads_q)",
-            expected: sh.batch * sh.heads_q,
-            got: dec.delta.len(),
-        })?,
-        Acp::Threshold(d) => {
-            if d.len() != sh.batch * sh.heads_q {
-                return Err(foxedge_core::Error::BadLength {
-                    what: "ACP thresholds (batch * heads_q)",
-                    expected: sh.batch * sh.heads_q,
-                    got: d.len(),
-                }
-                .into());
-            }
-            if d[bh].is_nan() {
-                return Err(foxedge_core::Error::BadArgument("ACP threshold is NaN").into());
-            }
-            Some(d[bh])
-        }
-        Acp::Bound { u, ln_eps } => {
-            let uh = if u.len() == sh.heads_q {
-                u[h]
-            } else if u.len() == sh.batch * sh.heads_q {
-                u[bh]
-            } else {
-                return Err(foxedge_core::Error::BadLength {
-                    what: "ACP bounds (heads_q or batch * heads_q)",
-                    expected: sh.heads_q,
-                    got: u.len(),
-                }
-                .into());
-            };
-            Some(threshold::threshold(uh, n_keys, ln_eps)?)
-        }
-        Acp::ObservedNorms { ln_eps } => {
-            let d = sh.head_dim;
-            let norm = |x: &[T]| {
-                x.iter()
-                    .map(|v| f64::from(v.to_f32()).powi(2))
-                    .sum::<f64>()
-                    .sqrt()
-            };
-            let first_t = key_start.saturating_sub(sh.q_offset());
-            let mut qn = 0.0f64;
-            for t in first_t..sh.seq_q {
-                qn = qn.max(norm(&args.q[sh.q_at(b, t, h)..][..d]));
-            }
-            let hk = h / sh.group();
-            let mut kn = 0.0f64;
-            for j in key_start..sh.seq_k {
-                kn = kn.max(norm(&args.k[sh.kv_at(b, j, hk)..][..d]));
-            }
-            let u = threshold::bound_from_norms(qn, kn, f64::from(scale.abs()))?;
-            Some(threshold::threshold(u, n_keys, ln_eps)?)
-        }
-    })
-}
-
+/// The contract's checks ([`PrefillArgs::check`]), then the device's index limits.
 fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) -> Result<()> {
+    args.check(opts)?;
     let sh = &args.shape;
-    sh.validate()?;
-    let len = |what, expected: usize, got: usize| -> Result<()> {
-        if expected == got {
-            Ok(())
-        } else {
-            Err(foxedge_core::Error::BadLength {
-                what,
-                expected,
-                got,
-            }
-            .into())
-        }
-    };
-    len("q", sh.q_len(), args.q.len())?;
-    len("k", sh.kv_len(), args.k.len())?;
-    len("v", sh.kv_len(), args.v.len())?;
-    len("log_fgate", sh.gate_len(), args.log_fgate.len())?;
-    if let Some(s) = args.seq_start {
-        len("seq_start", sh.batch, s.len())?;
-        if s.iter().any(|&x| x >= sh.seq_k) {
-            return Err(foxedge_core::Error::BadArgument("seq_start must be < seq_k").into());
-        }
-    }
-    if opts.block_q == 0 || opts.block_k == 0 {
-        return Err(foxedge_core::Error::BadArgument("block sizes must be > 0").into());
-    }
-    if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
-        return Err(foxedge_core::Error::BadArgument("sm_scale must be finite").into());
-    }
     let max = u32::MAX as usize;
     if sh.seq_k > max / 2 || sh.batch * sh.heads_q > 65_535 * 64 {
         return Err(Error::Unsupported(
@@ -514,6 +416,7 @@ fn validate<T: Storage>(args: &PrefillArgs<'_, T>, opts: &PrefillOptions<'_>) ->
 /// packing, before the upload.
 pub(crate) fn prepare<T: Storage>(
     ctx: &Arc<Context>,
+    pool: &Pool,
     args: &PrefillArgs<'_, T>,
     opts: &PrefillOptions<'_>,
     half: bool,
@@ -527,7 +430,7 @@ pub(crate) fn prepare<T: Storage>(
     let grid = BlockGrid::new(opts.block_q, opts.block_k, sh.seq_q, sh.seq_k)?;
     let nqb = grid.q_blocks();
     // The computed slabs' (b * heads_q + h): device slab `i` is `sel[i]`.
-    let sel = foxedge_cpu::selected_slabs(&sh, opts.heads)?;
+    let sel: Vec<usize> = selected_slabs(&sh, opts.heads)?.collect();
     if opts.heads.is_some() && g != 1 {
         return Err(Error::Unsupported(
             "a prefill of selected heads needs heads_kv = heads_q".into(),
@@ -548,7 +451,7 @@ pub(crate) fn prepare<T: Storage>(
     let mut formed = Vec::new();
     let decided = match opts.acp {
         Acp::Decided(dec) => {
-            foxedge_cpu::check_decisions(&dec, &grid, sh.batch * sh.heads_q, sh.seq_k)?;
+            acp::check_decisions(&dec, &grid, sh.batch * sh.heads_q, sh.seq_k)?;
             Some(dec)
         }
         _ if whole => {
@@ -572,12 +475,13 @@ pub(crate) fn prepare<T: Storage>(
     let one = |i: usize, cw: &mut [u32], fk: &mut [u32], st_buf: &mut [u32], c_buf: &mut [f64]| {
         let bh = sel[i];
         let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
-        let delta = head_delta(args, opts, scale, b, h, key_start[b])?;
-        let (c, starts): (&[f64], &[u32]) = match decided {
-            Some(dec) => (
-                &dec.c[bh * sh.seq_k..][..sh.seq_k],
-                &dec.start_blocks[bh * nqb..][..nqb],
-            ),
+        let ks = key_start[b];
+        let (c, starts, stats): (&[f64], &[u32], HeadStats) = match decided {
+            Some(dec) => {
+                let st = &dec.start_blocks[bh * nqb..][..nqb];
+                let stats = acp::head_stats(&grid, st, ks, dec.delta[bh]);
+                (&dec.c[bh * sh.seq_k..][..sh.seq_k], st, stats)
+            }
             None => {
                 let c: &[f64] = if whole {
                     &formed[bh * sh.seq_k..][..sh.seq_k]
@@ -586,23 +490,16 @@ pub(crate) fn prepare<T: Storage>(
                     gate::cumsum_strided(gates, sh.gate_stride(), 0.0, c_buf)?;
                     c_buf
                 };
-                boundary::start_blocks(&grid, c, delta, key_start[b], st_buf)?;
-                (c, st_buf)
+                let stats = acp::decide_slab(args, &opts.acp, scale, &grid, bh, ks, c, st_buf)?;
+                (c, st_buf, stats)
             }
         };
-        let pc = boundary::count_pairs(&grid, starts, key_start[b]);
         for (f, &s) in fk.iter_mut().zip(starts.iter()) {
-            let tok = (s as usize * opts.block_k).max(key_start[b]);
+            let tok = (s as usize * opts.block_k).max(ks);
             *f = u32::try_from(tok).unwrap_or(u32::MAX);
         }
         split_f64(c, cw);
-        Ok::<_, Error>(HeadStats {
-            kept_pairs: pc.kept_pairs,
-            total_pairs: pc.total_pairs,
-            kept_blocks: pc.kept_blocks,
-            total_blocks: pc.total_blocks,
-            delta,
-        })
+        Ok::<_, Error>(stats)
     };
     let c_need = if decided.is_some() || whole {
         0
@@ -639,7 +536,7 @@ pub(crate) fn prepare<T: Storage>(
     };
     let t_setup = Instant::now();
 
-    let f16 = (half || T::DTYPE == crate::api::DType::F16) && ctx.info.storage_16bit;
+    let f16 = (half || T::DTYPE == foxedge_core::contract::DType::F16) && ctx.info.storage_16bit;
     let esize = if f16 { 2 } else { 4 };
     let cm_ok = ctx.info.coopmat_prefill && f16 && d == 64;
     let want = ctx
@@ -781,7 +678,7 @@ pub(crate) fn prepare<T: Storage>(
         sh.batch * sh.heads_kv
     };
     let per_chunk = (limit / worst).clamp(1, 65_535 / g.max(1)).min(kv_slabs);
-    let mut lease = Lease::take(ctx);
+    let mut lease = Lease::take(pool);
     let ar = &mut lease.arena;
     // Unified memory: the kernels read the staging buffers and write the readback ones.
     let direct = ctx

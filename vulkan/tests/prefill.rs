@@ -75,19 +75,10 @@ fn run_case(
         log_fgate: &g,
         seq_start,
     };
-    let cacp = match opts.acp {
-        Acp::Off => foxedge_cpu::Acp::Off,
-        Acp::Threshold(t) => foxedge_cpu::Acp::Threshold(t),
-        Acp::Bound { u, ln_eps } => foxedge_cpu::Acp::Bound { u, ln_eps },
-        Acp::ObservedNorms { ln_eps } => foxedge_cpu::Acp::ObservedNorms { ln_eps },
-        Acp::Decided(d) => foxedge_cpu::Acp::Decided(d),
-    };
-    let copts = foxedge_cpu::PrefillOptions {
-        sm_scale: opts.sm_scale,
-        acp: cacp,
-        block_q: opts.block_q,
-        block_k: opts.block_k,
+    // One contract: the Vulkan call's options are the CPU call's.
+    let copts = PrefillOptions {
         heads: None,
+        ..opts
     };
     let mut cout = vec![0.0f32; sh.q_len()];
     let cstats = foxedge_cpu::prefill(&cargs, &copts, &mut cout, None).expect("cpu prefill");

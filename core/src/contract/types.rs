@@ -1,44 +1,19 @@
-//! Argument, option and statistics types of the forgetting-attention kernels.
+//! The data of a kernel call: element types, arguments, options and statistics.
 //!
-//! These types are the contract between the model runner and a backend. The Vulkan
-//! backend mirrors them, so they hold only plain data: sizes, slices, thresholds.
-//!
-//! Math (per batch row `b`, query head `h`, scale `s`):
-//!
-//! ```text
-//! o_i = Σ_j w_ij v_j / Σ_j w_ij,   w_ij = exp(s q_i·k_j + D_ij),   D_ij = c_i − c_j
-//! c_i = Σ_{l ≤ i} log f_l          (inclusive prefix sum over key positions)
-//! ```
-//!
-//! with `j` over the attended keys: `seq_start[b] <= j <= i` (causal, left padding
-//! excluded) and, under ACP, not inside a pruned key block.
+//! Plain data only (sizes, slices, thresholds), so every backend takes the same call and
+//! the statistics of two backends compare directly. Math: see [`crate::contract`].
 
-use foxedge_core::AttentionShape;
+use crate::error::{Error, Result};
+use crate::shape::AttentionShape;
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 mod sealed {
-    use half::slice::HalfFloatSliceExt;
-    pub trait Sealed {
-        /// The raw 16-bit patterns of an f16/bf16 slice (`None` for f32).
-        fn bits16(src: &[Self]) -> Option<&[u16]>
-        where
-            Self: Sized;
-    }
-    impl Sealed for f32 {
-        fn bits16(_: &[Self]) -> Option<&[u16]> {
-            None
-        }
-    }
-    impl Sealed for half::f16 {
-        fn bits16(src: &[Self]) -> Option<&[u16]> {
-            Some(src.reinterpret_cast())
-        }
-    }
-    impl Sealed for half::bf16 {
-        fn bits16(src: &[Self]) -> Option<&[u16]> {
-            Some(src.reinterpret_cast())
-        }
-    }
+    /// Only this module's element types implement [`super::Storage`].
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
 }
 
 /// Element type of q, k, v and outputs in memory. Compute is always f32.
@@ -65,6 +40,8 @@ pub trait Storage: sealed::Sealed + Copy + Default + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// One f32 rounded to this type.
     fn from_f32(x: f32) -> Self;
+    /// The raw 16-bit patterns of an f16 or bf16 slice (`None` for f32).
+    fn bits16(src: &[Self]) -> Option<&[u16]>;
 }
 
 impl Storage for f32 {
@@ -89,17 +66,21 @@ impl Storage for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
+    #[inline]
+    fn bits16(_: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl Storage for f16 {
     const DTYPE: DType = DType::F16;
     #[inline]
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+        src.convert_to_f32_slice(dst);
     }
     #[inline]
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+        dst.convert_from_f32_slice(src);
     }
     #[inline]
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
@@ -112,6 +93,10 @@ impl Storage for f16 {
     #[inline]
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
+    }
+    #[inline]
+    fn bits16(src: &[Self]) -> Option<&[u16]> {
+        Some(src.reinterpret_cast())
     }
 }
 
@@ -142,13 +127,17 @@ impl Storage for bf16 {
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
+    #[inline]
+    fn bits16(src: &[Self]) -> Option<&[u16]> {
+        Some(src.reinterpret_cast())
+    }
 }
 
 /// Adaptive computation pruning (ACP paper, section 3): skip key blocks whose largest
 /// decay `max D` is below a threshold `delta`, so that each pruned weight is below
 /// `eps / N` (N keys) and the pruned weights of a row sum below `eps` (appendix A).
 ///
-/// The threshold always comes from `foxedge_core::threshold`; kernels only compare.
+/// The threshold always comes from [`super::acp`]; kernels only compare.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub enum Acp<'a> {
     /// Dense: every causal key is attended.
@@ -158,14 +147,14 @@ pub enum Acp<'a> {
     /// index `b * heads_q + h`; in decode, per query head. A `-inf` entry disables
     /// pruning for that head.
     Threshold(&'a [f64]),
-    /// A logit bound `U >= max |s q_i·k_j|` and `ln eps < 0`; core derives
+    /// A logit bound `U >= max |s q_i·k_j|` and `ln eps < 0`; [`super::acp`] derives
     /// `delta = -2U - ln N + ln eps` per (batch, head), N = the keys a query can attend
     /// (`seq_k - seq_start[b]` in prefill, the head's cache length in decode).
     /// `u` holds one bound per query head (`heads_q` values) or one per (batch, query
     /// head) (`batch * heads_q` values, index `b * heads_q + h`; prefill only).
     Bound { u: &'a [f64], ln_eps: f64 },
     /// Prefill only: U from the max norms of this call's q and k per (batch, head)
-    /// (`foxedge_core::threshold::bound_from_norms`), valid for this call only; the
+    /// ([`crate::threshold::bound_from_norms`]), valid for this call only; the
     /// reference kernel's `adaptive_threshold="auto"`.
     ObservedNorms { ln_eps: f64 },
     /// Prefill only: the decisions themselves, already made with foxedge-core for this
@@ -176,10 +165,11 @@ pub enum Acp<'a> {
 
 /// What [`Acp::Decided`] carries, per (batch b, query head h), index `bh = b * heads_q + h`.
 ///
-/// Invariant (the caller's): `c` is `foxedge_core::gate::cumsum_strided` of the call's log
-/// gates from 0 and `start_blocks` is `foxedge_core::boundary::start_blocks` for the call's
-/// `BlockGrid` (block sizes of the options), key start and threshold `delta`. The kernel
-/// checks lengths, that `c` is finite and that no query block starts after its diagonal.
+/// Invariant (the caller's): `c` is [`crate::gate::cumsum_strided`] of the call's log
+/// gates from 0 and `start_blocks` is [`crate::boundary::start_blocks`] for the call's
+/// [`crate::boundary::BlockGrid`] (block sizes of the options), key start and threshold
+/// `delta`. The kernel checks ([`super::acp::check_decisions`]) lengths, that `c` is finite
+/// and that no query block starts after its diagonal.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decisions<'a> {
     /// `[batch * heads_q, seq_k]`: cumulative log gate `c_j` of every key position.
@@ -191,7 +181,7 @@ pub struct Decisions<'a> {
     pub delta: &'a [Option<f64>],
 }
 
-/// Options of [`crate::prefill`].
+/// Options of a prefill call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrefillOptions<'a> {
     /// Logit scale `s`; `None` means `1 / sqrt(head_dim)`.
@@ -224,7 +214,7 @@ impl Default for PrefillOptions<'_> {
 }
 
 /// Inputs of one prefill call. Layouts follow `shape.layout` (see
-/// [`foxedge_core::Layout`]); `log_fgate` is f32 log forget gates (finite, `<= 0`) per
+/// [`crate::Layout`]); `log_fgate` is f32 log forget gates (finite, `<= 0`) per
 /// (batch, key position, query head).
 #[derive(Debug, Clone, Copy)]
 pub struct PrefillArgs<'a, T: Storage> {
@@ -254,12 +244,14 @@ pub struct HeadStats {
 }
 
 /// Per-call statistics: one [`HeadStats`] per (batch, query head), index `b * heads_q + h`
-/// (decode: per query head).
+/// (decode: per query head). Needs the `alloc` feature.
+#[cfg(feature = "alloc")]
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AttentionStats {
-    pub heads: Vec<HeadStats>,
+    pub heads: alloc::vec::Vec<HeadStats>,
 }
 
+#[cfg(feature = "alloc")]
 impl AttentionStats {
     /// Sum of kept pairs over heads.
     pub fn kept_pairs(&self) -> u64 {
@@ -336,7 +328,7 @@ impl<'a, Q: Storage, T: Storage> DecodeArgs<'a, Q, T> {
     }
 }
 
-/// Options of [`crate::decode`].
+/// Options of a decode step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeOptions<'a> {
     /// Logit scale `s`; `None` means `1 / sqrt(head_dim)`.
@@ -360,5 +352,184 @@ impl Default for DecodeOptions<'_> {
             block_k: 64,
             split: 2048,
         }
+    }
+}
+
+/// Change tracking of one cache head, from its owner, for a backend that mirrors the head
+/// on a device and uploads only the rows written since it last synced.
+///
+/// Invariant (the caller's): `row_version[j] <= version` for every live row `j`, and a row
+/// whose contents change (k, v, c or position), or an index that becomes live, gets a
+/// version greater than every version this `id` had before. `id` is never reused.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadSync<'a> {
+    pub id: u64,
+    /// The newest row version of the head.
+    pub version: u64,
+    /// `[n]` the version at which each row was last written.
+    pub row_version: &'a [u64],
+    /// The head's latest writes, if its owner keeps them.
+    pub journal: Option<Journal<'a>>,
+}
+
+/// The latest writes of one cache head, oldest first: `rows[i]` is the row written at
+/// version `since + 1 + i` (every version after `since` wrote exactly one row).
+///
+/// Invariant (the caller's): `since + rows.len()` is the head's `version`, and every row
+/// write after version `since` is listed. A write that changes many rows at once (a
+/// re-basing of every `c`) empties the journal and sets `since` to its version. Rows
+/// listed that are no longer live (`>= n`, the head shrank) are skipped.
+#[derive(Debug, Clone, Copy)]
+pub struct Journal<'a> {
+    pub since: u64,
+    pub rows: &'a [u32],
+}
+
+/// The (batch, query head) slabs `b * heads_q + h` that a prefill with
+/// [`PrefillOptions::heads`] = `heads` computes, in increasing order (every slab for
+/// `None`). Errors ([`Error::BadArgument`]): a head `>= heads_q`, or heads not strictly
+/// increasing.
+pub fn selected_slabs<'a>(
+    shape: &AttentionShape,
+    heads: Option<&'a [usize]>,
+) -> Result<SelectedSlabs<'a>> {
+    if let Some(sel) = heads {
+        if sel.iter().any(|&h| h >= shape.heads_q) {
+            return Err(Error::BadArgument("selected heads must be < heads_q"));
+        }
+        if sel.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::BadArgument(
+                "selected heads must be strictly increasing",
+            ));
+        }
+    }
+    Ok(SelectedSlabs {
+        heads_q: shape.heads_q,
+        sel: heads,
+        next: 0,
+        end: shape
+            .batch
+            .saturating_mul(heads.map_or(shape.heads_q, <[usize]>::len)),
+    })
+}
+
+/// Iterator of [`selected_slabs`].
+#[derive(Debug, Clone)]
+pub struct SelectedSlabs<'a> {
+    heads_q: usize,
+    sel: Option<&'a [usize]>,
+    next: usize,
+    end: usize,
+}
+
+impl Iterator for SelectedSlabs<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.next >= self.end {
+            return None;
+        }
+        let i = self.next;
+        self.next += 1;
+        Some(match self.sel {
+            None => i,
+            Some(sel) => (i / sel.len()) * self.heads_q + sel[i % sel.len()],
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.end - self.next;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for SelectedSlabs<'_> {}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use crate::shape::Layout;
+    use proptest::prelude::*;
+    use std::vec::Vec;
+
+    fn shape(batch: usize, heads_q: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            heads_q,
+            heads_kv: 1,
+            seq_q: 1,
+            seq_k: 1,
+            head_dim: 8,
+            layout: Layout::SeqFirst,
+        }
+    }
+
+    proptest! {
+        /// The slabs are `b * heads_q + h` for every batch row and selected head, in order.
+        #[test]
+        fn selected_slabs_are_every_batch_rows_heads(
+            batch in 1usize..4,
+            heads_q in 1usize..9,
+            pick in proptest::collection::vec(any::<bool>(), 8),
+            all in any::<bool>(),
+        ) {
+            let sh = shape(batch, heads_q);
+            let sel: Vec<usize> = (0..heads_q).filter(|&h| pick[h]).collect();
+            let heads = (!all).then_some(&sel[..]);
+            let want: Vec<usize> = (0..batch)
+                .flat_map(|b| {
+                    let hs: Vec<usize> = heads.map_or((0..heads_q).collect(), <[usize]>::to_vec);
+                    hs.into_iter().map(move |h| b * heads_q + h)
+                })
+                .collect();
+            let it = selected_slabs(&sh, heads).unwrap();
+            prop_assert_eq!(it.len(), want.len());
+            prop_assert_eq!(it.collect::<Vec<_>>(), want);
+        }
+    }
+
+    #[test]
+    fn selected_slabs_errors() {
+        let sh = shape(2, 4);
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[1, 4])),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[2, 2])),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            selected_slabs(&sh, Some(&[3, 1])),
+            Err(Error::BadArgument(_))
+        ));
+        assert_eq!(selected_slabs(&sh, Some(&[])).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn storage_round_trips() {
+        let x = [1.0f32, -2.5, 0.1, 65504.0];
+        let mut h = [f16::ZERO; 4];
+        let mut b = [bf16::ZERO; 4];
+        let mut back = [0.0f32; 4];
+        f16::from_f32_slice(&x, &mut h);
+        bf16::from_f32_slice(&x, &mut b);
+        for (i, &v) in x.iter().enumerate() {
+            assert_eq!(h[i], f16::from_f32(v));
+            assert_eq!(b[i], bf16::from_f32(v));
+            assert_eq!(f16::bits16(&h).unwrap()[i], h[i].to_bits());
+            assert_eq!(bf16::bits16(&b).unwrap()[i], b[i].to_bits());
+        }
+        f16::to_f32_slice(&h, &mut back);
+        assert!(back.iter().zip(&h).all(|(a, e)| *a == e.to_f32()));
+        bf16::to_f32_slice(&b, &mut back);
+        assert!(back.iter().zip(&b).all(|(a, e)| *a == e.to_f32()));
+        assert!(f32::bits16(&x).is_none());
+        assert_eq!(f32::as_f32(&x), Some(&x[..]));
+        assert_eq!(
+            (f32::DTYPE, f16::DTYPE, bf16::DTYPE),
+            (DType::F32, DType::F16, DType::Bf16)
+        );
     }
 }
