@@ -98,7 +98,9 @@ impl fmt::Display for Error {
             }
             Error::BackendUnavailable(m) => write!(f, "backend unavailable: {m}"),
             Error::Internal(m) => write!(f, "internal error: {m}"),
-            Error::Tokenizer { file, message } => write!(f, "bad tokenizer file: {file}: {message}"),
+            Error::Tokenizer { file, message } => {
+                write!(f, "bad tokenizer file: {file}: {message}")
+            }
             Error::NoTokenizer { dir, vocab } => write!(
                 f,
                 "no tokenizer: {} has no tokenizer.json and no vocab.json + merges.txt, and its \

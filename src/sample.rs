@@ -103,7 +103,12 @@ impl SamplerConfig {
         let m = self.min_p;
         check((0.0..=1.0).contains(&m), "min_p", m, "[0, 1]")?;
         let r = self.repetition_penalty;
-        check(r.is_finite() && r > 0.0, "repetition_penalty", r, "(0, inf)")
+        check(
+            r.is_finite() && r > 0.0,
+            "repetition_penalty",
+            r,
+            "(0, inf)",
+        )
     }
 }
 

@@ -1,3 +1,4 @@
+use super::Rng;
 use super::*;
 use proptest::prelude::*;
 

@@ -41,9 +41,19 @@ fn write_official_tokenizer(dir: &Path) {
     std::fs::write(dir.join("special_tokens_map.json"), OFFICIAL_MAP).unwrap();
 }
 
+/// GPT-2 as `transformers` loads it: `<|endoftext|>` special, no BOS added, no escaping.
 fn plain() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();
-    T.get_or_init(|| Tokenizer::from_dir(gpt2_dir(), 50257).unwrap())
+    T.get_or_init(|| {
+        let d = common::synth::temp_dir("gpt2");
+        for f in ["vocab.json", "merges.txt"] {
+            std::fs::copy(gpt2_dir().join(f), d.join(f)).unwrap();
+        }
+        let cfg = r#"{"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}"#;
+        std::fs::write(d.join("tokenizer_config.json"), cfg).unwrap();
+        Tokenizer::from_dir(&d, 50257).unwrap()
+    })
 }
 
 fn json() -> &'static Tokenizer {
@@ -80,7 +90,10 @@ fn stream(t: &Tokenizer, ids: &[u32], skip_special: bool) -> Vec<String> {
 fn gpt2_ids_equal_tiktoken_r50k() {
     let t = plain();
     assert_eq!(t.source(), TokenizerSource::VocabMerges);
-    assert_eq!((t.size(), t.adds_bos(), t.json_escaped()), (50257, false, false));
+    assert_eq!(
+        (t.size(), t.adds_bos(), t.json_escaped()),
+        (50257, false, false)
+    );
     let r = reference();
     let cases = r["cases"].as_array().unwrap();
     assert!(cases.len() >= 30);
@@ -111,8 +124,11 @@ fn jsongpt2_ids_equal_tiktoken_of_json_dumps() {
         let mut with_bos = vec![EOT];
         with_bos.extend(&want);
         assert_eq!(t.encode(text, true).unwrap(), with_bos, "{text:?}");
-        assert_eq!(t.decode(&with_bos, true).unwrap(), text, "{text:?}");
-        let pieces = stream(t, &with_bos, true);
+        assert_eq!(t.decode(&want, false).unwrap(), text, "{text:?}");
+        if !text.contains("<|endoftext|>") {
+            assert_eq!(t.decode(&with_bos, true).unwrap(), text, "{text:?}");
+        }
+        let pieces = stream(t, &want, false);
         assert_eq!(pieces.concat(), text, "{text:?}");
         // No piece ends inside an escape: every piece is text of the original.
         if !text.contains('\\') {
@@ -146,10 +162,16 @@ fn streaming_never_splits_a_character() {
     let pieces = stream(t, &ids, false);
     assert_eq!(pieces.concat(), "a🦊b日本");
     assert!(ids.len() > 4, "{ids:?}");
-    assert!(pieces.iter().any(|p| p.is_empty()), "some ids complete nothing");
+    assert!(
+        pieces.iter().any(|p| p.is_empty()),
+        "some ids complete nothing"
+    );
     // A truncated character at the end becomes U+FFFD, as in the whole decode.
     let cut = &ids[..2];
-    assert_eq!(stream(t, cut, false).concat(), t.decode(cut, false).unwrap());
+    assert_eq!(
+        stream(t, cut, false).concat(),
+        t.decode(cut, false).unwrap()
+    );
     assert!(t.decode(cut, false).unwrap().ends_with('\u{fffd}'));
 }
 
@@ -223,6 +245,15 @@ fn directories_without_tokenizer_files() {
     let e = Tokenizer::from_dir(&dir, 300).unwrap_err();
     assert!(matches!(e, Error::NoTokenizer { vocab: 300, .. }), "{e}");
     assert!(e.to_string().contains("no tokenizer"), "{e}");
+}
+
+#[test]
+fn without_a_configuration_special_token_text_is_plain_text() {
+    let t = Tokenizer::from_dir(gpt2_dir(), 50257).unwrap();
+    assert_eq!((t.bos(), t.eos(), t.adds_bos()), (None, None, false));
+    let ids = t.encode("a<|endoftext|>", true).unwrap();
+    assert_eq!(ids, vec![64, 27, 91, 437, 1659, 5239, 91, 29]);
+    assert_eq!(t.decode(&[50256], true).unwrap(), "<|endoftext|>");
 }
 
 #[test]

@@ -144,7 +144,9 @@ fn check_merges(
             .ok_or_else(|| what(format!("{b:?} does not start with the prefix {prefix:?}")))?;
         let joined = format!("{a}{tail}");
         if !vocab.contains_key(&joined) {
-            return Err(what(format!("the merged token {joined:?} is not in the vocabulary")));
+            return Err(what(format!(
+                "the merged token {joined:?} is not in the vocabulary"
+            )));
         }
     }
     Ok(())
@@ -198,7 +200,12 @@ pub fn check_tokenizer_json(v: &Value, limit: usize) -> Result<()> {
     }
     let vocab = match model.get("vocab") {
         Some(Value::Object(m)) => vocab_from_map(m, FILE, limit)?,
-        _ => return Err(tok_error(FILE, "model.vocab: expected an object of token -> id")),
+        _ => {
+            return Err(tok_error(
+                FILE,
+                "model.vocab: expected an object of token -> id",
+            ));
+        }
     };
     let prefix = match model.get("continuing_subword_prefix") {
         Some(Value::String(p)) => p.as_str(),
@@ -220,7 +227,10 @@ pub fn check_tokenizer_json(v: &Value, limit: usize) -> Result<()> {
                     _ => None,
                 };
                 merges.push(pair.ok_or_else(|| {
-                    tok_error(FILE, format!("model.merges[{i}]: expected \"a b\" or [a, b]"))
+                    tok_error(
+                        FILE,
+                        format!("model.merges[{i}]: expected \"a b\" or [a, b]"),
+                    )
                 })?);
             }
         }
@@ -285,8 +295,14 @@ mod tests {
             .collect();
         // The merged token "ab" is missing (and longer than every token).
         let e = gpt2_tokenizer(vocab.clone(), vec![("a".into(), "b".into())]).unwrap_err();
-        assert!(e.to_string().contains("\"ab\" is not in the vocabulary"), "{e}");
+        assert!(
+            e.to_string().contains("\"ab\" is not in the vocabulary"),
+            "{e}"
+        );
         let e = gpt2_tokenizer(vocab, vec![("a".into(), "c".into())]).unwrap_err();
-        assert!(e.to_string().contains("\"c\" is not in the vocabulary"), "{e}");
+        assert!(
+            e.to_string().contains("\"c\" is not in the vocabulary"),
+            "{e}"
+        );
     }
 }

@@ -114,7 +114,12 @@ fn token_content(file: &str, field: &str, v: &Value) -> Result<Option<String>> {
         Value::String(s) => Ok(Some(s.clone())),
         Value::Object(m) => match m.get("content") {
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            _ => Err(field_error(file, field, "an object with a string `content`", v)),
+            _ => Err(field_error(
+                file,
+                field,
+                "an object with a string `content`",
+                v,
+            )),
         },
         _ => Err(field_error(file, field, "a string or a token object", v)),
     }
@@ -219,12 +224,21 @@ mod tests {
             (r#"{"bos_token": 3}"#, "bos_token"),
             (r#"{"eos_token": {"id": 3}}"#, "eos_token"),
             (r#"{"tokenizer_class": []}"#, "tokenizer_class"),
-            (r#"{"added_tokens_decoder": {"x": {"content": "a"}}}"#, "added_tokens_decoder"),
-            (r#"{"additional_special_tokens": "a"}"#, "additional_special_tokens"),
+            (
+                r#"{"added_tokens_decoder": {"x": {"content": "a"}}}"#,
+                "added_tokens_decoder",
+            ),
+            (
+                r#"{"additional_special_tokens": "a"}"#,
+                "additional_special_tokens",
+            ),
         ] {
             let e = TokenizerConfig::parse(Some(text), None).unwrap_err();
             let s = e.to_string();
-            assert!(s.contains("tokenizer_config.json") && s.contains(field), "{s}");
+            assert!(
+                s.contains("tokenizer_config.json") && s.contains(field),
+                "{s}"
+            );
         }
         let e = TokenizerConfig::parse(None, Some("[1]")).unwrap_err();
         assert!(e.to_string().contains("special_tokens_map.json"), "{e}");

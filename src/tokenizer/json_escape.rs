@@ -158,7 +158,11 @@ fn read_escape(s: &str, at_end: bool) -> Step {
             out: Some('\\'),
         };
     }
-    let digits = b[2..].iter().take(4).take_while(|c| c.is_ascii_hexdigit()).count();
+    let digits = b[2..]
+        .iter()
+        .take(4)
+        .take_while(|c| c.is_ascii_hexdigit())
+        .count();
     if digits < 4 {
         return if 2 + digits < b.len() || at_end {
             // Fewer than four hex digits: `\u` and the digits are dropped.

@@ -97,7 +97,10 @@ fn read_text(dir: &Path, name: &str) -> Result<Option<String>> {
     String::from_utf8(bytes).map(Some).map_err(|e| {
         tok_error(
             name,
-            format!("not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to()),
+            format!(
+                "not UTF-8 text (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
         )
     })
 }
@@ -215,8 +218,8 @@ impl Tokenizer {
         limit: usize,
     ) -> Result<Tokenizer> {
         const FILE: &str = "tokenizer.json";
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| tok_error(FILE, format!("invalid JSON: {e}")))?;
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| tok_error(FILE, format!("invalid JSON: {e}")))?;
         bpe::check_tokenizer_json(&v, limit)?;
         let mut hf: tokenizers::Tokenizer =
             serde_json::from_value(v).map_err(|e| tok_error(FILE, e.to_string()))?;
@@ -239,7 +242,13 @@ impl Tokenizer {
             hf.get_decoder(),
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
-        Self::finish(hf, TokenizerSource::TokenizerJson, config, limit, byte_level)
+        Self::finish(
+            hf,
+            TokenizerSource::TokenizerJson,
+            config,
+            limit,
+            byte_level,
+        )
     }
 
     /// Resolves ids, special tokens and BOS/EOS; builds the byte table when `byte_level`.
@@ -262,7 +271,10 @@ impl Tokenizer {
         if size > limit {
             return Err(tok_error(
                 file,
-                format!("has token ids up to {}, the model has {limit} logits", size - 1),
+                format!(
+                    "has token ids up to {}, the model has {limit} logits",
+                    size - 1
+                ),
             ));
         }
         let mut special = vec![false; size];
@@ -296,8 +308,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner: Arc::new(Inner {
                 source,
-                add_prefix_space: config.add_prefix_space
-                    && source == TokenizerSource::VocabMerges,
+                add_prefix_space: config.add_prefix_space && source == TokenizerSource::VocabMerges,
                 hf: Some(hf),
                 pieces,
                 special,
@@ -367,10 +378,9 @@ impl Tokenizer {
         for &id in ids {
             self.check_id(id)?;
         }
-        let hf = i
-            .hf
-            .as_ref()
-            .ok_or_else(|| Error::Internal("tokenizer without bytes or pipeline".into()))?;
+        let hf =
+            i.hf.as_ref()
+                .ok_or_else(|| Error::Internal("tokenizer without bytes or pipeline".into()))?;
         hf.decode(ids, skip_special)
             .map_err(|e| tok_error(self.file(), format!("cannot decode: {e}")))
     }
@@ -396,7 +406,9 @@ impl Tokenizer {
         }
         match &pieces[id as usize] {
             Some(b) => Ok(Some(b)),
-            None => Err(Error::invalid(format!("token id {id} has no token in the tokenizer"))),
+            None => Err(Error::invalid(format!(
+                "token id {id} has no token in the tokenizer"
+            ))),
         }
     }
 
@@ -450,7 +462,11 @@ impl Tokenizer {
 
     /// Whether `id` is a special token (BOS, EOS, added special tokens).
     pub fn is_special(&self, id: u32) -> bool {
-        self.inner.special.get(id as usize).copied().unwrap_or(false)
+        self.inner
+            .special
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// The files this tokenizer was built from.
