@@ -172,7 +172,8 @@ fn other_decoders_stream_through_the_pipeline() {
 #[test]
 fn corrupt_or_partial_files_are_named_errors() {
     let (v, m) = tiny_vocab_merges();
-    let cases: Vec<(Vec<(&str, &[u8])>, &str)> = vec![
+    type Files<'a> = Vec<(&'a str, &'a [u8])>;
+    let cases: Vec<(Files, &str)> = vec![
         (vec![("vocab.json", v.as_bytes())], "merges.txt: missing"),
         (vec![("merges.txt", m.as_bytes())], "vocab.json: missing"),
         (

@@ -45,7 +45,10 @@ fn tiny_vocab() -> &'static str {
     V.get_or_init(|| {
         let mut parts: Vec<String> = (0..=255u8)
             .map(|b| {
-                let key = byte_char(b).to_string().replace('\\', "\\\\").replace('"', "\\\"");
+                let key = byte_char(b)
+                    .to_string()
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\"");
                 format!("\"{key}\": {b}")
             })
             .collect();
@@ -119,7 +122,10 @@ fuzz_target!(|data: &[u8]| {
     let t = match Tokenizer::from_dir(d, VOCAB) {
         Ok(t) => t,
         Err(e) => {
-            assert!(!matches!(e, Error::Internal(_)), "internal error on load: {e}");
+            assert!(
+                !matches!(e, Error::Internal(_)),
+                "internal error on load: {e}"
+            );
             return;
         }
     };
@@ -128,11 +134,17 @@ fuzz_target!(|data: &[u8]| {
         let ids = match t.encode(sample, true) {
             Ok(ids) => ids,
             Err(e) => {
-                assert!(!matches!(e, Error::Internal(_)), "internal error on encode: {e}");
+                assert!(
+                    !matches!(e, Error::Internal(_)),
+                    "internal error on encode: {e}"
+                );
                 continue;
             }
         };
-        assert!(ids.iter().all(|&i| (i as usize) < VOCAB), "id beyond the vocab");
+        assert!(
+            ids.iter().all(|&i| (i as usize) < VOCAB),
+            "id beyond the vocab"
+        );
         let whole = t.decode(&ids, false).expect("decoding encoded ids");
         let mut s = t.stream(false);
         let mut joined = String::new();
