@@ -1,9 +1,10 @@
 //! Next-token choice from logits: a seeded sampler chain.
 //!
 //! [`Sampler`] applies, in this order (the order of Hugging Face's logits processors):
-//! 1. repetition penalty over the last `repetition_window` tokens (Keskar et al. 2019, CTRL
-//!    eq. 1 as implemented in practice): each distinct recent token's logit `x` becomes `x / θ`
-//!    if `x > 0`, else `x · θ`;
+//! 1. repetition penalty over the last `repetition_window` tokens: CTRL's penalized
+//!    sampling (Keskar et al. 2019) divides a recent token's logit by `θ`; as in common
+//!    implementations, a negative logit is multiplied by `θ` instead, so `θ > 1` always
+//!    lowers it. Each distinct recent token is penalised once;
 //! 2. temperature 0 → greedy: the argmax of the penalised logits, lowest id on ties;
 //! 3. temperature `T > 0`: `p_i ∝ exp((x_i − max x) / T)`, computed in f64;
 //! 4. top-k: keep the `k` most probable tokens (ties broken by lower id);

@@ -11,8 +11,11 @@
 //! `tokenizer_config.json` (and `special_tokens_map.json` for fields it lacks) decide the
 //! rest: `add_bos_token` prepends BOS at the start of a text, `bos_token`/`eos_token` name the
 //! BOS/EOS ids, and `tokenizer_class: "JSONGPT2Tokenizer"` turns on LongCrawl64's JSON
-//! escaping ([`json_escape`]). Text naming a special token (`<|endoftext|>`) encodes to that
-//! token, as in `transformers`.
+//! escaping ([`json_escape`]). The special tokens are those the two files name (BOS, EOS,
+//! UNK, PAD, `additional_special_tokens`, special `added_tokens_decoder` entries) and the
+//! special added tokens of `tokenizer.json`; text naming one (`<|endoftext|>`) encodes to that
+//! token, as in `transformers`. Without the files nothing is special: GPT-2's bare
+//! `vocab.json` + `merges.txt` encode `<|endoftext|>` as the text it is.
 //!
 //! Decoding joins the tokens' bytes and reads them as UTF-8, an invalid sequence becoming
 //! U+FFFD (`String::from_utf8_lossy`), then undoes the JSON escaping where it applies.

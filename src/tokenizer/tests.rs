@@ -264,3 +264,11 @@ proptest! {
         prop_assert_eq!(out, whole);
     }
 }
+
+#[test]
+fn tokenizers_and_decoders_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tokenizer>();
+    send_sync::<StreamDecoder>();
+    send_sync::<crate::Sampler>();
+}
