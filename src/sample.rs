@@ -206,7 +206,9 @@ impl Sampler {
     }
 
     /// Fills `self.x` with the penalised logits and `self.cand` with the ids that survive the
-    /// filters, most probable first (`cand[0]` is the argmax, lowest id on ties).
+    /// filters: greedy, the argmax alone (lowest id on ties); otherwise, with their weights in
+    /// `self.w`, most probable first under top-p and in id order without top-k or top-p (so a
+    /// draw walks the ids in order, as [`sample`] always has).
     fn candidates(&mut self, logits: &[f32]) -> Result<()> {
         if logits.is_empty() {
             return Err(Error::invalid("sampler: empty logits"));
@@ -272,12 +274,6 @@ impl Sampler {
                 }
             }
             self.cand.truncate(keep);
-        } else {
-            // Only cand[0] must be the argmax.
-            let best = (0..self.cand.len())
-                .min_by(|&a, &b| before(x, self.cand[a], self.cand[b]))
-                .unwrap_or(0);
-            self.cand.swap(0, best);
         }
         Ok(())
     }

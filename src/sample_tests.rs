@@ -300,6 +300,31 @@ fn legacy_sample_is_greedy_or_softmax() {
     assert!((0..4).all(|_| a.next_u64() == b.next_u64()));
 }
 
+#[test]
+fn legacy_sample_draws_as_the_plain_walk() {
+    // Softmax sampling walks the ids in order: weights exp((x - max) / T), r = u * total.
+    let logits = [0.3f32, -1.0, 2.0, 2.0, 0.7];
+    let (mut a, mut b) = (Rng::new(42), Rng::new(42));
+    let inv = 1.0 / f64::from(0.8f32);
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&x| ((f64::from(x) - 2.0) * inv).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    for _ in 0..2000 {
+        let mut r = b.next_f64() * total;
+        let want = w
+            .iter()
+            .position(|&p| {
+                let hit = r < p;
+                r -= p;
+                hit
+            })
+            .unwrap();
+        assert_eq!(sample(&logits, 0.8, &mut a).unwrap() as usize, want);
+    }
+}
+
 fn arb_case() -> impl Strategy<Value = (Vec<f32>, SamplerConfig, Vec<u32>)> {
     (2usize..40).prop_flat_map(|n| {
         (
