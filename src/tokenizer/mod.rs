@@ -26,7 +26,7 @@ mod config;
 pub mod json_escape;
 mod stream;
 
-pub use config::{JSON_GPT2_CLASS, TokenizerConfig};
+pub use config::{AddedEntry, JSON_GPT2_CLASS, TokenizerConfig};
 pub use stream::StreamDecoder;
 
 use crate::error::{Error, Result};
