@@ -44,6 +44,11 @@ pub enum Error {
     BackendUnavailable(String),
     /// A broken internal invariant.
     Internal(String),
+    /// A tokenizer file is malformed, inconsistent or missing its partner; `file` names it.
+    Tokenizer { file: String, message: String },
+    /// The model directory has no tokenizer files and its vocabulary is not the 256 bytes:
+    /// the model runs on ids, but text cannot be encoded or decoded.
+    NoTokenizer { dir: PathBuf, vocab: usize },
 }
 
 impl Error {
@@ -57,6 +62,8 @@ impl Error {
             Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
             Error::BackendUnavailable(_) => ErrorKind::BackendUnavailable,
             Error::Internal(_) => ErrorKind::Internal,
+            Error::Tokenizer { .. } => ErrorKind::BadModel,
+            Error::NoTokenizer { .. } => ErrorKind::Unsupported,
         }
     }
 
@@ -91,6 +98,15 @@ impl fmt::Display for Error {
             }
             Error::BackendUnavailable(m) => write!(f, "backend unavailable: {m}"),
             Error::Internal(m) => write!(f, "internal error: {m}"),
+            Error::Tokenizer { file, message } => {
+                write!(f, "bad tokenizer file: {file}: {message}")
+            }
+            Error::NoTokenizer { dir, vocab } => write!(
+                f,
+                "no tokenizer: {} has no tokenizer.json and no vocab.json + merges.txt, and its \
+                 vocabulary of {vocab} is not the 256 bytes (token ids still work)",
+                dir.display()
+            ),
         }
     }
 }

@@ -26,6 +26,7 @@ pub mod plot;
 pub mod sample;
 mod select;
 pub mod session;
+pub mod tokenizer;
 #[cfg(feature = "vulkan")]
 mod vulkan_backend;
 mod weights;
@@ -39,8 +40,9 @@ pub use backend::BackendKind;
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};
 pub use model::{Model, ModelInfo};
-pub use sample::{Rng, sample};
+pub use sample::{Rng, Sampler, SamplerConfig, sample};
 pub use session::{Budget, Session, SessionOptions, SessionStats};
+pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerSource};
 
 /// The bundled tiny model's directory relative to the repository root.
 pub const BUNDLED_MODEL: &str = "models/fox-tiny-pro";

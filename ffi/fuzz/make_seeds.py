@@ -4,7 +4,9 @@
 model_open: a valid tiny FoX checkpoint (the target's TINY_CONFIG: vocab 16, hidden 16,
 1 layer, 2 heads of 8, MLP width 256) as f32 and bf16 safetensors (mode byte 0), and the
 same with its config.json inline (mode byte 1).
-attention_desc: a few descriptors (the target reads bytes front to back)."""
+attention_desc: a few descriptors (the target reads bytes front to back).
+tokenizer_files: each of the target's tiny tokenizer files (mode bytes 0-5), and a tiny
+byte-level BPE tokenizer.json."""
 import json, os, random, struct, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -87,4 +89,37 @@ write("attention_desc", "acp_threshold", bytes(acp) + bytes([40, 40, 3]) + bytes
 hf = bytearray(base)
 hf[8], hf[9], hf[10] = 1, 1, 2
 write("attention_desc", "head_first_f16_bf16", bytes(hf) + bytes(rng.randrange(256) for _ in range(4000)))
+
+def byte_char(b):
+    printable = lambda x: 0x21 <= x <= 0x7E or 0xA1 <= x <= 0xAC or 0xAE <= x <= 0xFF
+    if printable(b):
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if not printable(x)))
+
+tok_vocab = {byte_char(b): b for b in range(256)}
+tok_vocab.update({"he": 256, "ll": 257, "hell": 258, "<|end|>": 259})
+tok_merges = "#version: 0.2\nh e\nl l\nhe ll\n"
+tok_config = json.dumps({"add_bos_token": True, "bos_token": "<|end|>", "eos_token": "<|end|>",
+                         "tokenizer_class": "JSONGPT2Tokenizer"})
+tok_json = json.dumps({
+    "version": "1.0", "truncation": None, "padding": None,
+    "added_tokens": [{"id": 259, "content": "<|end|>", "single_word": False, "lstrip": False,
+                      "rstrip": False, "normalized": False, "special": True}],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                      "use_regex": True},
+    "post_processor": None,
+    "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                "use_regex": True},
+    "model": {"type": "BPE", "dropout": None, "unk_token": None,
+              "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": False,
+              "byte_fallback": False, "vocab": tok_vocab, "merges": ["h e", "l l", "he ll"]}})
+vj = json.dumps(tok_vocab).encode()
+write("tokenizer_files", "vocab", b"\x00" + vj)
+write("tokenizer_files", "merges", b"\x01" + tok_merges.encode())
+write("tokenizer_files", "tokenizer_json", b"\x02" + tok_json.encode())
+write("tokenizer_files", "config", b"\x03" + tok_config.encode())
+write("tokenizer_files", "special_map", b"\x04" + json.dumps({"bos_token": "<|end|>"}).encode())
+write("tokenizer_files", "vocab_and_merges",
+      b"\x05" + struct.pack("<H", len(vj)) + vj + tok_merges.encode())
 print("seeds written under", os.path.join(here, "corpus"))
