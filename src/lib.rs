@@ -18,9 +18,8 @@ pub mod config;
 pub mod error;
 pub mod hybrid;
 pub mod model;
-pub mod npy;
+mod npy;
 mod ops;
-pub mod plot;
 pub mod sample;
 pub mod session;
 #[cfg(feature = "vulkan")]
