@@ -174,7 +174,7 @@ pub fn draw_decay(
     decay_heatmaps(
         path,
         &format!(
-            "D = c_i - c_j ({} tokens; red: ACP boundary, ln eps {ln_eps})",
+            "Decay D = c_i - c_j over {} tokens; red: the ACP boundary at ln eps = {ln_eps}",
             p.t
         ),
         &panels,

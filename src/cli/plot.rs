@@ -70,7 +70,7 @@ fn tokens_label(x: f64) -> String {
     }
 }
 
-/// A line chart of `series` with a log2 x axis (labels at the data's x values) and a
+/// A line chart of `series` with a log2 x axis (a tick per power of two) and a
 /// linear y axis from 0, a title, axis labels and a legend right of the plot (dashed lines
 /// dashed there too). Points with a non-finite or non-positive x, or a non-finite y, are left
 /// out. Errors: no point left, or I/O.
@@ -114,17 +114,16 @@ pub fn line_chart(
         .y_label_area_size(70)
         .build_cartesian_2d(x0..x1, 0.0..y1)
         .map_err(|e| err(&e))?;
-    // Ticks fall on round log2 values; only those of measured lengths are labelled.
-    let at_data = |v: &f64| xs.iter().any(|x| (x - v).abs() < 1e-6);
+    // One tick per power of two (log2 steps of 1), labelled in tokens.
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(2 * (x1 - x0).ceil() as usize + 1)
+        .x_labels((x1 - x0).ceil() as usize + 1)
         .x_desc(x_label)
         .y_desc(y_label)
         .x_label_formatter(&|v| {
-            if at_data(v) {
-                tokens_label(v.exp2().round())
+            if (v - v.round()).abs() < 1e-6 {
+                tokens_label(v.round().exp2())
             } else {
                 String::new()
             }
@@ -232,7 +231,8 @@ pub fn decay_heatmaps(
     // A panel: its plot of `size` pixels plus room for its title, tick labels and axis names.
     let (pw, ph) = (size as u32 + 90, size as u32 + 90);
     let bar_w = 200u32;
-    let (w, h) = (per_row as u32 * pw + bar_w, rows as u32 * ph + 50);
+    // Below the panels: room for the boundary's legend under the colour bar.
+    let (w, h) = (per_row as u32 * pw + bar_w, rows as u32 * ph + 100);
     let err = draw_err(path);
     let root = BitMapBackend::new(path, (w, h)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -302,7 +302,7 @@ pub fn decay_heatmaps(
         .configure_mesh()
         .disable_mesh()
         .disable_x_axis()
-        .y_desc("D = c_i - c_j (ln)")
+        .y_desc("D = c_i - c_j (ln of the decay)")
         .y_labels(6)
         .y_label_formatter(&|v| format!("{v:.0}"))
         .axis_desc_style(("sans-serif", 13))
