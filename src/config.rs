@@ -61,40 +61,31 @@ fn unsupported(field: &str, message: impl std::fmt::Display) -> Error {
 }
 
 /// `config.json` as written, one field per key this engine reads (spec §1). `Option` fields
-/// may be absent or null. Numbers are finite (JSON has no NaN or infinity).
+/// may be absent or null (serde reads a missing `Option` as `None`). Numbers are finite
+/// (JSON has no NaN or infinity).
 #[derive(Debug, Deserialize)]
 struct RawConfig {
     vocab_size: u64,
     hidden_size: u64,
     num_hidden_layers: u64,
     num_heads: u64,
-    #[serde(default)]
     hidden_ratio: Option<f64>,
-    #[serde(default)]
     intermediate_size: Option<u64>,
     hidden_act: String,
-    #[serde(default)]
     norm_eps: Option<f64>,
     qk_norm: bool,
-    #[serde(default)]
     qk_norm_share_param_across_head: Option<bool>,
     use_k_shift: bool,
     use_v_shift: bool,
     use_output_gate: bool,
-    #[serde(default)]
     ogate_act: Option<String>,
     use_output_norm: bool,
     fgate_type: String,
-    #[serde(default)]
     use_rope: Option<bool>,
     /// Must be absent or null (no GQA, no sliding window in this engine).
-    #[serde(default)]
     num_kv_heads: Option<Value>,
-    #[serde(default)]
     window_size: Option<Value>,
-    #[serde(default)]
     tie_word_embeddings: Option<bool>,
-    #[serde(default)]
     log_pruning_tolerance: Option<f64>,
 }
 
@@ -263,5 +254,96 @@ mod tests {
         assert_eq!(resolve_intermediate_size(256, None), 768);
         assert_eq!(resolve_intermediate_size(1024, Some(3.5)), 2560);
         assert_eq!(resolve_intermediate_size(768, None), 2048);
+    }
+
+    const BUNDLED: &str = include_str!("../models/fox-tiny-pro/config.json");
+
+    /// The bundled config with `"key": value` replaced (the key must be in it).
+    fn with(key: &str, value: &str) -> String {
+        let at = BUNDLED
+            .find(&format!("\"{key}\":"))
+            .expect("key in the config");
+        let start = at + key.len() + 3;
+        let end = start + BUNDLED[start..].find([',', '\n']).expect("value ends");
+        format!("{}{value}{}", &BUNDLED[..start], &BUNDLED[end..])
+    }
+
+    #[test]
+    fn the_bundled_config_reads_and_extra_fields_are_ignored() {
+        let c = Config::from_json(BUNDLED).unwrap();
+        assert_eq!(
+            (c.vocab_size, c.hidden_size, c.intermediate_size),
+            (256, 256, 768)
+        );
+        assert_eq!((c.num_hidden_layers, c.num_heads, c.head_dim()), (4, 4, 64));
+        assert_eq!(c.hidden_act, HiddenAct::Swish);
+        assert_eq!(c.ogate_act, OgateAct::Sigmoid);
+        assert!(c.qk_norm && c.use_output_gate && c.use_output_norm);
+        assert_eq!(c.log_pruning_tolerance, None);
+        let extra = BUNDLED.replacen('{', "{\"something_new\": [1, {\"a\": null}],", 1);
+        assert_eq!(Config::from_json(&extra).unwrap(), c);
+        // Optional fields may be absent.
+        let mut lean = BUNDLED.to_string();
+        for key in [
+            "ogate_act",
+            "use_rope",
+            "num_kv_heads",
+            "window_size",
+            "tie_word_embeddings",
+        ] {
+            lean = lean.replacen(&format!("\"{key}\":"), &format!("\"unused_{key}\":"), 1);
+        }
+        assert_eq!(Config::from_json(&lean).unwrap(), c);
+    }
+
+    /// A value of the wrong type, or a missing required field, is a bad-model error naming
+    /// the field, for every field the engine reads.
+    #[test]
+    fn every_field_is_named_in_its_errors() {
+        let fields = [
+            ("vocab_size", true),
+            ("hidden_size", true),
+            ("num_hidden_layers", true),
+            ("num_heads", true),
+            ("hidden_ratio", false),
+            ("intermediate_size", false),
+            ("hidden_act", true),
+            ("norm_eps", true),
+            ("qk_norm", true),
+            ("qk_norm_share_param_across_head", false),
+            ("use_k_shift", true),
+            ("use_v_shift", true),
+            ("use_output_gate", true),
+            ("ogate_act", false),
+            ("use_output_norm", true),
+            ("fgate_type", true),
+            ("use_rope", false),
+            ("tie_word_embeddings", false),
+            ("log_pruning_tolerance", false),
+        ];
+        for (key, required) in fields {
+            let wrong = if key.ends_with("_act") || key == "fgate_type" {
+                "[1]"
+            } else {
+                "\"x\""
+            };
+            let e = Config::from_json(&with(key, wrong)).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::BadModel, "{key}: {e}");
+            assert!(
+                e.to_string().contains(&format!("field `{key}`")),
+                "{key}: {e}"
+            );
+            let gone = BUNDLED.replacen(&format!("\"{key}\":"), "\"renamed\":", 1);
+            match Config::from_json(&gone) {
+                Err(e) => {
+                    assert!(required, "{key}: {e}");
+                    assert_eq!(
+                        e.to_string(),
+                        format!("bad model file: config.json: field `{key}`: missing")
+                    );
+                }
+                Ok(_) => assert!(!required, "{key} is required"),
+            }
+        }
     }
 }

@@ -249,12 +249,13 @@ fn header_error(map: &[u8], file: &str, e: SafeTensorError) -> Error {
         ),
         SafeTensorError::ValidationOverflow
         | SafeTensorError::TensorInvalidInfo
-        | SafeTensorError::InvalidOffset(_) => {
-            if let Some(fault) = tensor_at_fault(map, header_len) {
-                return fault;
+        | SafeTensorError::InvalidOffset(_) => match (tensor_at_fault(map, header_len), e) {
+            (Some(fault), _) => return fault,
+            (None, SafeTensorError::InvalidOffset(name)) => {
+                format!("tensor `{name}`: data_offsets leave a gap or overlap another tensor")
             }
-            format!("tensor offsets, shapes and dtypes disagree ({e:?}; corrupt)")
-        }
+            (None, e) => format!("tensor offsets, shapes and dtypes disagree ({e:?}; corrupt)"),
+        },
         other => format!("rejected by the safetensors parser: {other}"),
     };
     bad(file, message)
@@ -292,4 +293,94 @@ fn tensor_at_fault(map: &[u8], header_len: u64) -> Option<Error> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    /// A safetensors file: the header JSON (padded to 8 bytes) and `data` bytes.
+    fn file(header: &str, data: usize) -> Vec<u8> {
+        let mut h = header.to_string();
+        h.push_str(&" ".repeat((8 - h.len() % 8) % 8));
+        let mut b = (h.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(h.as_bytes());
+        b.resize(b.len() + data, 0);
+        b
+    }
+
+    fn err(bytes: &[u8]) -> Error {
+        match read_header(bytes, "w") {
+            Ok(e) => panic!("should fail: {e:?}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn entries_have_absolute_offsets() {
+        let h = r#"{"b":{"dtype":"F16","shape":[2],"data_offsets":[8,12]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}}"#;
+        let bytes = file(h, 12);
+        let e = read_header(&bytes, "w").unwrap();
+        let start = bytes.len() - 12;
+        assert_eq!(e.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(
+            (e["a"].dtype, e["a"].start, e["a"].end),
+            (DType::F32, start, start + 8)
+        );
+        assert_eq!(
+            (e["b"].dtype, e["b"].start, e["b"].shape.as_slice()),
+            (DType::F16, start + 8, &[2][..])
+        );
+    }
+
+    /// What the crate rejects names the tensor at fault where one is.
+    #[test]
+    fn rejected_headers_name_the_tensor() {
+        let gap = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+        let e = err(&file(gap, 12));
+        assert_eq!(e.kind(), ErrorKind::BadModel);
+        assert!(
+            e.to_string()
+                .contains("tensor `b`: data_offsets leave a gap"),
+            "{e}"
+        );
+        let size = r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+        let e = err(&file(size, 8));
+        assert!(
+            e.to_string()
+                .contains("tensor `a`: data_offsets [0, 8] do not hold 12 bytes"),
+            "{e}"
+        );
+        let dtype = r#"{"z":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"y":{"dtype":"U8","shape":[1],"data_offsets":[4,5]},"x":{"dtype":"I64","shape":[1],"data_offsets":[5,13]}}"#;
+        let e = err(&file(dtype, 13));
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("tensor `x`: dtype I64"), "{e}");
+        let not_json = file(r#"{"a": nope}"#, 0);
+        assert!(err(&not_json).to_string().contains("not valid JSON"));
+        let mut not_utf8 = file(r#"{"a": 1}"#, 0);
+        not_utf8[9] = 0xff;
+        assert!(err(&not_utf8).to_string().contains("UTF-8"));
+    }
+
+    proptest::proptest! {
+        /// Any truncation or one-byte change of a valid file is read or rejected, never a
+        /// panic; what is read lies inside the file.
+        #[test]
+        fn damaged_files_never_panic(cut in 0usize..200, at in 0usize..200, byte in 0u8..=255) {
+            let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}}"#;
+            let good = file(h, 14);
+            let n = good.len();
+            let mut bad = good[..cut.min(n)].to_vec();
+            if !bad.is_empty() {
+                let i = at % bad.len();
+                bad[i] = byte;
+            }
+            if let Ok(entries) = read_header(&bad, "w") {
+                for e in entries.values() {
+                    proptest::prop_assert!(e.start <= e.end && e.end <= bad.len());
+                }
+            }
+        }
+    }
 }
