@@ -9,7 +9,6 @@
 //! decode cost per token every 10k tokens: the flat-memory and flat-cost measurement.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
-use foxedge::npy::NpyArray;
 use foxedge::{Budget, Model, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,11 +28,13 @@ fn model() -> Arc<Model> {
 
 /// The 8 held-out 16K-token sequences, each starting with BOS.
 fn long_ids() -> Vec<Vec<u32>> {
-    let a = NpyArray::read(root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))
-        .expect("long_input_ids.npy");
-    let v = a.to_i32().expect("uint8 ids");
-    v.chunks(a.shape[1])
-        .map(|r| r.iter().map(|&x| x as u32).collect())
+    let path = root().join("tests/fixtures/fox-tiny-pro/long_input_ids.npy");
+    let f = std::fs::File::open(&path).expect("long_input_ids.npy");
+    let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).expect(".npy header");
+    let row = npy.shape()[1] as usize;
+    let v: Vec<u8> = npy.into_vec().expect("uint8 ids");
+    v.chunks(row)
+        .map(|r| r.iter().map(|&x| u32::from(x)).collect())
         .collect()
 }
 

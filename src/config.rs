@@ -1,8 +1,10 @@
-//! `config.json` of a reference FoX checkpoint (spec §1), parsed field by field so that
-//! every error names the field. Unsupported values are errors, never silently ignored.
+//! `config.json` of a reference FoX checkpoint (spec §1), read by serde into [`RawConfig`]
+//! (every error names its field) and then checked value by value. Unsupported values are
+//! errors, never silently ignored; fields this engine does not read are ignored.
 
 use crate::error::{Error, Result};
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::Value;
 
 /// MLP activation (`hidden_act`): `h += (act(g) ⊙ u)·Wdᵀ`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,51 +60,70 @@ fn unsupported(field: &str, message: impl std::fmt::Display) -> Error {
     Error::Unsupported(format!("config.json: field `{field}`: {message}"))
 }
 
-fn get<'a>(obj: &'a Map<String, Value>, field: &str) -> Result<&'a Value> {
-    obj.get(field).ok_or_else(|| bad(field, "missing"))
+/// `config.json` as written, one field per key this engine reads (spec §1). `Option` fields
+/// may be absent or null (serde reads a missing `Option` as `None`). Numbers are finite
+/// (JSON has no NaN or infinity).
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    vocab_size: u64,
+    hidden_size: u64,
+    num_hidden_layers: u64,
+    num_heads: u64,
+    hidden_ratio: Option<f64>,
+    intermediate_size: Option<u64>,
+    hidden_act: String,
+    norm_eps: Option<f64>,
+    qk_norm: bool,
+    qk_norm_share_param_across_head: Option<bool>,
+    use_k_shift: bool,
+    use_v_shift: bool,
+    use_output_gate: bool,
+    ogate_act: Option<String>,
+    use_output_norm: bool,
+    fgate_type: String,
+    use_rope: Option<bool>,
+    /// Must be absent or null (no GQA, no sliding window in this engine).
+    num_kv_heads: Option<Value>,
+    window_size: Option<Value>,
+    tie_word_embeddings: Option<bool>,
+    log_pruning_tolerance: Option<f64>,
 }
 
 /// A positive integer that also fits the engine's index arithmetic (< 2^31).
-fn positive(obj: &Map<String, Value>, field: &str) -> Result<usize> {
-    let v = get(obj, field)?;
-    let n = v
-        .as_u64()
-        .ok_or_else(|| bad(field, format!("expected a positive integer, got {v}")))?;
+fn positive(field: &str, n: u64) -> Result<usize> {
     if n == 0 || n >= 1 << 31 {
         return Err(bad(field, format!("{n} is out of range 1..2^31")));
     }
     Ok(n as usize)
 }
 
-fn boolean(obj: &Map<String, Value>, field: &str) -> Result<bool> {
-    let v = get(obj, field)?;
-    v.as_bool()
-        .ok_or_else(|| bad(field, format!("expected true or false, got {v}")))
-}
-
-/// A field that may be absent or null; anything else is an error or unsupported.
-fn must_be_null(obj: &Map<String, Value>, field: &str) -> Result<()> {
-    match obj.get(field) {
+/// A field that may be absent or null; anything else is unsupported.
+fn must_be_null(field: &str, v: &Option<Value>) -> Result<()> {
+    match v {
         None | Some(Value::Null) => Ok(()),
         Some(v) => Err(unsupported(field, format!("{v} (must be null)"))),
     }
 }
 
-fn opt_f64(obj: &Map<String, Value>, field: &str) -> Result<Option<f64>> {
-    match obj.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .filter(|x| x.is_finite())
-            .map(Some)
-            .ok_or_else(|| bad(field, format!("expected a finite number or null, got {v}"))),
+/// Reads `text` into [`RawConfig`]: invalid JSON, a top level that is not an object, a
+/// missing field or a value of the wrong type are [`Error::BadModel`] errors naming the field.
+fn parse_raw(text: &str) -> Result<RawConfig> {
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| Error::bad_model("config.json", format!("invalid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(Error::bad_model(
+            "config.json",
+            "top level is not a JSON object",
+        ));
     }
-}
-
-fn string<'a>(obj: &'a Map<String, Value>, field: &str) -> Result<&'a str> {
-    let v = get(obj, field)?;
-    v.as_str()
-        .ok_or_else(|| bad(field, format!("expected a string, got {v}")))
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let field = e.path().to_string();
+        let message = e.inner().to_string();
+        match message.strip_prefix("missing field `") {
+            Some(rest) => bad(rest.trim_end_matches('`'), "missing"),
+            None => bad(&field, message),
+        }
+    })
 }
 
 /// `intermediate_size` when the file has null (spec §1): `int(D · ratio · 2 / 3)` evaluated
@@ -116,16 +137,11 @@ pub fn resolve_intermediate_size(hidden_size: usize, hidden_ratio: Option<f64>) 
 impl Config {
     /// Parses and validates the text of `config.json`.
     pub fn from_json(text: &str) -> Result<Config> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| Error::bad_model("config.json", format!("invalid JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| Error::bad_model("config.json", "top level is not a JSON object"))?;
-
-        let vocab_size = positive(obj, "vocab_size")?;
-        let hidden_size = positive(obj, "hidden_size")?;
-        let num_hidden_layers = positive(obj, "num_hidden_layers")?;
-        let num_heads = positive(obj, "num_heads")?;
+        let raw = parse_raw(text)?;
+        let vocab_size = positive("vocab_size", raw.vocab_size)?;
+        let hidden_size = positive("hidden_size", raw.hidden_size)?;
+        let num_hidden_layers = positive("num_hidden_layers", raw.num_hidden_layers)?;
+        let num_heads = positive("num_heads", raw.num_heads)?;
         if hidden_size % num_heads != 0 {
             return Err(bad(
                 "num_heads",
@@ -140,83 +156,59 @@ impl Config {
             ));
         }
 
-        let hidden_ratio = opt_f64(obj, "hidden_ratio")?;
+        let hidden_ratio = raw.hidden_ratio;
         if let Some(r) = hidden_ratio
             && r <= 0.0
         {
             return Err(bad("hidden_ratio", format!("{r} must be > 0")));
         }
-        let intermediate_size = match obj.get("intermediate_size") {
-            None | Some(Value::Null) => {
+        let intermediate_size = match raw.intermediate_size {
+            None => {
                 let i = resolve_intermediate_size(hidden_size, hidden_ratio);
                 if i == 0 || i >= 1 << 31 {
                     return Err(bad("hidden_ratio", format!("gives MLP width {i}")));
                 }
                 i
             }
-            Some(_) => positive(obj, "intermediate_size")?,
+            Some(n) => positive("intermediate_size", n)?,
         };
 
-        let hidden_act = match string(obj, "hidden_act")? {
+        let hidden_act = match raw.hidden_act.as_str() {
             "swish" | "silu" => HiddenAct::Swish,
             "sigmoid" => HiddenAct::Sigmoid,
             other => return Err(unsupported("hidden_act", format!("\"{other}\""))),
         };
-        let norm_eps = opt_f64(obj, "norm_eps")?.ok_or_else(|| bad("norm_eps", "missing"))?;
+        let norm_eps = raw.norm_eps.ok_or_else(|| bad("norm_eps", "missing"))?;
         if norm_eps <= 0.0 {
             return Err(bad("norm_eps", format!("{norm_eps} must be > 0")));
         }
 
-        let qk_norm = boolean(obj, "qk_norm")?;
-        let qk_norm_share_param_across_head = match obj.get("qk_norm_share_param_across_head") {
-            None | Some(Value::Null) => false,
-            Some(_) => boolean(obj, "qk_norm_share_param_across_head")?,
+        let ogate_act = match raw.ogate_act.as_deref() {
+            None | Some("sigmoid") => OgateAct::Sigmoid,
+            Some("silu" | "swish") => OgateAct::Silu,
+            Some(other) => return Err(unsupported("ogate_act", format!("\"{other}\""))),
         };
-        let use_k_shift = boolean(obj, "use_k_shift")?;
-        let use_v_shift = boolean(obj, "use_v_shift")?;
-        let use_output_gate = boolean(obj, "use_output_gate")?;
-        let use_output_norm = boolean(obj, "use_output_norm")?;
-        let ogate_act = match obj.get("ogate_act") {
-            None | Some(Value::Null) => OgateAct::Sigmoid,
-            Some(_) => match string(obj, "ogate_act")? {
-                "sigmoid" => OgateAct::Sigmoid,
-                "silu" | "swish" => OgateAct::Silu,
-                other => return Err(unsupported("ogate_act", format!("\"{other}\""))),
-            },
-        };
-        if use_output_gate && use_output_norm && ogate_act != OgateAct::Sigmoid {
+        if raw.use_output_gate && raw.use_output_norm && ogate_act != OgateAct::Sigmoid {
             return Err(unsupported(
                 "ogate_act",
                 "with use_output_norm only the sigmoid output gate exists",
             ));
         }
-
-        match string(obj, "fgate_type")? {
-            "full" => {}
-            other => {
-                return Err(unsupported(
-                    "fgate_type",
-                    format!("\"{other}\" (only \"full\" is implemented)"),
-                ));
-            }
+        if raw.fgate_type != "full" {
+            return Err(unsupported(
+                "fgate_type",
+                format!("\"{}\" (only \"full\" is implemented)", raw.fgate_type),
+            ));
         }
-        match obj.get("use_rope") {
-            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-            Some(Value::Bool(true)) => {
-                return Err(unsupported(
-                    "use_rope",
-                    "rotary embeddings are not part of FoX",
-                ));
-            }
-            Some(v) => return Err(bad("use_rope", format!("expected a boolean, got {v}"))),
+        if raw.use_rope == Some(true) {
+            return Err(unsupported(
+                "use_rope",
+                "rotary embeddings are not part of FoX",
+            ));
         }
-        must_be_null(obj, "num_kv_heads")?;
-        must_be_null(obj, "window_size")?;
-        let tie_word_embeddings = match obj.get("tie_word_embeddings") {
-            None | Some(Value::Null) => false,
-            Some(_) => boolean(obj, "tie_word_embeddings")?,
-        };
-        let log_pruning_tolerance = opt_f64(obj, "log_pruning_tolerance")?;
+        must_be_null("num_kv_heads", &raw.num_kv_heads)?;
+        must_be_null("window_size", &raw.window_size)?;
+        let log_pruning_tolerance = raw.log_pruning_tolerance;
         if let Some(x) = log_pruning_tolerance
             && x > 0.0
         {
@@ -234,14 +226,14 @@ impl Config {
             intermediate_size,
             hidden_act,
             norm_eps,
-            qk_norm,
-            qk_norm_share_param_across_head,
-            use_k_shift,
-            use_v_shift,
-            use_output_gate,
+            qk_norm: raw.qk_norm,
+            qk_norm_share_param_across_head: raw.qk_norm_share_param_across_head.unwrap_or(false),
+            use_k_shift: raw.use_k_shift,
+            use_v_shift: raw.use_v_shift,
+            use_output_gate: raw.use_output_gate,
             ogate_act,
-            use_output_norm,
-            tie_word_embeddings,
+            use_output_norm: raw.use_output_norm,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             log_pruning_tolerance,
         })
     }
@@ -262,5 +254,96 @@ mod tests {
         assert_eq!(resolve_intermediate_size(256, None), 768);
         assert_eq!(resolve_intermediate_size(1024, Some(3.5)), 2560);
         assert_eq!(resolve_intermediate_size(768, None), 2048);
+    }
+
+    const BUNDLED: &str = include_str!("../models/fox-tiny-pro/config.json");
+
+    /// The bundled config with `"key": value` replaced (the key must be in it).
+    fn with(key: &str, value: &str) -> String {
+        let at = BUNDLED
+            .find(&format!("\"{key}\":"))
+            .expect("key in the config");
+        let start = at + key.len() + 3;
+        let end = start + BUNDLED[start..].find([',', '\n']).expect("value ends");
+        format!("{}{value}{}", &BUNDLED[..start], &BUNDLED[end..])
+    }
+
+    #[test]
+    fn the_bundled_config_reads_and_extra_fields_are_ignored() {
+        let c = Config::from_json(BUNDLED).unwrap();
+        assert_eq!(
+            (c.vocab_size, c.hidden_size, c.intermediate_size),
+            (256, 256, 768)
+        );
+        assert_eq!((c.num_hidden_layers, c.num_heads, c.head_dim()), (4, 4, 64));
+        assert_eq!(c.hidden_act, HiddenAct::Swish);
+        assert_eq!(c.ogate_act, OgateAct::Sigmoid);
+        assert!(c.qk_norm && c.use_output_gate && c.use_output_norm);
+        assert_eq!(c.log_pruning_tolerance, None);
+        let extra = BUNDLED.replacen('{', "{\"something_new\": [1, {\"a\": null}],", 1);
+        assert_eq!(Config::from_json(&extra).unwrap(), c);
+        // Optional fields may be absent.
+        let mut lean = BUNDLED.to_string();
+        for key in [
+            "ogate_act",
+            "use_rope",
+            "num_kv_heads",
+            "window_size",
+            "tie_word_embeddings",
+        ] {
+            lean = lean.replacen(&format!("\"{key}\":"), &format!("\"unused_{key}\":"), 1);
+        }
+        assert_eq!(Config::from_json(&lean).unwrap(), c);
+    }
+
+    /// A value of the wrong type, or a missing required field, is a bad-model error naming
+    /// the field, for every field the engine reads.
+    #[test]
+    fn every_field_is_named_in_its_errors() {
+        let fields = [
+            ("vocab_size", true),
+            ("hidden_size", true),
+            ("num_hidden_layers", true),
+            ("num_heads", true),
+            ("hidden_ratio", false),
+            ("intermediate_size", false),
+            ("hidden_act", true),
+            ("norm_eps", true),
+            ("qk_norm", true),
+            ("qk_norm_share_param_across_head", false),
+            ("use_k_shift", true),
+            ("use_v_shift", true),
+            ("use_output_gate", true),
+            ("ogate_act", false),
+            ("use_output_norm", true),
+            ("fgate_type", true),
+            ("use_rope", false),
+            ("tie_word_embeddings", false),
+            ("log_pruning_tolerance", false),
+        ];
+        for (key, required) in fields {
+            let wrong = if key.ends_with("_act") || key == "fgate_type" {
+                "[1]"
+            } else {
+                "\"x\""
+            };
+            let e = Config::from_json(&with(key, wrong)).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::BadModel, "{key}: {e}");
+            assert!(
+                e.to_string().contains(&format!("field `{key}`")),
+                "{key}: {e}"
+            );
+            let gone = BUNDLED.replacen(&format!("\"{key}\":"), "\"renamed\":", 1);
+            match Config::from_json(&gone) {
+                Err(e) => {
+                    assert!(required, "{key}: {e}");
+                    assert_eq!(
+                        e.to_string(),
+                        format!("bad model file: config.json: field `{key}`: missing")
+                    );
+                }
+                Ok(_) => assert!(!required, "{key} is required"),
+            }
+        }
     }
 }

@@ -1008,7 +1008,7 @@ mod vulkan_tests {
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
     use crate::vulkan_backend::{VulkanBackend, open};
-    use crate::{Model, npy::NpyArray};
+    use crate::Model;
     use foxedge_cpu::AttentionStats;
 
     /// Lets several sessions share one backend (and its mirrors) in a test.
@@ -1052,13 +1052,13 @@ mod vulkan_tests {
         };
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).unwrap());
-        let ids: Vec<u32> = NpyArray::read(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
-            .unwrap()
-            .to_i32()
-            .unwrap()
-            .iter()
-            .map(|&x| x as u32)
-            .collect();
+        let ids: Vec<u32> = {
+            let f = std::fs::File::open(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
+                .unwrap();
+            let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).unwrap();
+            let v: Vec<i32> = npy.into_vec().unwrap();
+            v.into_iter().map(|x| x as u32).collect()
+        };
         let v = model.info().vocab;
         let opts = SessionOptions {
             budget: Some(Budget::EntriesPerHead(64)),

@@ -9,7 +9,8 @@
 
 use crate::error::{Error, Result};
 use memmap2::Mmap;
-use serde_json::Value;
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -70,8 +71,8 @@ fn bad(item: &str, message: impl Into<String>) -> Error {
 }
 
 impl WeightFile {
-    /// Maps `path` and validates its header: framing, JSON, dtypes, shapes, offsets inside the
-    /// file, no overlap or gap (checked again by the `safetensors` crate).
+    /// Maps `path` and validates its header (the `safetensors` crate: framing, JSON, shapes,
+    /// offsets that tile the data section exactly) and the dtypes.
     pub fn open(path: &Path) -> Result<WeightFile> {
         let file_name = path.display().to_string();
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -80,13 +81,7 @@ impl WeightFile {
         // would fault or change); model files are treated as immutable while in use, the
         // same contract every mmap-based model loader has.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let entries = parse_header(&map, &file_name)?;
-        safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
-            bad(
-                &file_name,
-                format!("rejected by the safetensors parser: {e}"),
-            )
-        })?;
+        let entries = read_header(&map, &file_name)?;
         Ok(WeightFile {
             map,
             entries,
@@ -189,107 +184,203 @@ impl WeightFile {
     }
 }
 
-/// Validates the header and returns every tensor entry with absolute offsets.
-fn parse_header(map: &[u8], file: &str) -> Result<BTreeMap<String, Entry>> {
-    if map.len() < 8 {
-        return Err(bad(
-            file,
-            format!(
-                "truncated: {} bytes, shorter than the 8-byte header length",
-                map.len()
-            ),
-        ));
+/// The engine's dtype of tensor `name`; F32, F16 and BF16 only, else [`Error::Unsupported`].
+fn dtype_of(name: &str, info: &TensorInfo) -> Result<DType> {
+    match info.dtype {
+        Dtype::F32 => Ok(DType::F32),
+        Dtype::F16 => Ok(DType::F16),
+        Dtype::BF16 => Ok(DType::BF16),
+        other => Err(Error::Unsupported(format!(
+            "tensor `{name}`: dtype {other:?} (only F32, F16 and BF16 weights are supported)"
+        ))),
     }
-    let mut n8 = [0u8; 8];
-    n8.copy_from_slice(&map[..8]);
-    let hlen = u64::from_le_bytes(n8);
-    let data_start = usize::try_from(hlen)
-        .ok()
-        .and_then(|h| h.checked_add(8))
-        .filter(|&s| s <= map.len())
-        .ok_or_else(|| {
-            bad(
-                file,
-                format!(
-                    "header length {hlen} exceeds the file size {} (truncated or corrupt)",
-                    map.len()
-                ),
-            )
-        })?;
-    let text = std::str::from_utf8(&map[8..data_start])
-        .map_err(|_| bad(file, "header is not UTF-8 (corrupt)"))?;
-    let json: Value = serde_json::from_str(text)
-        .map_err(|e| bad(file, format!("header is not valid JSON: {e}")))?;
-    let obj = json
-        .as_object()
-        .ok_or_else(|| bad(file, "header is not a JSON object"))?;
-    let data_len = map.len() - data_start;
+}
+
+/// Reads the header through the `safetensors` crate and returns every tensor entry with
+/// absolute offsets; a dtype other than F32, F16 or BF16 is [`Error::Unsupported`].
+fn read_header(map: &[u8], file: &str) -> Result<BTreeMap<String, Entry>> {
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(map).map_err(|e| header_error(map, file, e))?;
+    let data_start = 8 + header_len;
+    // By name, so that the first unsupported tensor reported does not depend on hash order.
+    let infos: BTreeMap<String, &TensorInfo> = metadata.tensors().into_iter().collect();
     let mut entries = BTreeMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let item = format!("tensor `{name}`");
-        let info = v
-            .as_object()
-            .ok_or_else(|| bad(&item, "header entry is not an object"))?;
-        let dtype = match info.get("dtype").and_then(Value::as_str) {
-            Some("F32") => DType::F32,
-            Some("F16") => DType::F16,
-            Some("BF16") => DType::BF16,
-            Some(other) => {
-                return Err(Error::Unsupported(format!(
-                    "{item}: dtype {other} (only F32, F16 and BF16 weights are supported)"
-                )));
-            }
-            None => return Err(bad(&item, "missing or non-string `dtype`")),
-        };
-        let shape: Vec<usize> = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad(&item, "missing `shape`"))?
-            .iter()
-            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad(&item, "`shape` entries must be non-negative integers"))?;
-        let offs = info
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 2)
-            .ok_or_else(|| bad(&item, "`data_offsets` must be [begin, end]"))?;
-        let (b, e) = match (offs[0].as_u64(), offs[1].as_u64()) {
-            (Some(b), Some(e)) => (b, e),
-            _ => return Err(bad(&item, "`data_offsets` must be integers")),
-        };
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .and_then(|n| n.checked_mul(dtype.size()))
-            .ok_or_else(|| bad(&item, format!("size of shape {shape:?} overflows")))?;
-        if e < b || (e - b) as u128 != numel as u128 {
-            return Err(bad(
-                &item,
-                format!("data_offsets [{b}, {e}] do not hold {numel} bytes of shape {shape:?}"),
-            ));
-        }
-        if e > data_len as u64 {
-            return Err(bad(
-                &item,
-                format!(
-                    "data ends at byte {e} of the data section but the file has only {data_len} \
-                     (truncated)"
-                ),
-            ));
-        }
+    for (name, info) in infos {
+        let dtype = dtype_of(&name, info)?;
+        let (b, e) = info.data_offsets;
         entries.insert(
-            name.clone(),
+            name,
             Entry {
                 dtype,
-                shape,
-                start: data_start + b as usize,
-                end: data_start + e as usize,
+                shape: info.shape.clone(),
+                start: data_start + b,
+                end: data_start + e,
             },
         );
     }
     Ok(entries)
+}
+
+/// A header the `safetensors` crate rejected, as an error naming the file and, where the
+/// header parses, the tensor at fault (an unsupported dtype is [`Error::Unsupported`]).
+fn header_error(map: &[u8], file: &str, e: SafeTensorError) -> Error {
+    // The header length field, for the messages (the crate read it the same way).
+    let header_len = map
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes);
+    let size = map.len();
+    let message = match e {
+        SafeTensorError::HeaderTooSmall => {
+            format!("truncated: {size} bytes, shorter than the 8-byte header length")
+        }
+        SafeTensorError::HeaderTooLarge => {
+            format!("header length {header_len} is over the safetensors limit of 100 MB (corrupt)")
+        }
+        SafeTensorError::InvalidHeaderLength => format!(
+            "header length {header_len} exceeds the file size {size} (truncated or corrupt)"
+        ),
+        SafeTensorError::InvalidHeader => "header is not UTF-8 (corrupt)".into(),
+        SafeTensorError::InvalidHeaderStart | SafeTensorError::InvalidHeaderDeserialization => {
+            "header is not valid JSON of a safetensors header (corrupt)".into()
+        }
+        SafeTensorError::MetadataIncompleteBuffer => format!(
+            "truncated: the header's tensors do not end at the end of the file ({size} bytes)"
+        ),
+        SafeTensorError::ValidationOverflow
+        | SafeTensorError::TensorInvalidInfo
+        | SafeTensorError::InvalidOffset(_) => match (tensor_at_fault(map, header_len), e) {
+            (Some(fault), _) => return fault,
+            (None, SafeTensorError::InvalidOffset(name)) => {
+                format!("tensor `{name}`: data_offsets leave a gap or overlap another tensor")
+            }
+            (None, e) => format!("tensor offsets, shapes and dtypes disagree ({e:?}; corrupt)"),
+        },
+        other => format!("rejected by the safetensors parser: {other}"),
+    };
+    bad(file, message)
+}
+
+/// After the crate rejected the tensors' shapes or offsets (so the framing and the JSON were
+/// valid): the first tensor by name with an unsupported dtype, a size that overflows, or
+/// offsets that do not hold its shape. None if the header does not parse again or no
+/// single tensor is at fault (a gap or an overlap between tensors).
+fn tensor_at_fault(map: &[u8], header_len: u64) -> Option<Error> {
+    let end = usize::try_from(header_len).ok()?.checked_add(8)?;
+    let metadata: Metadata = serde_json::from_slice(map.get(8..end)?).ok()?;
+    let infos: BTreeMap<String, &TensorInfo> = metadata.tensors().into_iter().collect();
+    for (name, info) in &infos {
+        if let Err(e) = dtype_of(name, info) {
+            return Some(e);
+        }
+    }
+    for (name, info) in infos {
+        let item = format!("tensor `{name}`");
+        let shape = &info.shape;
+        let Some(numel) = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(info.dtype.size()))
+        else {
+            return Some(bad(&item, format!("size of shape {shape:?} overflows")));
+        };
+        let (b, e) = info.data_offsets;
+        if e < b || e - b != numel {
+            return Some(bad(
+                &item,
+                format!("data_offsets [{b}, {e}] do not hold {numel} bytes of shape {shape:?}"),
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    /// A safetensors file: the header JSON (padded to 8 bytes) and `data` bytes.
+    fn file(header: &str, data: usize) -> Vec<u8> {
+        let mut h = header.to_string();
+        h.push_str(&" ".repeat((8 - h.len() % 8) % 8));
+        let mut b = (h.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(h.as_bytes());
+        b.resize(b.len() + data, 0);
+        b
+    }
+
+    fn err(bytes: &[u8]) -> Error {
+        match read_header(bytes, "w") {
+            Ok(e) => panic!("should fail: {e:?}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn entries_have_absolute_offsets() {
+        let h = r#"{"b":{"dtype":"F16","shape":[2],"data_offsets":[8,12]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}}"#;
+        let bytes = file(h, 12);
+        let e = read_header(&bytes, "w").unwrap();
+        let start = bytes.len() - 12;
+        assert_eq!(e.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(
+            (e["a"].dtype, e["a"].start, e["a"].end),
+            (DType::F32, start, start + 8)
+        );
+        assert_eq!(
+            (e["b"].dtype, e["b"].start, e["b"].shape.as_slice()),
+            (DType::F16, start + 8, &[2][..])
+        );
+    }
+
+    /// What the crate rejects names the tensor at fault where one is.
+    #[test]
+    fn rejected_headers_name_the_tensor() {
+        let gap = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+        let e = err(&file(gap, 12));
+        assert_eq!(e.kind(), ErrorKind::BadModel);
+        assert!(
+            e.to_string()
+                .contains("tensor `b`: data_offsets leave a gap"),
+            "{e}"
+        );
+        let size = r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+        let e = err(&file(size, 8));
+        assert!(
+            e.to_string()
+                .contains("tensor `a`: data_offsets [0, 8] do not hold 12 bytes"),
+            "{e}"
+        );
+        let dtype = r#"{"z":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"y":{"dtype":"U8","shape":[1],"data_offsets":[4,5]},"x":{"dtype":"I64","shape":[1],"data_offsets":[5,13]}}"#;
+        let e = err(&file(dtype, 13));
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("tensor `x`: dtype I64"), "{e}");
+        let not_json = file(r#"{"a": nope}"#, 0);
+        assert!(err(&not_json).to_string().contains("not valid JSON"));
+        let mut not_utf8 = file(r#"{"a": 1}"#, 0);
+        not_utf8[9] = 0xff;
+        assert!(err(&not_utf8).to_string().contains("UTF-8"));
+    }
+
+    proptest::proptest! {
+        /// Any truncation or one-byte change of a valid file is read or rejected, never a
+        /// panic; what is read lies inside the file.
+        #[test]
+        fn damaged_files_never_panic(cut in 0usize..200, at in 0usize..200, byte in 0u8..=255) {
+            let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}}"#;
+            let good = file(h, 14);
+            let n = good.len();
+            let mut bad = good[..cut.min(n)].to_vec();
+            if !bad.is_empty() {
+                let i = at % bad.len();
+                bad[i] = byte;
+            }
+            if let Ok(entries) = read_header(&bad, "w") {
+                for e in entries.values() {
+                    proptest::prop_assert!(e.start <= e.end && e.end <= bad.len());
+                }
+            }
+        }
+    }
 }

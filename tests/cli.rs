@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use foxedge::npy::{NpyArray, NpyData};
 use std::process::Command;
 
 fn foxedge() -> Command {
@@ -115,20 +114,32 @@ fn generate_json_and_options() {
     assert_eq!(text.lines().next(), a.lines().next());
 }
 
+/// Usage errors (a bad value, conflicting or unknown flags, a missing required one, an unknown
+/// command) and errors while running exit 1, as `foxedge: <message>`.
 #[test]
 fn bad_arguments_fail_cleanly() {
-    for args in [
-        vec!["generate", "--max-tokens", "abc"],
-        vec!["generate", "--no-acp", "--log-eps", "-5"],
-        vec!["generate", "--backend", "tpu"],
-        vec!["generate", "--budget", "4", "--window", "8"],
-        vec!["generate", "--model", "/nonexistent"],
-        vec!["generate", "--frobnicate"],
-        vec!["logits", "--input", "x.npy"],
-        vec!["nosuch"],
+    for (args, code) in [
+        (vec!["generate", "--max-tokens", "abc"], 1),
+        (vec!["generate", "--no-acp", "--log-eps", "-5"], 1),
+        (vec!["generate", "--backend", "tpu"], 1),
+        (vec!["generate", "--budget", "4", "--window", "8"], 1),
+        (vec!["generate", "--model", "/nonexistent"], 1),
+        (vec!["generate", "--frobnicate"], 1),
+        (vec!["logits", "--input", "x.npy"], 1),
+        (vec!["nosuch"], 1),
+        (vec!["bench", "--lengths", "1"], 1),
+        (vec!["bench", "--pool", "a.json", "--full"], 1),
+        (
+            vec!["inspect", "--text", "/nonexistent", "--plot", "x.png"],
+            1,
+        ),
+        (
+            vec!["logits", "--input", "/nonexistent", "--output", "x.npy"],
+            1,
+        ),
     ] {
         let out = foxedge().args(&args).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("foxedge: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
@@ -144,17 +155,45 @@ fn bad_arguments_fail_cleanly() {
     );
 }
 
+/// `--help` of the command and of every subcommand prints its usage on stdout and exits 0;
+/// `--version` prints the version; no arguments prints the help on stderr and exits 2.
+#[test]
+fn help_and_version() {
+    for sub in [
+        vec![],
+        vec!["generate"],
+        vec!["logits"],
+        vec!["bench"],
+        vec!["inspect"],
+    ] {
+        for flag in ["--help", "-h"] {
+            let out = foxedge().args(&sub).arg(flag).output().unwrap();
+            assert_succeeded(&out);
+            let text = String::from_utf8_lossy(&out.stdout);
+            let usage = format!("Usage: foxedge {}", sub.join(" "));
+            assert!(text.contains(usage.trim_end()), "{sub:?} {flag}:\n{text}");
+            assert!(text.contains("--help"), "{sub:?} {flag}:\n{text}");
+        }
+    }
+    let out = foxedge().arg("help").arg("generate").output().unwrap();
+    assert_succeeded(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--max-tokens"));
+    let out = foxedge().arg("--version").output().unwrap();
+    assert_succeeded(&out);
+    let v = format!("foxedge {}\n", env!("CARGO_PKG_VERSION"));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), v);
+    let out = foxedge().output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Usage: foxedge <COMMAND>"));
+}
+
 #[test]
 fn logits_command_reproduces_golden_logits() {
     let dir = synth::temp_dir("cli-logits");
     let input = dir.join("ids.npy");
     let ids = input_ids();
-    NpyArray {
-        shape: vec![ids.len()],
-        data: NpyData::I32(ids.iter().map(|&x| x as i32).collect()),
-    }
-    .write(&input)
-    .unwrap();
+    let ids32: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    write_npy(&input, &[ids.len()], &ids32);
     let (_, want) = npy_f32("logits.npy");
     for acp in [vec!["--no-acp"], vec!["--log-eps", "-10"]] {
         let output = dir.join("logits.npy");
@@ -172,9 +211,9 @@ fn logits_command_reproduces_golden_logits() {
             .output()
             .unwrap();
         assert_succeeded(&out);
-        let got = NpyArray::read(&output).unwrap();
-        assert_eq!(got.shape, vec![1024, 256]);
-        let (max, rel) = errors(&got.to_f32().unwrap(), &want);
+        let (shape, got) = read_npy::<f32>(&output);
+        assert_eq!(shape, vec![1024, 256]);
+        let (max, rel) = errors(&got, &want);
         assert!(max <= 2e-3 && rel <= 1e-4, "{acp:?}: {max:.3e} {rel:.3e}");
     }
     std::fs::remove_dir_all(dir).ok();

@@ -8,10 +8,11 @@
 
 mod workload;
 
-use super::args::Args;
+use super::plot::{PALETTE, Series, line_chart};
 use super::pool::{cell_label, sample_mean};
+use super::{ModelArg, progress};
+use clap::{Args, ValueEnum};
 use foxedge::attention::{AcpMode, AttentionStats, Engine};
-use foxedge::plot::{PALETTE, Series, line_chart};
 use foxedge::{BackendKind, Error, Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -109,11 +110,105 @@ struct Method {
     min_rounds: usize,
 }
 
-pub fn run(rest: Vec<String>) -> Result<()> {
-    let mut a = Args::new(rest);
-    let json = a.flag("--json");
-    if let Some(list) = a.value("--pool")? {
-        a.finish()?;
+/// Time attention prefill and decode per backend, dense and with ACP
+///
+/// Runs on the model's real q/k/v/gates (all layers' heads in one call). Per cell: median,
+/// min and IQR time, kept GFLOP/s, % of the measured fp32 FMA peak, kept fraction, speedups,
+/// and auto against the best single backend. Each cell: --warm untimed calls per backend,
+/// then up to --reps rounds with the backends interleaved (a random order each round), each
+/// sample a batch of >= --batch-ms, at most --budget-s of timed calls per backend.
+/// FOXEDGE_BENCH_SLOW_MS=X reports timed calls over X ms.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Backends, comma-separated: cpu, vulkan, hybrid, auto, or all
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "all", value_parser = backend_or_all)]
+    backend: Vec<Option<BackendKind>>,
+    /// Operations, comma-separated
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "all"
+    )]
+    ops: Vec<OpArg>,
+    /// Context lengths in tokens, comma-separated, k = 1024 (e.g. 1k,4k) [default: 1k,4k;
+    /// with --full 1k,4k,16k,64k]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_len)]
+    lengths: Vec<usize>,
+    /// The long grid: lengths 1k to 64k, more rounds and a longer budget per cell
+    #[arg(long)]
+    full: bool,
+    /// Rounds of interleaved samples per cell, at most [default: 15; with --full 80]
+    #[arg(long, value_name = "N")]
+    reps: Option<usize>,
+    /// Untimed calls per backend before each cell's rounds
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    warm: usize,
+    /// Milliseconds a sample's batch of calls should last
+    #[arg(long, value_name = "MS", default_value_t = 20.0)]
+    batch_ms: f64,
+    /// Seconds of timed calls per backend and cell [default: 3; with --full 8]
+    #[arg(long, value_name = "S")]
+    budget_s: Option<f64>,
+    /// Add a second CPU engine and, with a Vulkan device, a second Vulkan engine: their
+    /// ratios to the first are the method's noise floor
+    #[arg(long)]
+    control: bool,
+    /// Vulkan device: an index or a name substring [default: FOXEDGE_VULKAN_DEVICE, else
+    /// the best device]
+    #[arg(long, value_name = "SEL")]
+    device: Option<String>,
+    /// ln eps of the ACP cells (< 0)
+    #[arg(long, value_name = "X", default_value_t = -10.0, allow_negative_numbers = true)]
+    log_eps: f64,
+    #[command(flatten)]
+    model: ModelArg,
+    /// Token ids (.npy, [B, T]) the model runs over for its gates [default:
+    /// tests/fixtures/fox-tiny-pro/long_input_ids.npy beside the model]
+    #[arg(long, value_name = "IDS.npy")]
+    ids: Option<PathBuf>,
+    /// Print the report as JSON instead of the table
+    #[arg(long)]
+    json: bool,
+    /// Also write the JSON report to FILE (for --pool)
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// Write PNG plots into DIR: kept GFLOP/s against context per op, the decay matrix of
+    /// four heads with the ACP boundary
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// Measure nothing; pool repeated --out reports (comma-separated files): auto/best per
+    /// cell by median and by total time (geometric mean, one-sided 95% lower bound over the
+    /// runs) and the control pairs' noise
+    #[arg(long, value_name = "LIST", conflicts_with_all = [
+        "backend", "ops", "lengths", "full", "reps", "warm", "batch_ms", "budget_s",
+        "control", "device", "log_eps", "model", "ids", "out", "plot",
+    ])]
+    pool: Option<String>,
+    /// No progress bar on stderr (also hidden with --json or when stderr is not a terminal)
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+/// `--ops` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OpArg {
+    Prefill,
+    Decode,
+    All,
+}
+
+/// A `--backend` value: a backend, or None for `all`.
+fn backend_or_all(s: &str) -> Result<Option<BackendKind>> {
+    match s.trim() {
+        "all" => Ok(None),
+        b => b.parse().map(Some),
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let json = a.json;
+    if let Some(list) = a.pool {
         let s = super::pool::pool_files(&list)?;
         if json {
             let js = serde_json::to_string_pretty(&s)
@@ -124,27 +219,22 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         }
         return Ok(());
     }
-    let json_out = a.value("--out")?.map(PathBuf::from);
-    let full = a.flag("--full");
-    let control = a.flag("--control");
-    let plot_dir = a.value("--plot")?.map(PathBuf::from);
-    let model_dir = a.value("--model")?;
-    let ids_path = a.value("--ids")?.map(PathBuf::from);
-    let device = a.value("--device")?;
-    let backends_arg = a.value("--backend")?;
-    let lens_arg = a.value("--lengths")?;
-    let ops_arg = a.value("--ops")?;
+    let json_out = a.out;
+    let full = a.full;
+    let control = a.control;
+    let plot_dir = a.plot;
+    let ids_path = a.ids;
+    let device = a.device;
     // `--full` measures longer cells by default: with 3 s per backend a 0.5 s call got 6
     // samples, and on the H100 host two identical CPU engines then differed by up to 7%;
     // with 25 rounds, cells of 0.1-0.6 ms decode steps still read 0.94 between them (the
     // host's noise comes in bursts of seconds). Cheap cells get 80 rounds: ~6 s more each.
     let (reps0, budget0) = if full { (80, 8.0) } else { (15, 3.0) };
-    let rounds: usize = a.parsed("--reps")?.unwrap_or(reps0);
-    let warm: usize = a.parsed("--warm")?.unwrap_or(3);
-    let batch_ms: f64 = a.parsed("--batch-ms")?.unwrap_or(20.0);
-    let budget_s: f64 = a.parsed("--budget-s")?.unwrap_or(budget0);
-    let ln_eps: f64 = a.parsed("--log-eps")?.unwrap_or(-10.0);
-    a.finish()?;
+    let rounds: usize = a.reps.unwrap_or(reps0);
+    let warm: usize = a.warm;
+    let batch_ms: f64 = a.batch_ms;
+    let budget_s: f64 = a.budget_s.unwrap_or(budget0);
+    let ln_eps: f64 = a.log_eps;
     if rounds == 0 || warm == 0 {
         return Err(Error::InvalidArgument(
             "--reps and --warm must be > 0".into(),
@@ -167,43 +257,32 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         budget_s,
         min_rounds: rounds.min(3),
     };
-    let backends: Vec<BackendKind> = match backends_arg.as_deref() {
-        None | Some("all") => vec![
-            BackendKind::Cpu,
-            BackendKind::Vulkan,
-            BackendKind::Hybrid,
-            BackendKind::Auto,
-        ],
-        Some(s) => s
-            .split(',')
-            .map(str::parse)
-            .collect::<Result<Vec<BackendKind>>>()?,
+    let mut backends: Vec<BackendKind> = Vec::new();
+    for b in &a.backend {
+        match b {
+            Some(k) => backends.push(*k),
+            None => backends.extend([
+                BackendKind::Cpu,
+                BackendKind::Vulkan,
+                BackendKind::Hybrid,
+                BackendKind::Auto,
+            ]),
+        }
+    }
+    let mut ops: Vec<&'static str> = Vec::new();
+    for o in &a.ops {
+        match o {
+            OpArg::Prefill => ops.push("prefill"),
+            OpArg::Decode => ops.push("decode"),
+            OpArg::All => ops.extend(["prefill", "decode"]),
+        }
+    }
+    let lens: Vec<usize> = match a.lengths {
+        l if !l.is_empty() => l,
+        _ if full => vec![1024, 4096, 16384, 65536],
+        _ => vec![1024, 4096],
     };
-    let ops: Vec<&'static str> = match ops_arg.as_deref() {
-        None | Some("all") => vec!["prefill", "decode"],
-        Some(s) => s
-            .split(',')
-            .map(|o| match o.trim() {
-                "prefill" => Ok("prefill"),
-                "decode" => Ok("decode"),
-                x => Err(Error::InvalidArgument(format!(
-                    "--ops: `{x}` (expected prefill, decode or all)"
-                ))),
-            })
-            .collect::<Result<_>>()?,
-    };
-    let lens: Vec<usize> = match lens_arg {
-        Some(s) => s
-            .split(',')
-            .map(|x| parse_len(x.trim()))
-            .collect::<Result<_>>()?,
-        None if full => vec![1024, 4096, 16384, 65536],
-        None => vec![1024, 4096],
-    };
-    let dir = match model_dir {
-        Some(m) => PathBuf::from(m),
-        None => super::default_model_dir()?,
-    };
+    let dir = a.model.dir()?;
     let ids_path = match ids_path {
         Some(p) => p,
         None => fixture_ids(&dir)?,
@@ -216,7 +295,10 @@ pub fn run(rest: Vec<String>) -> Result<()> {
         ids_path.display()
     );
     let t0 = Instant::now();
-    let big = real_gate_inputs(&model, &rows, max_len)?;
+    let spinner = progress::spinner("capturing real gates".into(), a.quiet || json);
+    let big = real_gate_inputs(&model, &rows, max_len);
+    spinner.finish_and_clear();
+    let big = big?;
     eprintln!(
         "[bench] captured in {:.1} s; measuring the FMA peak",
         t0.elapsed().as_secs_f64()
@@ -256,6 +338,11 @@ pub fn run(rest: Vec<String>) -> Result<()> {
     let device_name = engines.iter().find_map(|(_, e)| e.device());
 
     let mut cells: Vec<Cell> = Vec::new();
+    let bar = progress::bar(
+        (ops.len() * lens.len() * 2) as u64,
+        "cells",
+        a.quiet || json,
+    );
     for &op in &ops {
         for &len in &lens {
             let p = big.prefix(len)?;
@@ -288,7 +375,9 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                         None => eng.prefill(&p, mode, out),
                     }
                 };
+                bar.set_message(cell_label(op, len as u64, acp));
                 let m = measure(&engines, n_out, method, run)?;
+                bar.inc(1);
                 if acp {
                     // This length's caches are done with: device mirrors go.
                     for ((_, e), d) in engines.iter().zip(&dps) {
@@ -329,18 +418,21 @@ pub fn run(rest: Vec<String>) -> Result<()> {
                         scheduler_us: r.scheduler_us,
                         max_abs_diff_vs_cpu: diff,
                     });
-                    eprintln!(
-                        "[bench] {op} L={len} {} {label}: median {:.3} ms, min {:.3} ms, {} x {}",
-                        if acp { "acp" } else { "dense" },
-                        med * 1e3,
-                        sorted[0] * 1e3,
-                        r.samples.len(),
-                        r.inner
-                    );
+                    bar.suspend(|| {
+                        eprintln!(
+                            "[bench] {op} L={len} {} {label}: median {:.3} ms, min {:.3} ms, {} x {}",
+                            if acp { "acp" } else { "dense" },
+                            med * 1e3,
+                            sorted[0] * 1e3,
+                            r.samples.len(),
+                            r.inner
+                        )
+                    });
                 }
             }
         }
     }
+    bar.finish_and_clear();
     // Speedups.
     let snapshot = cells.clone();
     for c in &mut cells {
@@ -808,8 +900,9 @@ fn choice_words(c: &Cell) -> String {
     }
 }
 
-/// `1024`, `4k`, `64K` → tokens.
-fn parse_len(s: &str) -> Result<usize> {
+/// `1024`, `4k`, `64K` → tokens (>= 2).
+fn parse_len(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
     let (num, mul) = match s.strip_suffix(['k', 'K']) {
         Some(n) => (n, 1024),
         None => (s, 1),
@@ -818,7 +911,7 @@ fn parse_len(s: &str) -> Result<usize> {
         .ok()
         .and_then(|n| n.checked_mul(mul))
         .filter(|&n| n >= 2)
-        .ok_or_else(|| Error::InvalidArgument(format!("--lengths: bad length `{s}` (>= 2)")))
+        .ok_or_else(|| format!("`{s}` is not a length N or Nk of >= 2 tokens"))
 }
 
 /// `tests/fixtures/fox-tiny-pro/long_input_ids.npy` beside the model's repository.

@@ -2,85 +2,117 @@
 //! matrix `D_ij = c_i - c_j` with the ACP pruning boundary over it (the ACP paper's
 //! Figures 1 and 6), and prints each head's threshold and kept fraction.
 
-use super::args::Args;
+use super::plot::{DecayPanel, decay_heatmaps};
+use super::{ModelArg, progress};
+use clap::Args;
 use foxedge::attention::{AcpMode, PrefillInputs, capture_prefill};
-use foxedge::plot::{DecayPanel, decay_heatmaps};
 use foxedge::{Error, Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub fn run(rest: Vec<String>) -> Result<()> {
-    let mut a = Args::new(rest);
-    let model_dir = a.value("--model")?;
-    let text = a
-        .value("--text")?
-        .ok_or_else(|| Error::InvalidArgument("--text FILE is required".into()))?;
-    let plot = a
-        .value("--plot")?
-        .map(PathBuf::from)
-        .ok_or_else(|| Error::InvalidArgument("--plot out.png is required".into()))?;
-    let heads_arg = a.value("--heads")?;
-    let max_tokens: usize = a.parsed("--max-tokens")?.unwrap_or(4096);
-    let ln_eps: f64 = a.parsed("--log-eps")?.unwrap_or(-10.0);
-    let clip: Option<f64> = a.parsed("--clip")?;
-    a.finish()?;
-    if max_tokens < 2 {
+/// Draw the decay matrix D with the ACP pruning boundary (PNG)
+///
+/// Runs the model over a text and draws, for the chosen heads, D_ij = c_i - c_j (the log
+/// decay from key j to query i) with the ACP boundary over it; prints each head's threshold
+/// delta and kept fraction.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Text to run the model over (its bytes, after BOS)
+    #[arg(long, value_name = "FILE")]
+    text: PathBuf,
+    /// Where to write the picture (PNG)
+    #[arg(long, value_name = "OUT.png")]
+    plot: PathBuf,
+    /// Heads to draw, LAYER.HEAD comma-separated (e.g. 0.1,3.2), or all
+    #[arg(long, value_name = "LIST", default_value = "all")]
+    heads: String,
+    /// Tokens of the text to use at most, BOS included (>= 2)
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    max_tokens: usize,
+    /// ln eps of the ACP boundary drawn (< 0)
+    #[arg(long, value_name = "X", default_value_t = -10.0, allow_negative_numbers = true)]
+    log_eps: f64,
+    /// The darkest D of the colour scale (< 0) [default: twice the lowest threshold drawn]
+    #[arg(long, value_name = "D", allow_negative_numbers = true)]
+    clip: Option<f64>,
+    /// No progress spinner on stderr
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+pub fn run(a: InspectArgs) -> Result<()> {
+    if a.max_tokens < 2 {
         return Err(Error::InvalidArgument("--max-tokens must be >= 2".into()));
     }
-    if !(ln_eps.is_finite() && ln_eps < 0.0) {
+    if !(a.log_eps.is_finite() && a.log_eps < 0.0) {
         return Err(Error::InvalidArgument(
             "--log-eps must be finite and < 0".into(),
         ));
     }
-    if let Some(c) = clip
+    if let Some(c) = a.clip
         && !(c.is_finite() && c < 0.0)
     {
         return Err(Error::InvalidArgument(
             "--clip must be finite and < 0".into(),
         ));
     }
-    let dir = match model_dir {
-        Some(m) => PathBuf::from(m),
-        None => super::default_model_dir()?,
-    };
-    let model = Arc::new(Model::open(&dir)?);
+    let model = Arc::new(Model::open(a.model.dir()?)?);
     let info = model.info();
-    let bytes = std::fs::read(&text).map_err(|e| Error::Io {
-        path: PathBuf::from(&text),
+    let text = &a.text;
+    let bytes = std::fs::read(text).map_err(|e| Error::Io {
+        path: text.clone(),
         source: e,
     })?;
     // BOS (byte 0) then the text's bytes (the bundled model is byte-level).
     let mut ids: Vec<u32> = vec![0];
-    ids.extend(bytes.iter().take(max_tokens - 1).map(|&b| u32::from(b)));
+    ids.extend(bytes.iter().take(a.max_tokens - 1).map(|&b| u32::from(b)));
     if ids.len() < 2 {
-        return Err(Error::InvalidArgument(format!("{text}: empty text")));
+        return Err(Error::InvalidArgument(format!(
+            "{}: empty text",
+            text.display()
+        )));
     }
     if ids.iter().any(|&t| t as usize >= info.vocab) {
         return Err(Error::InvalidArgument(format!(
-            "{text}: a byte is outside the model's vocabulary of {}",
+            "{}: a byte is outside the model's vocabulary of {}",
+            text.display(),
             info.vocab
         )));
     }
-    let heads: Vec<(usize, usize)> = match heads_arg.as_deref() {
-        None | Some("all") => (0..info.layers)
+    let heads: Vec<(usize, usize)> = match a.heads.trim() {
+        "all" => (0..info.layers)
             .flat_map(|l| (0..info.heads).map(move |h| (l, h)))
             .collect(),
-        Some(s) => s
+        s => s
             .split(',')
             .map(|p| parse_head(p.trim(), info.layers, info.heads))
             .collect::<Result<_>>()?,
     };
+    let plot = &a.plot;
     if let Some(parent) = plot.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| Error::Io {
             path: parent.to_path_buf(),
             source: e,
         })?;
     }
-    let layers = capture_prefill(&model, &ids)?;
-    let p = PrefillInputs::concat_heads(&layers)?;
-    draw_decay(&plot, &p, ln_eps, &heads, info.heads, clip)?;
+    let spinner = progress::spinner(
+        format!("running the model over {} tokens", ids.len()),
+        a.quiet,
+    );
+    let p = attention_inputs(&model, &ids);
+    spinner.finish_and_clear();
+    draw_decay(plot, &p?, a.log_eps, &heads, info.heads, a.clip)?;
     eprintln!("wrote {}", plot.display());
     Ok(())
+}
+
+/// Every layer's attention inputs over `ids`, as one problem whose heads are the layers'
+/// heads side by side.
+fn attention_inputs(model: &Arc<Model>, ids: &[u32]) -> Result<PrefillInputs> {
+    let layers = capture_prefill(model, ids)?;
+    PrefillInputs::concat_heads(&layers)
 }
 
 /// `L.H` (layer, head), e.g. `0.3`.
@@ -142,7 +174,7 @@ pub fn draw_decay(
     decay_heatmaps(
         path,
         &format!(
-            "D = c_i - c_j ({} tokens; red: ACP boundary, ln eps {ln_eps})",
+            "Decay D = c_i - c_j over {} tokens; red: the ACP boundary at ln eps = {ln_eps}",
             p.t
         ),
         &panels,

@@ -1,88 +1,75 @@
 //! `foxedge logits`: token ids (.npy) in, float32 logits (.npy) out.
 
-use super::args::Args;
-use foxedge::npy::{NpyArray, NpyData};
+use super::{AcpArgs, ModelArg, npy, progress};
+use clap::Args;
 use foxedge::{BackendKind, Error, Model, Result, Session, SessionOptions};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-pub fn run(rest: Vec<String>) -> Result<()> {
-    let mut a = Args::new(rest);
-    let no_acp = a.flag("--no-acp");
-    let log_eps: Option<f64> = a.parsed("--log-eps")?;
-    let backend = a.parsed::<BackendKind>("--backend")?.unwrap_or_default();
-    let model_dir = a.value("--model")?;
-    let input = a
-        .value("--input")?
-        .ok_or_else(|| Error::InvalidArgument("--input ids.npy is required".into()))?;
-    let output = a
-        .value("--output")?
-        .ok_or_else(|| Error::InvalidArgument("--output logits.npy is required".into()))?;
-    a.finish()?;
-    if no_acp && log_eps.is_some() {
-        return Err(Error::InvalidArgument(
-            "--no-acp and --log-eps exclude each other".into(),
-        ));
-    }
-    let dir = match model_dir {
-        Some(m) => m.into(),
-        None => super::default_model_dir()?,
-    };
-    let model = Arc::new(Model::open(&dir)?);
+/// Token ids (.npy) in, float32 logits of every position (.npy) out
+///
+/// Ids: int32, int64 or uint8, shape [T] or [B, T]. Logits: float32, [T, V] or [B, T, V].
+/// Each row is one prefill over a full cache (no eviction).
+#[derive(Debug, Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Token ids (.npy, C order)
+    #[arg(long, value_name = "IDS.npy")]
+    input: PathBuf,
+    /// Where to write the logits (.npy, float32)
+    #[arg(long, value_name = "LOGITS.npy")]
+    output: PathBuf,
+    #[command(flatten)]
+    pub(super) acp: AcpArgs,
+    /// Compute backend: cpu, vulkan, auto or hybrid
+    #[arg(long, value_name = "KIND", default_value_t = BackendKind::default())]
+    backend: BackendKind,
+    /// No progress bar on stderr (it is also hidden when stderr is not a terminal)
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+pub fn run(a: LogitsArgs) -> Result<()> {
+    let model = Arc::new(Model::open(a.model.dir()?)?);
     let vocab = model.info().vocab;
-    let arr = NpyArray::read(&input)?;
-    let ids = arr.to_i32()?;
-    let (batch, t) = match arr.shape.as_slice() {
-        [t] => (1, *t),
-        [b, t] => (*b, *t),
-        s => {
-            return Err(Error::InvalidArgument(format!(
-                "{input}: token ids must be [T] or [B, T], got shape {s:?}"
-            )));
-        }
-    };
-    if t == 0 {
-        return Err(Error::InvalidArgument(format!("{input}: no tokens")));
-    }
-    let ids: Vec<u32> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            u32::try_from(x).map_err(|_| {
-                Error::InvalidArgument(format!("{input}: token {x} at {i} is negative"))
-            })
-        })
-        .collect::<Result<_>>()?;
+    let ids = npy::read_token_ids(&a.input)?;
+    let (batch, t) = (ids.rows(), ids.row_len());
     // Full cache (no eviction), one prefill chunk per row: logits of the whole sequence.
     let opts = SessionOptions {
-        backend,
-        ln_eps: if no_acp {
-            None
-        } else {
-            Some(log_eps.unwrap_or(-10.0))
-        },
+        backend: a.backend,
+        ln_eps: a.acp.ln_eps(),
         certified_eviction: false,
         prefill_chunk: t,
         max_entries_per_head: t,
         ..SessionOptions::default()
     };
-    let mut out = vec![0.0f32; batch * t * vocab];
+    let n = batch
+        .checked_mul(t)
+        .and_then(|n| n.checked_mul(vocab))
+        .ok_or_else(|| Error::InvalidArgument(format!("{}: too many tokens", a.input.display())))?;
+    let mut out: Vec<f32> = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        what: "logits".into(),
+        bytes: n.saturating_mul(4),
+    })?;
+    out.resize(n, 0.0);
     let mut session = Session::new(model, opts)?;
-    for b in 0..batch {
+    let bar = progress::bar((batch * t) as u64, "tokens", a.quiet);
+    for (b, (row, logits)) in ids.ids.chunks(t).zip(out.chunks_mut(t * vocab)).enumerate() {
         if b > 0 {
             session.reset()?;
         }
-        session.feed(
-            &ids[b * t..(b + 1) * t],
-            Some(&mut out[b * t * vocab..(b + 1) * t * vocab]),
-        )?;
+        session.feed(row, Some(logits))?;
+        bar.inc(t as u64);
     }
-    let mut shape = arr.shape.clone();
+    bar.finish_and_clear();
+    let mut shape = ids.shape.clone();
     shape.push(vocab);
-    NpyArray {
-        shape,
-        data: NpyData::F32(out),
-    }
-    .write(&output)?;
-    eprintln!("foxedge: wrote {output} ({batch} x {t} x {vocab} float32)");
+    npy::write_f32(&a.output, &shape, &out)?;
+    eprintln!(
+        "foxedge: wrote {} ({batch} x {t} x {vocab} float32)",
+        a.output.display()
+    );
     Ok(())
 }

@@ -1,14 +1,82 @@
-//! The `foxedge` command line: one module per subcommand.
+//! The `foxedge` command line (clap): one module per subcommand, plus the `.npy` files, PNG
+//! plots and progress bars they use.
 
-pub mod args;
 pub mod bench;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod npy;
+pub mod plot;
 pub mod pool;
+pub mod progress;
 
+use clap::{Args, Parser, Subcommand};
 use foxedge::{Error, Result};
 use std::path::{Path, PathBuf};
+
+/// Forgetting Attention (FoX) inference with ACP and a certified retention cache
+///
+/// Runs FoX models on SIMD CPU kernels and Vulkan, with Adaptive Computation Pruning (ACP)
+/// and a retention (KV) cache whose evictions carry a certified bound B_t.
+#[derive(Debug, Parser)]
+#[command(name = "foxedge", version, arg_required_else_help = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Generate(generate::GenerateArgs),
+    Logits(logits::LogitsArgs),
+    Bench(bench::BenchArgs),
+    Inspect(inspect::InspectArgs),
+}
+
+/// `--model DIR`, shared by the subcommands that load a model.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArg {
+    /// Model directory (config.json + model.safetensors) [default: the bundled
+    /// models/fox-tiny-pro, searched from the current directory and the executable]
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArg {
+    /// The directory given, or the bundled model's ([`default_model_dir`]).
+    pub fn dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(m) => Ok(m.clone()),
+            None => default_model_dir(),
+        }
+    }
+}
+
+/// ACP and certified eviction: `--log-eps X` or `--no-acp`.
+#[derive(Debug, Clone, Args)]
+pub struct AcpArgs {
+    /// ln eps of ACP and of certified eviction, < 0 (the bound on the attention mass pruned
+    /// or evicted) [default: -10]
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    pub log_eps: Option<f64>,
+    /// Turn ACP and certified eviction off (dense attention, full cache)
+    #[arg(long, conflicts_with = "log_eps")]
+    pub no_acp: bool,
+}
+
+impl AcpArgs {
+    /// ln eps, or None with `--no-acp`.
+    pub fn ln_eps(&self) -> Option<f64> {
+        if self.no_acp {
+            None
+        } else {
+            Some(
+                self.log_eps
+                    .unwrap_or(foxedge_core::threshold::DEFAULT_LN_EPS),
+            )
+        }
+    }
+}
 
 /// Finds the bundled model when `--model` is not given: `models/fox-tiny-pro` under the
 /// current directory or one of its ancestors, then beside the executable or its ancestors
@@ -37,27 +105,18 @@ pub fn default_model_dir() -> Result<PathBuf> {
     )))
 }
 
-/// Runs `foxedge <args>`; returns the process exit code.
+/// Runs `foxedge <args>`; returns the process exit code: 0 on success (and for `--help`,
+/// `--version`), 2 for a usage error, 1 for an error while running.
 pub fn run(argv: Vec<String>) -> i32 {
-    let mut it = argv.into_iter().skip(1);
-    let sub = it.next();
-    let rest: Vec<String> = it.collect();
-    let result = match sub.as_deref() {
-        Some("generate") => generate::run(rest),
-        Some("logits") => logits::run(rest),
-        Some("bench") => bench::run(rest),
-        Some("inspect") => inspect::run(rest),
-        Some("-h") | Some("--help") | Some("help") | None => {
-            print!("{}", USAGE);
-            return if sub.is_none() { 2 } else { 0 };
-        }
-        Some("-V") | Some("--version") => {
-            println!("foxedge {}", env!("CARGO_PKG_VERSION"));
-            return 0;
-        }
-        Some(other) => Err(Error::InvalidArgument(format!(
-            "unknown command `{other}` (expected generate, logits, bench or inspect; see --help)"
-        ))),
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(c) => c,
+        Err(e) => return usage_error(&e),
+    };
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Logits(a) => logits::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Inspect(a) => inspect::run(a),
     };
     match result {
         Ok(()) => 0,
@@ -68,37 +127,60 @@ pub fn run(argv: Vec<String>) -> i32 {
     }
 }
 
-pub const USAGE: &str = "\
-foxedge: Forgetting Attention (FoX) inference with ACP and a certified retention cache
+/// Prints what clap returned instead of arguments: help and version on stdout (exit 0), help
+/// for a bare `foxedge` on stderr (exit 2), a usage error as `foxedge: <message>` (exit 2).
+fn usage_error(e: &clap::Error) -> i32 {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            // Nothing to do when stdout or stderr is closed.
+            e.print().ok();
+        }
+        _ => {
+            let text = e.render().to_string();
+            eprint!("foxedge: {}", text.strip_prefix("error: ").unwrap_or(&text));
+        }
+    }
+    // Usage errors exit 1 like every other error; a bare `foxedge` prints its usage and
+    // exits 2; help and version exit 0.
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => 0,
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => 2,
+        _ => 1,
+    }
+}
 
-USAGE:
-  foxedge generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--budget B]
-                   [--window N] [--sinks N] [--log-eps X | --no-acp]
-                   [--backend cpu|vulkan|auto|hybrid] [--seed N] [--temperature T] [--json]
-  foxedge logits --model DIR --input ids.npy --output logits.npy
-                   [--no-acp | --log-eps X] [--backend ...]
-  foxedge bench [--backend cpu,vulkan,hybrid,auto] [--json] [--plot DIR] [--full]
-                   [--lengths 1k,4k] [--ops prefill,decode] [--reps N] [--warm N]
-                   [--batch-ms MS] [--budget-s S] [--control] [--device SEL]
-                   [--log-eps X] [--out report.json]
-  foxedge bench --pool run1.json,run2.json,... [--json]
-  foxedge inspect [--model DIR] --text FILE --plot out.png [--heads L.H,...]
-                   [--max-tokens N] [--log-eps X] [--clip D]
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
 
-generate streams bytes from a byte-level model (default: models/fox-tiny-pro) and ends with a
-statistics line (--json: one JSON object). --budget: N entries per head, Nl entries per
-layer, or a byte size (e.g. 4MiB) for the whole cache. --log-eps: ln eps of ACP and
-certified eviction (default -10); --no-acp turns both off. --temperature 0 is greedy.
-bench: attention prefill/decode per backend, dense and ACP, on the model's real gates
-(quick: 1k and 4k tokens; --full: 1k-64k); table of time, GFLOP/s, % of the measured
-FMA peak, kept fraction and speedups; each cell: --warm untimed calls per backend, then up
-to --reps rounds (default 15, --full 80) with the backends interleaved (random order), samples
-of >= --batch-ms, at most --budget-s (default 3, --full 8) of timed calls per backend; medians,
-min, IQR and auto/best ratios (by median, and by total time); --control adds a second CPU
-engine and, with a Vulkan device, a second Vulkan engine (the noise floor);
-FOXEDGE_BENCH_SLOW_MS=X reports timed calls over X ms. --pool: auto/best per cell over
-repeated --out reports, by median and by total time (geometric mean, one-sided 95% lower
-bound over the runs, the control pairs' noise). inspect: decay matrix D with the ACP
-boundary.
-logits: int32 (or uint8) token ids [T] or [B, T] in, float32 logits [T, V] / [B, T, V] out.
-";
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn acp_flags() {
+        use clap::Parser;
+        let parse = |args: &[&str]| {
+            let mut v = vec!["foxedge", "logits", "--input", "a", "--output", "b"];
+            v.extend_from_slice(args);
+            match Cli::try_parse_from(v).map(|c| c.command) {
+                Ok(super::Command::Logits(a)) => Ok(a.acp.ln_eps()),
+                Ok(_) => unreachable!("parsed as logits"),
+                Err(e) => Err(e.kind()),
+            }
+        };
+        assert_eq!(parse(&[]), Ok(Some(-10.0)));
+        assert_eq!(parse(&["--log-eps", "-7.5"]), Ok(Some(-7.5)));
+        assert_eq!(parse(&["--log-eps=-3"]), Ok(Some(-3.0)));
+        assert_eq!(parse(&["--no-acp"]), Ok(None));
+        assert_eq!(
+            parse(&["--no-acp", "--log-eps", "-5"]),
+            Err(clap::error::ErrorKind::ArgumentConflict)
+        );
+    }
+}

@@ -1,7 +1,6 @@
 //! Shared helpers of the integration tests: fixture paths, .npy loading, error metrics.
 #![allow(dead_code)]
 
-use foxedge::npy::NpyArray;
 use foxedge::{Model, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,15 +29,44 @@ pub fn tiny() -> Arc<Model> {
     Arc::new(Model::open(model_dir()).expect("bundled model loads"))
 }
 
+/// A C-order `.npy` file's shape and elements (npyz); `T` must match its dtype.
+pub fn read_npy<T: npyz::Deserialize>(path: &std::path::Path) -> (Vec<usize>, Vec<T>) {
+    let f = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).expect(".npy header");
+    assert_eq!(npy.order(), npyz::Order::C, "{}", path.display());
+    let shape = npy.shape().iter().map(|&d| d as usize).collect();
+    (
+        shape,
+        npy.into_vec().expect(".npy data of the expected dtype"),
+    )
+}
+
+/// Writes a C-order `.npy` file of `shape` (npyz, the dtype of `T`).
+pub fn write_npy<T: npyz::AutoSerialize + Copy>(
+    path: &std::path::Path,
+    shape: &[usize],
+    data: &[T],
+) {
+    use npyz::WriterBuilder;
+    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    let f = std::fs::File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .shape(&shape)
+        .writer(std::io::BufWriter::new(f))
+        .begin_nd()
+        .expect(".npy header");
+    w.extend(data.iter().copied()).expect(".npy data");
+    w.finish().expect(".npy written");
+}
+
 pub fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
-    let a = NpyArray::read(fixture(name)).expect("fixture reads");
-    let v = a.to_f32().expect("float fixture");
-    (a.shape, v)
+    read_npy(&fixture(name))
 }
 
 pub fn input_ids() -> Vec<u32> {
-    let a = NpyArray::read(fixture("input_ids.npy")).expect("fixture reads");
-    a.to_i32().unwrap().into_iter().map(|x| x as u32).collect()
+    let (_, ids) = read_npy::<i32>(&fixture("input_ids.npy"));
+    ids.into_iter().map(|x| x as u32).collect()
 }
 
 /// (max abs difference, relative L2 error ‖a − b‖ / ‖b‖).

@@ -9,32 +9,22 @@ use std::sync::Arc;
 /// Token rows of an int32 `.npy` of shape `[B, T]` (or `[T]`), e.g. the fixture
 /// `long_input_ids.npy` (8 x 16384 held-out bytes).
 pub fn read_token_rows(path: &Path) -> Result<Vec<Vec<u32>>> {
-    let arr = foxedge::npy::NpyArray::read(path)?;
-    let ids = arr.to_i32()?;
-    let (b, t) = match arr.shape.as_slice() {
-        [t] => (1, *t),
-        [b, t] => (*b, *t),
-        s => {
-            return Err(Error::InvalidArgument(format!(
-                "{}: token ids must be [T] or [B, T], got {s:?}",
-                path.display()
-            )));
-        }
+    let f = std::fs::File::open(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let bad = |m: String| Error::InvalidArgument(format!("{}: {m}", path.display()));
+    let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).map_err(|e| bad(e.to_string()))?;
+    let shape: Vec<u64> = npy.shape().to_vec();
+    let t = match shape.as_slice() {
+        [t] | [_, t] if *t > 0 => *t as usize,
+        s => return Err(bad(format!("token ids must be [T] or [B, T], got {s:?}"))),
     };
-    if b == 0 || t == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{}: no tokens",
-            path.display()
-        )));
-    }
+    let ids: Vec<i32> = npy.into_vec().map_err(|e| bad(e.to_string()))?;
     ids.chunks(t)
         .map(|row| {
             row.iter()
-                .map(|&x| {
-                    u32::try_from(x).map_err(|_| {
-                        Error::InvalidArgument(format!("{}: negative token {x}", path.display()))
-                    })
-                })
+                .map(|&x| u32::try_from(x).map_err(|_| bad(format!("negative token {x}"))))
                 .collect()
         })
         .collect()

@@ -8,35 +8,8 @@ use std::sync::Arc;
 /// Token rows of an int32 `.npy` of shape `[B, T]` (or `[T]`), e.g. the fixture
 /// `long_input_ids.npy` (8 x 16384 held-out bytes).
 pub fn read_token_rows(path: &Path) -> Result<Vec<Vec<u32>>> {
-    let arr = foxedge::npy::NpyArray::read(path)?;
-    let ids = arr.to_i32()?;
-    let (b, t) = match arr.shape.as_slice() {
-        [t] => (1, *t),
-        [b, t] => (*b, *t),
-        s => {
-            return Err(Error::InvalidArgument(format!(
-                "{}: token ids must be [T] or [B, T], got {s:?}",
-                path.display()
-            )));
-        }
-    };
-    if b == 0 || t == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{}: no tokens",
-            path.display()
-        )));
-    }
-    ids.chunks(t)
-        .map(|row| {
-            row.iter()
-                .map(|&x| {
-                    u32::try_from(x).map_err(|_| {
-                        Error::InvalidArgument(format!("{}: negative token {x}", path.display()))
-                    })
-                })
-                .collect()
-        })
-        .collect()
+    let t = super::super::npy::read_token_ids(path)?;
+    Ok(t.ids.chunks(t.row_len()).map(<[u32]>::to_vec).collect())
 }
 
 /// The attention of every layer of `model` on real text, as one call of `layers * heads`
