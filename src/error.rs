@@ -86,28 +86,42 @@ impl Error {
     }
 }
 
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl Error {
+    /// The message without the class word that [`Display`](fmt::Display) puts first
+    /// ("invalid argument: ", "bad model file: ", ...): for interfaces that report the class
+    /// separately, as the C ABI does with its status codes.
+    pub fn message(&self) -> String {
         match self {
-            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
-            Error::BadModel { item, message } => write!(f, "bad model file: {item}: {message}"),
-            Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
-            Error::Unsupported(m) => write!(f, "unsupported: {m}"),
-            Error::OutOfMemory { what, bytes } => {
-                write!(f, "out of memory: {what} needs {bytes} bytes")
-            }
-            Error::BackendUnavailable(m) => write!(f, "backend unavailable: {m}"),
-            Error::Internal(m) => write!(f, "internal error: {m}"),
-            Error::Tokenizer { file, message } => {
-                write!(f, "bad tokenizer file: {file}: {message}")
-            }
-            Error::NoTokenizer { dir, vocab } => write!(
-                f,
+            Error::InvalidArgument(m)
+            | Error::Unsupported(m)
+            | Error::BackendUnavailable(m)
+            | Error::Internal(m) => m.clone(),
+            Error::BadModel { item, message } => format!("{item}: {message}"),
+            Error::Io { path, source } => format!("{}: {source}", path.display()),
+            Error::OutOfMemory { what, bytes } => format!("{what} needs {bytes} bytes"),
+            Error::Tokenizer { file, message } => format!("tokenizer file {file}: {message}"),
+            Error::NoTokenizer { dir, vocab } => format!(
                 "no tokenizer: {} has no tokenizer.json and no vocab.json + merges.txt, and its \
                  vocabulary of {vocab} is not the 256 bytes (token ids still work)",
                 dir.display()
             ),
         }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let class = match self {
+            Error::InvalidArgument(_) => "invalid argument: ",
+            Error::BadModel { .. } => "bad model file: ",
+            Error::Unsupported(_) => "unsupported: ",
+            Error::OutOfMemory { .. } => "out of memory: ",
+            Error::BackendUnavailable(_) => "backend unavailable: ",
+            Error::Internal(_) => "internal error: ",
+            Error::Tokenizer { .. } => "bad ",
+            Error::Io { .. } | Error::NoTokenizer { .. } => "",
+        };
+        write!(f, "{class}{}", self.message())
     }
 }
 

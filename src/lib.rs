@@ -1,6 +1,7 @@
 //! foxedge: Forgetting Attention (FoX) inference for edge devices. The facade: the FoX model
 //! runner over memory-mapped reference checkpoints, sessions with a certified retention
-//! (KV) cache, backend selection, and standalone forgetting attention ([`attention`]).
+//! (KV) cache, backend selection, standalone forgetting attention ([`attention`]), and text
+//! in and out: the model directory's [`Tokenizer`], a [`Sampler`] chain and [`generate`].
 //!
 //! ```no_run
 //! use foxedge::{Model, Session, SessionOptions};
@@ -18,6 +19,7 @@ pub mod backend;
 pub mod config;
 mod decisions;
 pub mod error;
+pub mod generate;
 pub mod model;
 mod ops;
 mod placement;
@@ -37,6 +39,7 @@ mod test_device;
 pub use backend::BackendKind;
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};
+pub use generate::{GenerateOptions, Generation, StopReason};
 pub use model::{Model, ModelInfo};
 pub use sample::{Rng, Sampler, SamplerConfig, sample};
 pub use session::{Budget, Session, SessionOptions, SessionStats};

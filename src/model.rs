@@ -2,8 +2,10 @@
 
 use crate::config::{Config, QK_NORM_EPS};
 use crate::error::{Error, Result};
+use crate::tokenizer::Tokenizer;
 use crate::weights::{Tensor, WeightFile};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Sizes of a loaded model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +90,8 @@ pub struct Model {
     dir: PathBuf,
     params: usize,
     owned_bytes: usize,
+    /// The directory's tokenizer, read on first use.
+    tokenizer: OnceLock<Tokenizer>,
 }
 
 impl Model {
@@ -222,6 +226,7 @@ impl Model {
             dir,
             params,
             owned_bytes: owned,
+            tokenizer: OnceLock::new(),
         };
         model.compute_bounds()?;
         Ok(model)
@@ -279,6 +284,23 @@ impl Model {
     /// The directory the model was loaded from.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The tokenizer of the model's directory ([`Tokenizer::from_dir`] with this model's
+    /// vocabulary), read on the first call and kept. Opening a model never reads the
+    /// tokenizer files, so a directory without them, or with a damaged one, still runs on
+    /// token ids.
+    ///
+    /// Errors (each call retries): [`Error::NoTokenizer`] when the directory has no tokenizer
+    /// files and the vocabulary is not the 256 bytes, [`Error::Tokenizer`] naming a corrupt
+    /// or inconsistent file, [`Error::Io`] for a file that exists but cannot be read.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        if let Some(t) = self.tokenizer.get() {
+            return Ok(t);
+        }
+        let t = Tokenizer::from_dir(&self.dir, self.config.vocab_size)?;
+        // A concurrent first call may have stored an equal tokenizer first; either is kept.
+        Ok(self.tokenizer.get_or_init(|| t))
     }
 
     /// Bytes of weights converted to owned f32 at load (0 for an all-f32 aligned file,

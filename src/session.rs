@@ -56,6 +56,9 @@ pub struct SessionOptions {
     /// Rank forced evictions by caller scores ([`Session::feed_scored`]) instead of the
     /// weight bound `2U_h + c_t - c_j`.
     pub scored: bool,
+    /// Threads of the session's own rayon pool, which runs its kernels and dense layers;
+    /// 0 (default) = rayon's global pool (one thread per core, shared by every session).
+    pub threads: usize,
 }
 
 impl Default for SessionOptions {
@@ -70,12 +73,13 @@ impl Default for SessionOptions {
             prefill_chunk: 16384,
             max_entries_per_head: 32768,
             scored: false,
+            threads: 0,
         }
     }
 }
 
 /// Counters of a session since creation or the last [`Session::reset`].
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SessionStats {
     /// Tokens fed in total.
     pub tokens: u64,
@@ -97,11 +101,36 @@ pub struct SessionStats {
     /// Query-key pairs attended and attendable (causal) in all attention calls.
     pub kept_pairs: u64,
     pub total_pairs: u64,
-    /// The certificate `B_t` of each (layer, head), index `layer * heads + head`: a bound on
-    /// the attention mass that the evicted entries can take from any query now or later.
-    pub bound_per_head: Vec<f64>,
-    /// The largest of `bound_per_head` (0 when nothing was evicted).
-    pub max_bound: f64,
+    /// The certificate `B_t` of each (layer, head), index `layer * heads + head`: a bound in
+    /// `[0, 1)` on the attention mass that the head's evicted entries can take from any query
+    /// now or later (0 when nothing was evicted). `None`: no guarantee, because entries were
+    /// evicted and either the model has no logit bound valid for every token (no QK-norm) or
+    /// forced evictions pushed `B_t` to 1 or beyond, which says nothing (attention weights sum
+    /// to 1).
+    pub bound_per_head: Vec<Option<f64>>,
+    /// The largest of `bound_per_head`; `None` (no guarantee) when any head has none.
+    pub max_bound: Option<f64>,
+}
+
+impl Default for SessionStats {
+    fn default() -> Self {
+        SessionStats {
+            tokens: 0,
+            prefill_tokens: 0,
+            prefill_seconds: 0.0,
+            decode_tokens: 0,
+            decode_seconds: 0.0,
+            live_entries: 0,
+            evicted_certified: 0,
+            evicted_forced: 0,
+            cache_bytes: 0,
+            peak_cache_bytes: 0,
+            kept_pairs: 0,
+            total_pairs: 0,
+            bound_per_head: Vec::new(),
+            max_bound: Some(0.0),
+        }
+    }
 }
 
 impl SessionStats {
@@ -278,6 +307,19 @@ pub fn entry_bytes(head_dim: usize) -> usize {
     2 * head_dim * 4 + 25
 }
 
+/// The most threads [`SessionOptions::threads`] may ask for.
+pub const MAX_THREADS: usize = 1024;
+
+/// A budget in words, for messages.
+fn budget_text(b: Option<Budget>) -> String {
+    match b {
+        None => "none".into(),
+        Some(Budget::EntriesPerHead(n)) => format!("{n} entries per head"),
+        Some(Budget::EntriesPerLayer(n)) => format!("{n} entries per layer"),
+        Some(Budget::Bytes(n)) => format!("{n} bytes"),
+    }
+}
+
 /// Re-base a head's gate origin once `|c_t|` exceeds this (nats): keeps stored `c` small so
 /// their f64 spacing stays below 1e-12.
 const REBASE_AT: f64 = 1e4;
@@ -293,6 +335,8 @@ pub struct Session {
     u: Vec<Vec<f64>>,
     certified: Vec<bool>,
     backend: Box<dyn AttentionBackend>,
+    /// The session's own thread pool (`opts.threads > 0`); None: the global pool.
+    pool: Option<Arc<rayon::ThreadPool>>,
     layers: Vec<LayerState>,
     stats: SessionStats,
     /// Set when an internal error interrupted a feed half-way; cleared by `reset`.
@@ -318,11 +362,18 @@ impl Session {
     /// A fresh session over `model`.
     ///
     /// Errors: [`Error::InvalidArgument`] for inconsistent options (zero chunk, ln eps not
-    /// negative, a budget that cannot hold `sinks + window` per head),
-    /// [`Error::BackendUnavailable`] when the backend cannot be used.
+    /// negative, a budget that cannot hold `sinks + window` per head, more than
+    /// [`MAX_THREADS`] threads), [`Error::BackendUnavailable`] when the backend cannot be
+    /// used, [`Error::OutOfMemory`] when the threads cannot be started.
     pub fn new(model: Arc<Model>, opts: SessionOptions) -> Result<Session> {
         if opts.prefill_chunk == 0 {
             return Err(Error::invalid("prefill_chunk must be > 0"));
+        }
+        if opts.threads > MAX_THREADS {
+            return Err(Error::invalid(format!(
+                "threads = {} is more than {MAX_THREADS}",
+                opts.threads
+            )));
         }
         if let Some(e) = opts.ln_eps
             && !(e.is_finite() && e < 0.0)
@@ -376,10 +427,25 @@ impl Session {
         };
         cfg.validate().map_err(|e| {
             Error::invalid(format!(
-                "cache options (budget {:?}, window {}, sinks {}): {e}",
-                opts.budget, opts.window, opts.sinks
+                "cache options (budget {}, window {}, sinks {}): {e}",
+                budget_text(opts.budget),
+                opts.window,
+                opts.sinks
             ))
         })?;
+        let pool = match opts.threads {
+            0 => None,
+            n => Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("foxedge-session-{i}"))
+                    .build()
+                    .map_err(|e| Error::OutOfMemory {
+                        what: format!("a pool of {n} threads ({e})"),
+                        bytes: 0,
+                    })?,
+            )),
+        };
         let backend = crate::select::resolve(opts.backend, None)?;
         let mut s = Session {
             model,
@@ -388,6 +454,7 @@ impl Session {
             u,
             certified,
             backend,
+            pool,
             layers: Vec::new(),
             stats: SessionStats::default(),
             poisoned: false,
@@ -431,7 +498,7 @@ impl Session {
         }
         self.layers = layers;
         self.stats = SessionStats {
-            bound_per_head: vec![0.0; info.layers * info.heads],
+            bound_per_head: vec![Some(0.0); info.layers * info.heads],
             ..SessionStats::default()
         };
         self.poisoned = false;
@@ -553,7 +620,21 @@ impl Session {
         self.feed_inner(tokens, Some(scores), logits_out, None)
     }
 
+    /// [`Session::feed_checked`] on the session's pool, if it has one.
     fn feed_inner(
+        &mut self,
+        tokens: &[u32],
+        scores: Option<&[f32]>,
+        logits_out: Option<&mut [f32]>,
+        hidden: Option<&mut [f32]>,
+    ) -> Result<()> {
+        match self.pool.clone() {
+            Some(pool) => pool.install(|| self.feed_checked(tokens, scores, logits_out, hidden)),
+            None => self.feed_checked(tokens, scores, logits_out, hidden),
+        }
+    }
+
+    fn feed_checked(
         &mut self,
         tokens: &[u32],
         scores: Option<&[f32]>,
@@ -947,7 +1028,7 @@ impl Session {
         let info = self.model.info();
         let eb = entry_bytes(info.head_dim) as u64;
         let (mut live, mut cert, mut forced, mut peak) = (0u64, 0u64, 0u64, 0u64);
-        let mut max_bound = 0.0f64;
+        let mut max_bound = Some(0.0f64);
         for (l, ls) in self.layers.iter().enumerate() {
             let st = ls.policy.layer_stats();
             live += st.live as u64;
@@ -956,14 +1037,15 @@ impl Session {
             peak += ls.peak_live as u64;
             for h in 0..info.heads {
                 let b = match ls.policy.head_stats(h) {
-                    Ok(hs) if hs.evicted_certified + hs.evicted_forced == 0 => 0.0,
+                    Ok(hs) if hs.evicted_certified + hs.evicted_forced == 0 => Some(0.0),
                     // Without a bound valid for every token there is no certificate.
-                    Ok(_) if !self.certified[l] => f64::INFINITY,
-                    Ok(hs) => hs.bound,
-                    Err(_) => f64::INFINITY,
+                    Ok(_) if !self.certified[l] => None,
+                    Ok(hs) if hs.bound < 1.0 => Some(hs.bound),
+                    // NaN, or a bound of 1 or more: no information.
+                    _ => None,
                 };
                 self.stats.bound_per_head[l * info.heads + h] = b;
-                max_bound = max_bound.max(b);
+                max_bound = max_bound.zip(b).map(|(m, b)| m.max(b));
             }
         }
         self.stats.live_entries = live;
@@ -1007,8 +1089,8 @@ mod vulkan_tests {
     //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
-    use crate::vulkan_backend::{VulkanBackend, open};
     use crate::Model;
+    use crate::vulkan_backend::{VulkanBackend, open};
     use foxedge_cpu::AttentionStats;
 
     /// Lets several sessions share one backend (and its mirrors) in a test.

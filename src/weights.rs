@@ -254,7 +254,7 @@ fn header_error(map: &[u8], file: &str, e: SafeTensorError) -> Error {
             (None, SafeTensorError::InvalidOffset(name)) => {
                 format!("tensor `{name}`: data_offsets leave a gap or overlap another tensor")
             }
-            (None, e) => format!("tensor offsets, shapes and dtypes disagree ({e:?}; corrupt)"),
+            (None, e) => format!("tensor offsets, shapes and dtypes disagree ({e}; corrupt)"),
         },
         other => format!("rejected by the safetensors parser: {other}"),
     };

@@ -1,5 +1,6 @@
-//! The `foxedge` binary: `generate` with no arguments, options, errors, and `logits`
-//! reproducing the golden logits through .npy files.
+//! The `foxedge` binary: `generate` with no arguments, options, errors, `logits`
+//! reproducing the golden logits through .npy files, and text in and out (`tokenize`,
+//! `detokenize`, `generate`) on a directory laid out like the official checkpoints.
 
 mod common;
 
@@ -162,6 +163,8 @@ fn help_and_version() {
     for sub in [
         vec![],
         vec!["generate"],
+        vec!["tokenize"],
+        vec!["detokenize"],
         vec!["logits"],
         vec!["bench"],
         vec!["inspect"],
@@ -322,4 +325,164 @@ fn bench_and_inspect_write_the_table_and_the_pictures() {
     assert_succeeded(&out);
     assert!(std::fs::read(&picture).unwrap().starts_with(b"\x89PNG"));
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// A directory laid out like the official checkpoints (config.json, model.safetensors,
+/// vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json; random weights,
+/// vocabulary 50257): `tokenize` prints the reference ids (tiktoken's r50k of the
+/// JSON-escaped text, BOS first), `detokenize` gives the text back, `generate --prompt`
+/// streams text and stops at a `--stop` string without printing it.
+#[test]
+fn official_layout_directory_tokenize_detokenize_generate() {
+    let s = synth::Synth {
+        vocab: 50257,
+        hidden: 16,
+        layers: 2,
+        heads: 2,
+        pro: true,
+        seed: 31,
+        const_gate_logit: None,
+    };
+    let dir = synth::write_model_dtype(&s, "cli-official", "F32");
+    synth::write_official_tokenizer(&dir);
+    let m = dir.to_str().unwrap();
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(synth::gpt2_dir().join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let ids_of = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut checked = 0;
+    for case in reference["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        // Empty text, quotes and backslashes, CRLF, accents, CJK, emoji, NUL.
+        let wanted = [
+            "She said",
+            "line one\r\n",
+            "caf\u{e9}",
+            "\u{65e5}\u{672c}",
+            "I love",
+            "x\u{0}y",
+        ];
+        if !(text.is_empty() || wanted.iter().any(|w| text.starts_with(w))) {
+            continue;
+        }
+        let mut want = vec![50256];
+        want.extend(ids_of(&case["json_gpt2"]));
+        // Through a file: argv cannot carry every text (NUL).
+        let file = dir.join("text.txt");
+        std::fs::write(&file, text).unwrap();
+        let out = foxedge()
+            .args(["tokenize", "--model", m, "--file"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        let got: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(got, want, "{text:?}");
+        let list: Vec<String> = got.iter().map(u32::to_string).collect();
+        let out = foxedge()
+            .args(["detokenize", "--model", m, "--ids", &list.join(",")])
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            format!("<|endoftext|>{text}")
+        );
+        let out = foxedge()
+            .args(["detokenize", "--model", m, "--skip-special", "--ids"])
+            .arg(format!("{got:?}"))
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), text);
+        checked += 1;
+    }
+    assert_eq!(checked, 7);
+    let out = foxedge()
+        .args([
+            "tokenize",
+            "--model",
+            m,
+            "--no-bos",
+            "--text",
+            "Hello, world!",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "[15496,11,995,0]\n");
+
+    let prompt = "def square(x):\n";
+    let generate = |extra: &[&str]| {
+        let out = foxedge()
+            .args(["generate", "--model", m, "--prompt", prompt])
+            .args(["--max-tokens", "30", "--seed", "4", "--top-k", "100"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.starts_with(prompt), "{text}");
+        let end = text.rfind("\n[stats] ").expect("a statistics line");
+        text[prompt.len()..end].to_string()
+    };
+    let text = generate(&[]);
+    let starts: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+    assert!(starts.len() > 10, "{text:?}");
+    let stop = &text[starts[5]..starts[8]];
+    let cut = generate(&["--stop", "\u{1}unused", "--stop", stop]);
+    assert_eq!(cut, text[..text.find(stop).unwrap()]);
+
+    // Errors are named: a model directory without a tokenizer, a bad id, no input.
+    std::fs::remove_file(dir.join("vocab.json")).unwrap();
+    for (args, needle) in [
+        (vec!["tokenize", "--model", m, "--text", "a"], "vocab.json"),
+        (
+            vec!["generate", "--model", m, "--prompt", "a"],
+            "vocab.json",
+        ),
+        (
+            vec!["detokenize", "--model", m, "--ids", "1,x"],
+            "item 1 `x`",
+        ),
+        (vec!["tokenize", "--model", m], "--text"),
+    ] {
+        let out = foxedge().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("foxedge: ") && err.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+    let out = foxedge()
+        .args(["detokenize", "--ids", "104,105,300"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("token id 300"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The bundled byte model: `tokenize` is BOS 0 then the bytes, `detokenize` the bytes back.
+#[test]
+fn bundled_model_tokenize_and_detokenize() {
+    let out = foxedge()
+        .args(["tokenize", "--text", "hi\n"])
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "[0,104,105,10]\n");
+    let out = foxedge()
+        .args(["detokenize", "--skip-special", "--ids", "0 104 105"])
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi");
 }

@@ -4,42 +4,17 @@
 
 mod common;
 
-use common::synth::{Synth, write_model_dtype};
+use common::synth::{Synth, gpt2_dir, write_model_dtype, write_official_tokenizer};
 use foxedge::tokenizer::JSON_GPT2_CLASS;
 use foxedge::{
     Error, Model, Sampler, SamplerConfig, Session, SessionOptions, Tokenizer, TokenizerSource,
 };
 use proptest::prelude::*;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 const EOT: u32 = 50256;
-
-fn gpt2_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2")
-}
-
-/// tokenizer_config.json of the official checkpoints (the fields that matter here).
-const OFFICIAL_CONFIG: &str = r#"{
-  "add_bos_token": true, "add_prefix_space": false,
-  "added_tokens_decoder": {"50256": {"content": "<|endoftext|>", "lstrip": false,
-    "normalized": true, "rstrip": false, "single_word": false, "special": true}},
-  "bos_token": "<|endoftext|>", "clean_up_tokenization_spaces": true,
-  "eos_token": "<|endoftext|>", "model_max_length": 1024,
-  "tokenizer_class": "JSONGPT2Tokenizer", "unk_token": "<|endoftext|>"
-}"#;
-const OFFICIAL_MAP: &str = r#"{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-  "unk_token": "<|endoftext|>"}"#;
-
-/// Copies GPT-2's files and the official configs into `dir`.
-fn write_official_tokenizer(dir: &Path) {
-    for f in ["vocab.json", "merges.txt"] {
-        std::fs::copy(gpt2_dir().join(f), dir.join(f)).unwrap();
-    }
-    std::fs::write(dir.join("tokenizer_config.json"), OFFICIAL_CONFIG).unwrap();
-    std::fs::write(dir.join("special_tokens_map.json"), OFFICIAL_MAP).unwrap();
-}
 
 /// GPT-2 as `transformers` loads it: `<|endoftext|>` special, no BOS added, no escaping.
 fn plain() -> &'static Tokenizer {

@@ -1,32 +1,45 @@
-//! `foxedge generate`: stream text from a byte-level FoX model.
+//! `foxedge generate`: stream text from a FoX model through its directory's tokenizer.
 
 use super::{AcpArgs, ModelArg, progress};
 use clap::Args;
+use foxedge::generate::{GenerateOptions, TextGenerator, feed_prompt};
 use foxedge::{
-    BackendKind, Budget, Error, Model, Result, Rng, Session, SessionOptions, SessionStats,
+    BackendKind, Budget, Error, Model, Result, Sampler, SamplerConfig, Session, SessionOptions,
+    SessionStats,
 };
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 const DEFAULT_PROMPT: &str = "import os\nimport sys\n\n\ndef main():\n";
 
-/// Stream text from a byte-level FoX model
+/// Stream text from a FoX model
 ///
-/// Feeds BOS (byte 0) and the prompt's bytes, then samples up to --max-tokens bytes. Ends
-/// with a statistics line (--json: one JSON object): prefill and decode tokens/s, cache
-/// entries live and evicted (certified / forced), peak cache bytes, the fraction of attention
-/// pairs ACP pruned, and the largest eviction certificate B_t.
+/// Encodes the prompt with the model directory's tokenizer (tokenizer.json, or vocab.json +
+/// merges.txt with tokenizer_config.json; a vocabulary of 256 without files: one token per
+/// byte), with BOS when the tokenizer's configuration adds it, prints the prompt, then
+/// samples up to --max-tokens tokens and prints their text as it decodes. Stops at the end
+/// of text (EOS) or at a --stop string (not printed). Ends with a statistics line (--json:
+/// one JSON object): prefill and decode tokens/s, cache entries live and evicted (certified
+/// / forced), peak cache bytes, the fraction of attention pairs ACP pruned, and the largest
+/// eviction certificate B_t ("no guarantee" where none holds).
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArg,
-    /// Prompt text, fed after BOS (byte 0) [default: the start of a Python file]
-    #[arg(long, value_name = "TEXT")]
+    /// Prompt text [default: the start of a Python file]
+    #[arg(long, value_name = "TEXT", conflicts_with = "prompt_file")]
     prompt: Option<String>,
-    /// Tokens to generate at most (generation also stops at byte 0, the end of text)
+    /// Read the prompt from a file (UTF-8 text)
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
+    /// Tokens to generate at most
     #[arg(long, value_name = "N", default_value_t = 200)]
     max_tokens: usize,
+    /// Stop when the generated text contains TEXT (not printed); may be repeated
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
     /// Hard cache budget: N entries per head, Nl entries per layer, or a byte size for the
     /// whole cache (N with a B, KiB, MiB or GiB suffix, e.g. 4MiB) [default: none]
     #[arg(long, value_name = "B", value_parser = parse_budget)]
@@ -42,12 +55,11 @@ pub struct GenerateArgs {
     /// Compute backend: cpu, vulkan, auto or hybrid
     #[arg(long, value_name = "KIND", default_value_t = BackendKind::default())]
     backend: BackendKind,
-    /// Sampling seed
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    seed: u64,
-    /// Sampling temperature; 0 is greedy
-    #[arg(long, value_name = "T", default_value_t = 0.8)]
-    temperature: f32,
+    /// Threads of the session's own pool [default: one per core, shared]
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    #[command(flatten)]
+    sampler: SamplerArgs,
     /// Print the statistics as one JSON object instead of a line
     #[arg(long)]
     json: bool,
@@ -55,6 +67,49 @@ pub struct GenerateArgs {
     /// decoding (without it, those lines only when --max-tokens >= 2000)
     #[arg(short, long)]
     verbose: bool,
+}
+
+/// The sampler chain's flags (applied in this order: repetition penalty, temperature,
+/// top-k, top-p, min-p).
+#[derive(Debug, Clone, Args)]
+pub struct SamplerArgs {
+    /// Sampling temperature; 0 is greedy (the most probable token)
+    #[arg(long, value_name = "T", default_value_t = 0.8)]
+    temperature: f32,
+    /// Keep the K most probable tokens; 0 = off
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    top_k: usize,
+    /// Keep the smallest set of most probable tokens whose probability reaches P, in (0, 1];
+    /// 1 = off
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep tokens at least P times as probable as the most probable one, in [0, 1]; 0 = off
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    min_p: f32,
+    /// Divide the logits of recent tokens by X > 0 (multiply when negative); 1 = off
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// How many recent tokens (prompt included) the penalty looks at
+    #[arg(long, value_name = "N", default_value_t = SamplerConfig::default().repetition_window)]
+    repeat_window: usize,
+    /// Sampling seed
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplerArgs {
+    /// The sampler's configuration (checked when the sampler is made).
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            repetition_window: self.repeat_window,
+            seed: self.seed,
+        }
+    }
 }
 
 /// Parses a budget: `N` entries per head, `Nl` entries per layer, or bytes with a
@@ -82,36 +137,39 @@ fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
 pub fn run(a: GenerateArgs) -> Result<()> {
     let dir = a.model.dir()?;
     let model = Arc::new(Model::open(&dir)?);
-    let info = model.info();
-    if info.vocab != 256 {
-        return Err(Error::Unsupported(format!(
-            "generate streams bytes and needs a byte-level model (vocab 256), {} has {}",
-            dir.display(),
-            info.vocab
-        )));
-    }
+    let tokenizer = model.tokenizer()?.clone();
+    let vocab = model.info().vocab;
+    let mut sampler = Sampler::new(a.sampler.config())?;
+    let gen_opts = GenerateOptions {
+        stop: a.stop.clone(),
+        ..GenerateOptions::new(a.max_tokens)
+    };
+    gen_opts.validate()?;
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_text(f)?,
+        (None, None) => DEFAULT_PROMPT.to_string(),
+    };
+    let ids = tokenizer.encode(&prompt, true)?;
     let opts = SessionOptions {
         backend: a.backend,
         ln_eps: a.acp.ln_eps(),
         budget: a.budget,
         window: a.window,
         sinks: a.sinks,
+        threads: a.threads.unwrap_or(0),
         ..SessionOptions::default()
     };
-    let prompt = a.prompt.as_deref().unwrap_or(DEFAULT_PROMPT);
     let mut session = Session::new(model, opts)?;
-    let mut rng = Rng::new(a.seed);
-    let mut logits = vec![0.0f32; info.vocab];
-    // BOS (byte 0) then the prompt's bytes (fixture convention, spec §7).
-    let mut ids: Vec<u32> = vec![0];
-    ids.extend(prompt.bytes().map(u32::from));
+    let mut logits = vec![0.0f32; vocab];
+    let mut generator = TextGenerator::new(&tokenizer, &gen_opts)?;
 
     // The spinner goes before the prompt is printed: clearing it must not erase text.
     let spinner = progress::spinner(
         format!("prefilling {} tokens", ids.len()),
         !a.verbose || a.json,
     );
-    session.feed(&ids, Some(&mut logits))?;
+    feed_prompt(&mut session, &mut sampler, &ids, &mut logits)?;
     spinner.finish_and_clear();
     let mut out = std::io::stdout().lock();
     out.write_all(prompt.as_bytes()).ok();
@@ -119,30 +177,29 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let started = Instant::now();
     let mut last_report = Instant::now();
     let report = a.verbose || a.max_tokens >= 2000;
-    let mut generated = 0usize;
-    while generated < a.max_tokens {
-        let next = foxedge::sample(&logits, a.temperature, &mut rng)?;
-        if next == 0 {
-            break; // byte 0 is the end-of-text id
-        }
-        if out
-            .write_all(&[next as u8])
-            .and_then(|_| out.flush())
-            .is_err()
+    loop {
+        let step = generator.step(&mut session, &mut sampler, &mut logits)?;
+        if !step.text.is_empty()
+            && out
+                .write_all(step.text.as_bytes())
+                .and_then(|_| out.flush())
+                .is_err()
         {
             return Ok(()); // stdout closed (e.g. piped into `head`): stop quietly
         }
-        session.feed(&[next], Some(&mut logits))?;
-        generated += 1;
+        if step.stop.is_some() {
+            break;
+        }
         if report && last_report.elapsed().as_secs_f64() >= 2.0 {
             last_report = Instant::now();
             let st = session.stats();
+            let n = generator.tokens().len();
             eprintln!(
-                "\n[foxedge] {generated}/{} tokens, {:.0} tok/s, cache {} entries, max B_t {:.2e}",
+                "\n[foxedge] {n}/{} tokens, {:.0} tok/s, cache {} entries, max B_t {}",
                 a.max_tokens,
-                generated as f64 / started.elapsed().as_secs_f64(),
+                n as f64 / started.elapsed().as_secs_f64(),
                 st.live_entries,
-                st.max_bound
+                bound_text(st.max_bound)
             );
         }
     }
@@ -156,12 +213,35 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// A UTF-8 text file's contents, errors naming the file.
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "{} is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The eviction certificate in words: a number, or "no guarantee".
+pub fn bound_text(b: Option<f64>) -> String {
+    match b {
+        Some(b) => format!("{b:.3e}"),
+        None => "no guarantee".to_string(),
+    }
+}
+
 /// One human-readable line of statistics.
 pub fn stats_line(st: &SessionStats) -> String {
     format!(
         "[stats] prefill {} tok @ {:.1} tok/s | decode {} tok @ {:.1} tok/s | cache live {} \
          entries, evicted {} certified / {} forced, peak {:.1} KiB | ACP pruned {:.1}% of \
-         attention pairs | max B_t {:.3e}",
+         attention pairs | max B_t {}",
         st.prefill_tokens,
         st.prefill_tokens_per_second(),
         st.decode_tokens,
@@ -171,11 +251,12 @@ pub fn stats_line(st: &SessionStats) -> String {
         st.evicted_forced,
         st.peak_cache_bytes as f64 / 1024.0,
         100.0 * st.pruned_fraction(),
-        st.max_bound
+        bound_text(st.max_bound)
     )
 }
 
-/// The statistics as one JSON object.
+/// The statistics as one JSON object; `max_bound` and `bound_per_head` entries are null
+/// where there is no guarantee.
 pub fn stats_json(st: &SessionStats, backend: BackendKind) -> String {
     let num = |x: f64| {
         if x.is_finite() {
@@ -197,8 +278,8 @@ pub fn stats_json(st: &SessionStats, backend: BackendKind) -> String {
         "cache_bytes": st.cache_bytes,
         "peak_cache_bytes": st.peak_cache_bytes,
         "pruned_fraction": num(st.pruned_fraction()),
-        "max_bound": num(st.max_bound),
-        "bound_per_head": st.bound_per_head.iter().map(|&b| num(b)).collect::<Vec<_>>(),
+        "max_bound": st.max_bound.map(num),
+        "bound_per_head": st.bound_per_head.iter().map(|b| b.map(num)).collect::<Vec<_>>(),
     })
     .to_string()
 }

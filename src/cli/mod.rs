@@ -9,6 +9,7 @@ pub mod npy;
 pub mod plot;
 pub mod pool;
 pub mod progress;
+pub mod tokenize;
 
 use clap::{Args, Parser, Subcommand};
 use foxedge::{Error, Result};
@@ -28,6 +29,8 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     Generate(generate::GenerateArgs),
+    Tokenize(tokenize::TokenizeArgs),
+    Detokenize(tokenize::DetokenizeArgs),
     Logits(logits::LogitsArgs),
     Bench(bench::BenchArgs),
     Inspect(inspect::InspectArgs),
@@ -114,6 +117,8 @@ pub fn run(argv: Vec<String>) -> i32 {
     };
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Tokenize(a) => tokenize::run_tokenize(a),
+        Command::Detokenize(a) => tokenize::run_detokenize(a),
         Command::Logits(a) => logits::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Inspect(a) => inspect::run(a),

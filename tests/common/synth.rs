@@ -185,6 +185,35 @@ pub fn safetensors_bytes(ts: &[(String, Vec<usize>, Vec<f32>)], dtype: &str) -> 
     out
 }
 
+/// GPT-2's `vocab.json` and `merges.txt` (with the tiktoken reference ids).
+pub fn gpt2_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2")
+}
+
+/// tokenizer_config.json of the official FoX checkpoints (the fields that matter here).
+pub const OFFICIAL_CONFIG: &str = r#"{
+  "add_bos_token": true, "add_prefix_space": false,
+  "added_tokens_decoder": {"50256": {"content": "<|endoftext|>", "lstrip": false,
+    "normalized": true, "rstrip": false, "single_word": false, "special": true}},
+  "bos_token": "<|endoftext|>", "clean_up_tokenization_spaces": true,
+  "eos_token": "<|endoftext|>", "model_max_length": 1024,
+  "tokenizer_class": "JSONGPT2Tokenizer", "unk_token": "<|endoftext|>"
+}"#;
+
+/// special_tokens_map.json of the official FoX checkpoints.
+pub const OFFICIAL_MAP: &str = r#"{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+  "unk_token": "<|endoftext|>"}"#;
+
+/// Copies GPT-2's files and the official configs into `dir`: with a model of vocabulary
+/// 50257 it is laid out like the official checkpoints.
+pub fn write_official_tokenizer(dir: &Path) {
+    for f in ["vocab.json", "merges.txt"] {
+        std::fs::copy(gpt2_dir().join(f), dir.join(f)).unwrap();
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), OFFICIAL_CONFIG).unwrap();
+    std::fs::write(dir.join("special_tokens_map.json"), OFFICIAL_MAP).unwrap();
+}
+
 /// Writes a synthetic model directory and returns its path.
 pub fn write_model(s: &Synth, tag: &str) -> PathBuf {
     write_model_dtype(s, tag, "F32")

@@ -554,11 +554,15 @@ pub(crate) fn prepare<T: Storage>(
     };
     let fa_ok = || -> Result<bool> { Ok(fa_layout.is_some()) };
     let unsupported = |what: &str| {
+        let dtype = match T::DTYPE {
+            foxedge_core::contract::DType::F32 => "f32",
+            foxedge_core::contract::DType::F16 => "f16",
+            foxedge_core::contract::DType::Bf16 => "bf16",
+        };
         Error::Unsupported(format!(
-            "{what} needs NV cooperative matrix (device: {}), f16 storage (call: {:?}) and \
+            "{what} needs NV cooperative matrix (device: {}), f16 storage (call: {dtype}) and \
              head_dim 64 (call: {d})",
             ctx.info.coopmat_prefill,
-            T::DTYPE
         ))
     };
     let kernel = match want {
