@@ -3,17 +3,24 @@
 //! This crate only translates: it checks every pointer, size and `struct_size`, converts C
 //! structs to the facade's Rust types, runs the call inside a panic guard, and maps
 //! `facade::Error` to an [`fx_status`] code plus a thread-local message. Thresholds,
-//! kernels, sessions and policies all live in the crates it wraps.
+//! kernels, sessions, policies, tokenizers and samplers all live in the crates it wraps.
+//!
+//! This is the Rust library (for Rust tests and fuzzing); the C library files
+//! `libfoxedge.so` and `libfoxedge.a` are built by `ffi/clib`, which re-exports it.
 #![allow(non_camel_case_types, non_snake_case)]
 
 mod abi;
 mod attention;
+mod sampler;
 mod session;
 mod status;
+mod text;
 
 pub use attention::*;
+pub use sampler::*;
 pub use session::*;
 pub use status::{fx_last_error, fx_status, fx_status_raw, fx_status_string};
+pub use text::*;
 
 use std::ffi::c_char;
 

@@ -14,13 +14,13 @@ use crate::status::{FxResult, fail, fx_status, fx_status::*, guard, invalid, map
 /// A loaded model (opaque). Immutable: share it freely across threads.
 #[derive(Debug)]
 pub struct fx_model {
-    model: Arc<Model>,
+    pub(crate) model: Arc<Model>,
 }
 
 /// A decoding stream over a model (opaque). One thread at a time.
 #[derive(Debug)]
 pub struct fx_session {
-    session: Session,
+    pub(crate) session: Session,
     /// Set when a call panicked mid-way: the state may be half-updated, so every call but
     /// `fx_session_reset` and `fx_session_free` fails until a reset.
     poisoned: bool,
@@ -111,6 +111,9 @@ pub struct fx_session_options {
     /// 1: forced evictions drop the lowest caller scores first (`fx_session_feed_scored`);
     /// 0: the smallest weight bound first. Default 0.
     pub scored: i32,
+    /// Threads of the session's own pool, which runs its attention kernels and dense layers
+    /// (at most 1024); 0 (default): the library's shared pool, one thread per core.
+    pub n_threads: usize,
 }
 
 /// Counters of a session since creation or the last reset.
@@ -139,8 +142,13 @@ pub struct fx_session_stats {
     pub kept_pairs: u64,
     pub total_pairs: u64,
     /// The largest certified bound B_t over (layer, head): the attention mass that evicted
-    /// entries can take from any query now or later (0 when nothing was evicted).
+    /// entries can take from any query now or later (0 when nothing was evicted). Valid
+    /// only when `bound_holds` is 1; otherwise it is 1, the trivial bound.
     pub max_bound: f64,
+    /// 1: `max_bound` is a certified bound below 1. 0: no guarantee: entries were evicted
+    /// and the model has no logit bound valid for every token (no QK-norm), or forced
+    /// evictions pushed the bound to 1 or beyond.
+    pub bound_holds: i32,
 }
 
 // SAFETY: repr(C), first field usize, only integer fields.
@@ -171,6 +179,8 @@ unsafe impl Versioned for fx_model_info {
 // SAFETY: repr(C), first field usize, only integer and float fields.
 unsafe impl Versioned for fx_session_options {
     const NAME: &'static str = "fx_session_options";
+    /// The first version ended before `n_threads`.
+    const MIN_SIZE: usize = std::mem::offset_of!(fx_session_options, n_threads);
     fn default_value() -> Self {
         fx_session_options_default()
     }
@@ -179,6 +189,8 @@ unsafe impl Versioned for fx_session_options {
 // SAFETY: repr(C), first field usize, only integer and float fields.
 unsafe impl Versioned for fx_session_stats {
     const NAME: &'static str = "fx_session_stats";
+    /// The first version ended before `bound_holds`.
+    const MIN_SIZE: usize = std::mem::offset_of!(fx_session_stats, bound_holds);
     fn default_value() -> Self {
         fx_session_stats {
             struct_size: size_of::<Self>(),
@@ -195,6 +207,7 @@ unsafe impl Versioned for fx_session_stats {
             kept_pairs: 0,
             total_pairs: 0,
             max_bound: 0.0,
+            bound_holds: 1,
         }
     }
 }
@@ -226,6 +239,7 @@ pub extern "C" fn fx_session_options_default() -> fx_session_options {
         prefill_chunk: d.prefill_chunk,
         max_entries_per_head: d.max_entries_per_head,
         scored: i32::from(d.scored),
+        n_threads: d.threads,
     }
 }
 
@@ -277,6 +291,7 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
         prefill_chunk: o.prefill_chunk,
         max_entries_per_head: o.max_entries_per_head,
         scored,
+        threads: o.n_threads,
         ..SessionOptions::default()
     })
 }
@@ -400,7 +415,7 @@ pub unsafe extern "C" fn fx_session_new(
     })
 }
 
-fn live(s: &fx_session) -> FxResult<()> {
+pub(crate) fn live(s: &fx_session) -> FxResult<()> {
     if s.poisoned {
         return Err(fail(
             FX_ERR_INTERNAL,
@@ -412,7 +427,10 @@ fn live(s: &fx_session) -> FxResult<()> {
 
 /// Runs a state-changing facade call. A panic inside it may leave the session half-updated,
 /// so it marks the handle poisoned before the panic continues to the guard.
-fn mutate(s: &mut fx_session, f: impl FnOnce(&mut Session) -> facade::Result<()>) -> FxResult<()> {
+pub(crate) fn mutate(
+    s: &mut fx_session,
+    f: impl FnOnce(&mut Session) -> facade::Result<()>,
+) -> FxResult<()> {
     let session = &mut s.session;
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(session))) {
         Ok(r) => r.map_err(map_facade),
@@ -548,7 +566,8 @@ pub unsafe extern "C" fn fx_session_stats(
             peak_cache_bytes: st.peak_cache_bytes,
             kept_pairs: st.kept_pairs,
             total_pairs: st.total_pairs,
-            max_bound: st.max_bound,
+            max_bound: st.max_bound.unwrap_or(1.0),
+            bound_holds: i32::from(st.max_bound.is_some()),
         };
         // SAFETY: size came from check_out on out.
         unsafe { write_out(out, size, v) };
@@ -557,7 +576,9 @@ pub unsafe extern "C" fn fx_session_stats(
 }
 
 /// Copies the certified eviction bound B_t of every (layer, head) into `out`
-/// (`n = n_layers * n_heads` doubles, index `layer * n_heads + head`).
+/// (`n = n_layers * n_heads` doubles, index `layer * n_heads + head`). A certified bound is
+/// below 1; a head without a guarantee (see `bound_holds` of `fx_session_stats`) reports 1,
+/// the trivial bound.
 ///
 /// # Safety
 /// `s` must be NULL or a live handle not being fed concurrently; `out` must hold `n` doubles.
@@ -581,7 +602,10 @@ pub unsafe extern "C" fn fx_session_head_bounds(
             )));
         }
         // SAFETY: non-null, aligned (checked); C contract: n writable doubles.
-        unsafe { std::slice::from_raw_parts_mut(out, n) }.copy_from_slice(&b);
+        let dst = unsafe { std::slice::from_raw_parts_mut(out, n) };
+        for (d, b) in dst.iter_mut().zip(&b) {
+            *d = b.unwrap_or(1.0);
+        }
         Ok(())
     })
 }

@@ -34,6 +34,9 @@ pub enum fx_status {
     /// A streaming logit bound was exceeded by a new query or key (the certificate that
     /// ACP pruning and eviction rely on would no longer hold).
     FX_ERR_BOUND_VIOLATED = -9,
+    /// A caller's output buffer is too small; the call wrote the size it needs (and nothing
+    /// else) so the caller can retry with a larger one.
+    FX_ERR_BUFFER_TOO_SMALL = -10,
 }
 
 /// The `int32_t` that C passes where the header says `fx_status` (any value is defined).
@@ -42,7 +45,7 @@ pub type fx_status_raw = i32;
 use fx_status::*;
 
 /// Every code, for tests and for `fx_status_string`.
-pub(crate) const ALL_STATUS: [fx_status; 10] = [
+pub(crate) const ALL_STATUS: [fx_status; 11] = [
     FX_OK,
     FX_ERR_NULL_POINTER,
     FX_ERR_INVALID_ARGUMENT,
@@ -53,6 +56,7 @@ pub(crate) const ALL_STATUS: [fx_status; 10] = [
     FX_ERR_INTERNAL,
     FX_ERR_IO,
     FX_ERR_BOUND_VIOLATED,
+    FX_ERR_BUFFER_TOO_SMALL,
 ];
 
 impl fx_status {
@@ -68,6 +72,7 @@ impl fx_status {
             FX_ERR_INTERNAL => c"internal error",
             FX_ERR_IO => c"i/o error",
             FX_ERR_BOUND_VIOLATED => c"logit bound violated",
+            FX_ERR_BUFFER_TOO_SMALL => c"buffer too small",
         }
     }
 }
@@ -170,7 +175,8 @@ pub extern "C" fn fx_last_error() -> *const c_char {
         .unwrap_or(c"".as_ptr())
 }
 
-/// Maps an error of the decision layer or the kernels to a status and message.
+/// Maps an error of the decision layer or the kernels to a status and message (the
+/// message does not repeat the status's words).
 pub(crate) fn map_core(e: foxedge_core::Error) -> Failure {
     use foxedge_core::Error as E;
     let status = match e {
@@ -180,10 +186,18 @@ pub(crate) fn map_core(e: foxedge_core::Error) -> Failure {
         E::Capacity { .. } => FX_ERR_UNSUPPORTED,
         E::BoundViolated { .. } => FX_ERR_BOUND_VIOLATED,
     };
-    fail(status, e.to_string())
+    let message = match e {
+        E::BadArgument(why) => why.to_string(),
+        E::BoundViolated { observed, bound } => {
+            format!("observed {observed} > bound {bound} used for the threshold")
+        }
+        _ => e.to_string(),
+    };
+    fail(status, message)
 }
 
-/// Maps a facade error to a status and message.
+/// Maps a facade error to a status and message (without the class words of its
+/// `Display`, which the status already says).
 pub(crate) fn map_facade(e: facade::Error) -> Failure {
     use facade::ErrorKind as K;
     let status = match e.kind() {
@@ -195,7 +209,7 @@ pub(crate) fn map_facade(e: facade::Error) -> Failure {
         K::BackendUnavailable => FX_ERR_BACKEND_UNAVAILABLE,
         K::Internal => FX_ERR_INTERNAL,
     };
-    fail(status, e.to_string())
+    fail(status, e.message())
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 /*
  * Error paths of the foxedge C ABI. Every bad call must return its status code and leave a
  * message in fx_last_error(), and the process must survive. Also checks one valid
- * fx_attention_forward against a plain double-precision reference written here, and that a
- * failed fx_session_feed leaves the session exactly as it was.
+ * fx_attention_forward against a plain double-precision reference written here, that a
+ * failed fx_session_feed leaves the session exactly as it was, that fx_generate streams the
+ * text of the same greedy loop written with fx_sampler_sample, fx_session_feed and
+ * fx_detokenize, and that forced evictions report "no guarantee".
  *
  * Usage: c_errors [MODEL_DIR]   (default models/fox-tiny-pro)
  * Prints one line per check and a closing "N passed, M failed"; exits 1 on any failure.
@@ -57,7 +59,8 @@ static void test_basics(void) {
                              FX_ERR_BACKEND_UNAVAILABLE,
                              FX_ERR_INTERNAL,
                              FX_ERR_IO,
-                             FX_ERR_BOUND_VIOLATED};
+                             FX_ERR_BOUND_VIOLATED,
+                             FX_ERR_BUFFER_TOO_SMALL};
   size_t n = sizeof codes / sizeof codes[0], i, j;
   int distinct = 1;
   const char *v = fx_version();
@@ -546,13 +549,428 @@ static void test_sessions(fx_model *m) {
   check(1, "free: NULL handles are no-ops", NULL);
 }
 
+/* ---- text: tokenizer, sampler, generation ------------------------------------------- */
+
+static void write_file(const char *dir, const char *name, const char *text) {
+  char p[1024];
+  FILE *f;
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  f = fopen(p, "wb");
+  if (f) {
+    fputs(text, f);
+    fclose(f);
+  }
+}
+
+static void remove_file(const char *dir, const char *name) {
+  char p[1024];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  remove(p);
+}
+
+/* A model directory whose tokenizer files are damaged still opens and runs on ids; text
+   calls fail with FX_ERR_BAD_MODEL naming the file. */
+static void test_tokenizer_files(const char *model_dir) {
+  char tmpl[] = "/tmp/foxedge-c-tok-XXXXXX";
+  char *tmp = mkdtemp(tmpl);
+  fx_model *m = NULL;
+  fx_session *s = NULL;
+  int32_t ids[4], bos[] = {0};
+  size_t n = 0;
+  fx_tokenizer_info ti;
+  if (!tmp || make_model(model_dir, tmp, -1, 0, 0)) {
+    check(0, "tokenizer files: temp model", tmp);
+    return;
+  }
+  write_file(tmp, "tokenizer.json", "{\"model\": [");
+  expect_ok(fx_model_open(tmp, NULL, &m), "tokenizer files: a damaged tokenizer.json still opens");
+  if (m) {
+    expect(fx_tokenize(m, "a", 1, 1, ids, 4, &n), FX_ERR_BAD_MODEL,
+           "tokenizer files: corrupt tokenizer.json");
+    check(strstr(fx_last_error(), "tokenizer.json") != NULL, "tokenizer files: message names it",
+          fx_last_error());
+    ti.struct_size = sizeof ti;
+    expect(fx_model_tokenizer_info(m, &ti), FX_ERR_BAD_MODEL, "tokenizer files: info fails too");
+    expect_ok(fx_session_new(m, NULL, &s), "tokenizer files: session");
+    expect_ok(fx_session_feed(s, bos, 1, NULL), "tokenizer files: ids still run");
+    fx_session_free(s);
+    fx_model_free(m);
+    m = NULL;
+  }
+  remove_file(tmp, "tokenizer.json");
+  write_file(tmp, "vocab.json", "{\"a\": 0}");
+  expect_ok(fx_model_open(tmp, NULL, &m), "tokenizer files: vocab.json alone still opens");
+  if (m) {
+    expect(fx_tokenize(m, "a", 1, 1, ids, 4, &n), FX_ERR_BAD_MODEL,
+           "tokenizer files: vocab.json without merges.txt");
+    check(strstr(fx_last_error(), "merges.txt") != NULL, "tokenizer files: message names merges.txt",
+          fx_last_error());
+    fx_model_free(m);
+  }
+  remove_file(tmp, "vocab.json");
+  remove_model(tmp);
+  rmdir(tmp);
+}
+
+struct text_buf {
+  char text[4096];
+  size_t len;
+  int calls, bad_nul;
+};
+
+static int collect(const char *piece, size_t len, void *user) {
+  struct text_buf *b = user;
+  b->calls++;
+  if (piece[len] != '\0') b->bad_nul = 1;
+  if (b->len + len < sizeof b->text) {
+    memcpy(b->text + b->len, piece, len);
+    b->len += len;
+    b->text[b->len] = '\0';
+  }
+  return 0;
+}
+
+static int stop_at_second(const char *piece, size_t len, void *user) {
+  int *calls = user;
+  (void)piece;
+  (void)len;
+  return ++*calls >= 2;
+}
+
+static void test_tokenize(fx_model *m) {
+  fx_tokenizer_info ti;
+  int32_t ids[16], hello[] = {0, 'h', 'e', 'l', 'l', 'o'}, bad[] = {'h', 256}, neg[] = {'h', -1};
+  size_t n = 99, len = 99;
+  char buf[64];
+
+  expect(fx_model_tokenizer_info(NULL, &ti), FX_ERR_NULL_POINTER, "tokenizer info: NULL model");
+  expect(fx_model_tokenizer_info(m, NULL), FX_ERR_NULL_POINTER, "tokenizer info: NULL out");
+  ti.struct_size = 3;
+  expect(fx_model_tokenizer_info(m, &ti), FX_ERR_INVALID_ARGUMENT,
+         "tokenizer info: struct_size wrong");
+  ti.struct_size = sizeof ti;
+  expect_ok(fx_model_tokenizer_info(m, &ti), "tokenizer info");
+  check(ti.n_tokens == 256 && ti.bos == 0 && ti.eos == 0 && ti.adds_bos == 1 && !ti.json_escaped,
+        "tokenizer info: the byte tokenizer (BOS = EOS = 0, prepended)", NULL);
+
+  expect(fx_tokenize(NULL, "hi", 2, 1, ids, 16, &n), FX_ERR_NULL_POINTER, "tokenize: NULL model");
+  expect(fx_tokenize(m, "hi", 2, 1, ids, 16, NULL), FX_ERR_NULL_POINTER, "tokenize: NULL n_ids");
+  expect(fx_tokenize(m, NULL, 2, 1, ids, 16, &n), FX_ERR_NULL_POINTER,
+         "tokenize: NULL text with a length");
+  expect(fx_tokenize(m, "hi", 2, 1, NULL, 16, &n), FX_ERR_NULL_POINTER,
+         "tokenize: NULL ids with a capacity");
+  expect(fx_tokenize(m, "hi", 2, 2, ids, 16, &n), FX_ERR_INVALID_ARGUMENT,
+         "tokenize: add_bos not 0 or 1");
+  expect(fx_tokenize(m, "a\xff\xfe", 3, 1, ids, 16, &n), FX_ERR_INVALID_ARGUMENT,
+         "tokenize: text not UTF-8");
+  ids[0] = -7;
+  n = 0;
+  expect(fx_tokenize(m, "hello", 5, 1, ids, 3, &n), FX_ERR_BUFFER_TOO_SMALL,
+         "tokenize: buffer too small");
+  check(n == 6 && ids[0] == -7, "tokenize: too small writes the count needed (6), no ids", NULL);
+  n = 0;
+  expect(fx_tokenize(m, "hello", 5, 1, NULL, 0, &n), FX_ERR_BUFFER_TOO_SMALL,
+         "tokenize: size query (NULL, 0)");
+  check(n == 6, "tokenize: size query gives 6", NULL);
+  expect_ok(fx_tokenize(m, "hello", 5, 1, ids, 6, &n), "tokenize: exact capacity");
+  check(n == 6 && memcmp(ids, hello, sizeof hello) == 0, "tokenize: BOS then the bytes", NULL);
+  expect_ok(fx_tokenize(m, "a\0b", 3, 0, ids, 16, &n), "tokenize: no BOS, a NUL inside");
+  check(n == 3 && ids[0] == 'a' && ids[1] == 0 && ids[2] == 'b', "tokenize: 3 ids", NULL);
+  expect_ok(fx_tokenize(m, NULL, 0, 0, NULL, 0, &n), "tokenize: empty text, no BOS");
+  check(n == 0, "tokenize: no ids", NULL);
+
+  expect(fx_detokenize(NULL, hello, 6, 0, buf, sizeof buf, &len), FX_ERR_NULL_POINTER,
+         "detokenize: NULL model");
+  expect(fx_detokenize(m, NULL, 6, 0, buf, sizeof buf, &len), FX_ERR_NULL_POINTER,
+         "detokenize: NULL ids");
+  expect(fx_detokenize(m, hello, 6, 0, NULL, sizeof buf, &len), FX_ERR_NULL_POINTER,
+         "detokenize: NULL text with a capacity");
+  expect(fx_detokenize(m, hello, 6, 0, buf, sizeof buf, NULL), FX_ERR_NULL_POINTER,
+         "detokenize: NULL text_len");
+  expect(fx_detokenize(m, bad, 2, 0, buf, sizeof buf, &len), FX_ERR_INVALID_ARGUMENT,
+         "detokenize: id 256 outside the vocabulary");
+  check(strstr(fx_last_error(), "256") != NULL, "detokenize: message names the id",
+        fx_last_error());
+  expect(fx_detokenize(m, neg, 2, 0, buf, sizeof buf, &len), FX_ERR_INVALID_ARGUMENT,
+         "detokenize: negative id");
+  check(strstr(fx_last_error(), "ids[1]") != NULL, "detokenize: message names the index",
+        fx_last_error());
+  expect(fx_detokenize(m, hello, 6, 2, buf, sizeof buf, &len), FX_ERR_INVALID_ARGUMENT,
+         "detokenize: skip_special not 0 or 1");
+  memset(buf, 'Z', sizeof buf);
+  len = 0;
+  expect(fx_detokenize(m, hello, 6, 1, buf, 5, &len), FX_ERR_BUFFER_TOO_SMALL,
+         "detokenize: no room for the NUL");
+  check(len == 5 && buf[0] == 'Z', "detokenize: too small writes the length (5), no text", NULL);
+  expect(fx_detokenize(m, hello, 6, 1, NULL, 0, &len), FX_ERR_BUFFER_TOO_SMALL,
+         "detokenize: size query (NULL, 0)");
+  expect_ok(fx_detokenize(m, hello, 6, 1, buf, 6, &len), "detokenize: skip special");
+  check(len == 5 && strcmp(buf, "hello") == 0, "detokenize: \"hello\" and a NUL", buf);
+  expect_ok(fx_detokenize(m, hello, 6, 0, buf, sizeof buf, &len), "detokenize: with BOS");
+  check(len == 6 && buf[0] == '\0' && memcmp(buf + 1, "hello", 6) == 0,
+        "detokenize: BOS is byte 0 as text", NULL);
+  expect_ok(fx_detokenize(m, NULL, 0, 0, buf, 1, &len), "detokenize: no ids");
+  check(len == 0 && buf[0] == '\0', "detokenize: empty text", NULL);
+}
+
+static void test_sampler(void) {
+  fx_sampler *sp = (fx_sampler *)&passed, *g = NULL, *r = NULL, *a = NULL, *b = NULL;
+  fx_sampler_params p;
+  float logits[4] = {0.0f, 3.0f, 1.0f, 3.0f}, nanl[2] = {0.0f, NAN};
+  int32_t tok = -1, nine[] = {9}, neg[] = {-3};
+  int i, same = 1;
+  struct {
+    const char *name;
+    float t, top_p, min_p, rep;
+  } bad[] = {{"sampler: negative temperature", -1.0f, 1.0f, 0.0f, 1.0f},
+             {"sampler: NaN temperature", NAN, 1.0f, 0.0f, 1.0f},
+             {"sampler: top_p 0", 1.0f, 0.0f, 0.0f, 1.0f},
+             {"sampler: top_p > 1", 1.0f, 1.5f, 0.0f, 1.0f},
+             {"sampler: min_p > 1", 1.0f, 1.0f, 2.0f, 1.0f},
+             {"sampler: repetition penalty 0", 1.0f, 1.0f, 0.0f, 0.0f},
+             {"sampler: infinite repetition penalty", 1.0f, 1.0f, 0.0f, INFINITY}};
+
+  for (i = 0; i < (int)(sizeof bad / sizeof bad[0]); i++) {
+    p = fx_sampler_params_default();
+    p.temperature = bad[i].t;
+    p.top_p = bad[i].top_p;
+    p.min_p = bad[i].min_p;
+    p.repetition_penalty = bad[i].rep;
+    expect(fx_sampler_new(&p, &sp), FX_ERR_INVALID_ARGUMENT, bad[i].name);
+    check(sp == NULL, "sampler: failed new sets *out = NULL", NULL);
+  }
+  p = fx_sampler_params_default();
+  p.struct_size = 2;
+  expect(fx_sampler_new(&p, &sp), FX_ERR_INVALID_ARGUMENT, "sampler: struct_size wrong");
+  expect(fx_sampler_new(NULL, NULL), FX_ERR_NULL_POINTER, "sampler: NULL out");
+  p = fx_sampler_params_default();
+  p.temperature = 0.0f;
+  expect_ok(fx_sampler_new(&p, &g), "sampler: greedy");
+  if (!g) return;
+  expect(fx_sampler_sample(NULL, logits, 4, &tok), FX_ERR_NULL_POINTER, "sample: NULL sampler");
+  expect(fx_sampler_sample(g, NULL, 4, &tok), FX_ERR_NULL_POINTER, "sample: NULL logits");
+  expect(fx_sampler_sample(g, logits, 4, NULL), FX_ERR_NULL_POINTER, "sample: NULL token_out");
+  expect(fx_sampler_sample(g, logits, 0, &tok), FX_ERR_INVALID_ARGUMENT, "sample: n = 0");
+  expect(fx_sampler_sample(g, nanl, 2, &tok), FX_ERR_INVALID_ARGUMENT, "sample: NaN logit");
+  check(strstr(fx_last_error(), "logit 1") != NULL, "sample: message names the logit",
+        fx_last_error());
+  expect_ok(fx_sampler_sample(g, logits, 4, &tok), "sample: greedy");
+  check(tok == 1, "sample: greedy takes the argmax, lowest id on ties", NULL);
+  expect(fx_sampler_accept(NULL, nine, 1), FX_ERR_NULL_POINTER, "accept: NULL sampler");
+  expect(fx_sampler_accept(g, NULL, 1), FX_ERR_NULL_POINTER, "accept: NULL tokens");
+  expect(fx_sampler_accept(g, neg, 1), FX_ERR_INVALID_ARGUMENT, "accept: negative token");
+  expect_ok(fx_sampler_accept(g, NULL, 0), "accept: nothing");
+
+  p = fx_sampler_params_default();
+  p.repetition_penalty = 1.3f;
+  expect_ok(fx_sampler_new(&p, &r), "sampler: with a repetition penalty");
+  if (r) {
+    expect_ok(fx_sampler_accept(r, nine, 1), "accept: token 9");
+    expect(fx_sampler_sample(r, logits, 4, &tok), FX_ERR_INVALID_ARGUMENT,
+           "sample: a recent token outside the logits");
+    expect(fx_sampler_reset(NULL), FX_ERR_NULL_POINTER, "sampler reset: NULL");
+    expect_ok(fx_sampler_reset(r), "sampler reset");
+    expect_ok(fx_sampler_sample(r, logits, 4, &tok), "sample: after reset");
+  }
+
+  p = fx_sampler_params_default();
+  p.seed = 77;
+  p.top_k = 3;
+  expect_ok(fx_sampler_new(&p, &a), "sampler: seeded a");
+  expect_ok(fx_sampler_new(&p, &b), "sampler: seeded b");
+  if (a && b) {
+    for (i = 0; i < 20; i++) {
+      int32_t ta = -1, tb = -2;
+      if (fx_sampler_sample(a, logits, 4, &ta) || fx_sampler_sample(b, logits, 4, &tb) || ta != tb ||
+          ta == 0)
+        same = 0;
+    }
+    check(same, "sample: equal seeds draw equal tokens, top-k 3 never draws the least likely",
+          NULL);
+  }
+  fx_sampler_free(a);
+  fx_sampler_free(b);
+  fx_sampler_free(r);
+  fx_sampler_free(g);
+  fx_sampler_free(NULL);
+}
+
+static void test_generate(fx_model *m) {
+  fx_session *s = NULL, *t = NULL;
+  fx_sampler *g = NULL;
+  fx_sampler_params p = fx_sampler_params_default();
+  fx_generate_options o = fx_generate_options_default();
+  fx_generate_result res;
+  struct fx_session_stats st;
+  struct text_buf tb, cut;
+  const char *prompt = "def f(x):\n", *empty_stop[] = {""}, *null_stop[] = {NULL};
+  const char *stops[2];
+  char stop[4];
+  int calls = 0;
+  int32_t ids[64], next;
+  size_t n = 0, len = 0, i;
+  static float logits[256];
+  char text[256];
+
+  p.temperature = 0.0f;
+  expect_ok(fx_sampler_new(&p, &g), "generate: greedy sampler");
+  expect_ok(fx_session_new(m, NULL, &s), "generate: session");
+  if (!g || !s) return;
+  memset(&tb, 0, sizeof tb);
+  res.struct_size = sizeof res;
+  expect(fx_generate(NULL, g, "a", 1, NULL, collect, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL session");
+  expect(fx_generate(s, NULL, "a", 1, NULL, collect, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL sampler");
+  expect(fx_generate(s, g, "a", 1, NULL, NULL, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL callback");
+  expect(fx_generate(s, g, NULL, 1, NULL, collect, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL prompt with a length");
+  expect(fx_generate(s, g, "\xc3", 1, NULL, collect, &tb, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: prompt not UTF-8");
+  o.stop_at_eos = 5;
+  expect(fx_generate(s, g, "a", 1, &o, collect, &tb, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: stop_at_eos not 0 or 1");
+  o = fx_generate_options_default();
+  o.n_stop = 1;
+  expect(fx_generate(s, g, "a", 1, &o, collect, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL stop array");
+  o.stop = null_stop;
+  expect(fx_generate(s, g, "a", 1, &o, collect, &tb, &res), FX_ERR_NULL_POINTER,
+         "generate: NULL stop string");
+  o.stop = empty_stop;
+  expect(fx_generate(s, g, "a", 1, &o, collect, &tb, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: empty stop string");
+  o = fx_generate_options_default();
+  o.struct_size = 1;
+  expect(fx_generate(s, g, "a", 1, &o, collect, &tb, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: options struct_size wrong");
+  res.struct_size = 2;
+  expect(fx_generate(s, g, "a", 1, NULL, collect, &tb, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: result struct_size wrong");
+  res.struct_size = sizeof res;
+  st.struct_size = sizeof st;
+  expect_ok(fx_session_stats(s, &st), "generate: stats");
+  check(st.tokens == 0 && tb.calls == 0, "generate: failed calls fed nothing, called nothing",
+        NULL);
+
+  /* Greedy generation equals the same loop written with the other functions. */
+  o = fx_generate_options_default();
+  o.max_tokens = 24;
+  o.stop_at_eos = 0;
+  expect_ok(fx_generate(s, g, prompt, strlen(prompt), &o, collect, &tb, &res), "generate: greedy");
+  check(res.stop_reason == FX_STOP_MAX_TOKENS && res.n_tokens == 24 && res.stop_index == -1 &&
+            res.n_prompt_tokens == strlen(prompt) + 1,
+        "generate: 24 tokens after a prompt of BOS + bytes", NULL);
+  check(!tb.bad_nul && tb.calls > 0, "generate: pieces are NUL-terminated", NULL);
+  expect_ok(fx_session_new(m, NULL, &t), "generate: twin session");
+  expect_ok(fx_tokenize(m, prompt, strlen(prompt), 1, ids, 64, &n), "generate: twin prompt");
+  expect_ok(fx_session_feed(t, ids, n, logits), "generate: twin prefill");
+  for (i = 0; i < 24; i++) {
+    if (fx_sampler_sample(g, logits, 256, &next) || fx_session_feed(t, &next, 1, logits)) break;
+    ids[i] = next;
+  }
+  expect_ok(fx_detokenize(m, ids, 24, 1, text, sizeof text, &len), "generate: twin text");
+  check(len == tb.len && memcmp(text, tb.text, len) == 0,
+        "generate: the streamed text is the greedy loop's", tb.text);
+  expect_ok(fx_session_stats(s, &st), "generate: stats after");
+  check(st.tokens == strlen(prompt) + 1 + 24, "generate: the session holds prompt and tokens",
+        NULL);
+  check(st.bound_holds == 1 && st.max_bound < 1.0, "stats: a certified bound below 1", NULL);
+
+  /* A continuation: no BOS on a session that has tokens; an empty prompt has no tokens. */
+  memset(&cut, 0, sizeof cut);
+  o.max_tokens = 2;
+  expect_ok(fx_generate(s, g, "x", 1, &o, collect, &cut, &res), "generate: continuation");
+  check(res.n_prompt_tokens == 1, "generate: a continuation gets no BOS", NULL);
+  expect(fx_generate(s, g, "", 0, &o, collect, &cut, &res), FX_ERR_INVALID_ARGUMENT,
+         "generate: empty continuation prompt");
+
+  /* A stop string from the middle of the text ends it there, not printed. */
+  if (tb.len >= 8) {
+    memcpy(stop, tb.text + 4, 3);
+    stop[3] = '\0';
+    stops[0] = "\x01never";
+    stops[1] = stop;
+    o = fx_generate_options_default();
+    o.max_tokens = 24;
+    o.stop_at_eos = 0;
+    o.stop = stops;
+    o.n_stop = 2;
+    memset(&cut, 0, sizeof cut);
+    expect_ok(fx_session_reset(s), "generate: reset");
+    expect_ok(fx_generate(s, g, prompt, strlen(prompt), &o, collect, &cut, &res),
+              "generate: with stop strings");
+    check(res.stop_reason == FX_STOP_STRING && res.stop_index == 1,
+          "generate: stopped at stop string 1", NULL);
+    check(cut.len == (size_t)(strstr(tb.text, stop) - tb.text) &&
+              memcmp(cut.text, tb.text, cut.len) == 0,
+          "generate: the text ends where the stop string starts", cut.text);
+  }
+
+  /* A callback that returns non-zero stops the generation (not an error). */
+  expect_ok(fx_session_reset(s), "generate: reset");
+  o = fx_generate_options_default();
+  o.max_tokens = 40;
+  expect_ok(fx_generate(s, g, prompt, strlen(prompt), &o, stop_at_second, &calls, &res),
+            "generate: a callback that stops");
+  check(res.stop_reason == FX_STOP_CALLBACK && calls == 2 && res.n_tokens < 40,
+        "generate: stopped by the callback", NULL);
+  expect_ok(fx_session_stats(s, &st), "generate: stats after the callback stopped");
+  check(st.tokens == res.n_prompt_tokens + res.n_tokens,
+        "generate: the session holds every token passed to the callback", NULL);
+  expect_ok(fx_generate(s, g, "y", 1, &o, stop_at_second, &calls, NULL),
+            "generate: NULL result is allowed");
+
+  fx_session_free(t);
+  fx_session_free(s);
+  fx_sampler_free(g);
+}
+
+/* Honest statistics: a budget that forces evictions far past the certificate reports
+   "no guarantee" (flag 0, bound 1, per-head bounds 1) instead of a huge number. */
+static void test_no_guarantee(fx_model *m) {
+  fx_session *s = NULL;
+  fx_session_options so = fx_session_options_default();
+  struct fx_session_stats st;
+  int32_t ids[300];
+  double bounds[16];
+  int i, ones = 0;
+  so.budget_kind = FX_BUDGET_ENTRIES_PER_HEAD;
+  so.budget = 4;
+  so.window = 2;
+  so.n_threads = 1;
+  expect_ok(fx_session_new(m, &so, &s), "no guarantee: session with budget 4, 1 thread");
+  if (!s) return;
+  for (i = 0; i < 300; i++) ids[i] = i == 0 ? 0 : 'a' + i % 26;
+  expect_ok(fx_session_feed(s, ids, 300, NULL), "no guarantee: feed 300 tokens");
+  st.struct_size = sizeof st;
+  expect_ok(fx_session_stats(s, &st), "no guarantee: stats");
+  check(st.evicted_forced > 0 && st.bound_holds == 0 && st.max_bound == 1.0,
+        "no guarantee: forced evictions past the bound report no guarantee", NULL);
+  expect_ok(fx_session_head_bounds(s, bounds, 16), "no guarantee: head bounds");
+  for (i = 0; i < 16; i++) ones += bounds[i] == 1.0;
+  check(ones > 0, "no guarantee: heads without a guarantee report 1", NULL);
+  fx_session_free(s);
+  so = fx_session_options_default();
+  so.n_threads = 5000;
+  expect(fx_session_new(m, &so, &s), FX_ERR_INVALID_ARGUMENT, "session: n_threads too large");
+}
+
 int main(int argc, char **argv) {
   const char *model_dir = argc > 1 ? argv[1] : "models/fox-tiny-pro";
   fx_model *m;
   test_basics();
   test_attention();
+  test_sampler();
+  test_tokenizer_files(model_dir);
   m = test_models(model_dir);
-  if (m) test_sessions(m);
+  if (m) {
+    test_tokenize(m);
+    test_generate(m);
+    test_no_guarantee(m);
+    test_sessions(m);
+  }
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
