@@ -1007,8 +1007,8 @@ mod vulkan_tests {
     //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
-    use crate::vulkan_backend::{VulkanBackend, open};
     use crate::Model;
+    use crate::vulkan_backend::{VulkanBackend, open};
     use foxedge_cpu::AttentionStats;
 
     /// Lets several sessions share one backend (and its mirrors) in a test.
