@@ -365,7 +365,7 @@ mod tests {
         );
         // The earliest occurrence wins, then the first listed.
         let stops = strings(&["bc", "abc", "a"]);
-        assert_eq!(run(&stops, &["xabc"]), ("x".to_string(), Some(2)));
+        assert_eq!(run(&stops, &["xabc"]), ("x".to_string(), Some(1)));
         let stops = strings(&["ab", "a"]);
         assert_eq!(run(&stops, &["xab"]), ("x".to_string(), Some(0)));
     }
