@@ -259,7 +259,7 @@ mod tests {
             assert!(seen.insert(t.to_owned()), "{t:?}");
             assert!(s == FX_OK || (s as i32) < 0);
         }
-        for raw in [1, -10, i32::MIN, i32::MAX] {
+        for raw in [1, -11, i32::MIN, i32::MAX] {
             // SAFETY: as above.
             let t = unsafe { CStr::from_ptr(fx_status_string(raw)) };
             assert_eq!(t.to_str().unwrap(), "unknown status");
