@@ -27,6 +27,7 @@ mod cache;
 mod decode;
 mod device;
 mod error;
+pub mod model;
 mod pack;
 mod prefill;
 
@@ -375,6 +376,20 @@ impl Vulkan {
     /// The decode kernel's launch shape in force.
     pub fn decode_tuning(&self) -> DecodeTuning {
         self.decode_tuning.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// Uploads a model's weights to this device (see [`model`]).
+    ///
+    /// Errors: tensors that do not match `shape` ([`Error::Input`]), a model over the
+    /// budget ([`Error::DoesNotFit`]), a device without what the model's kernels need
+    /// ([`Error::Unsupported`]), device failures.
+    pub fn load_model(
+        &self,
+        shape: model::ModelShape,
+        weights: &model::ModelWeights<'_>,
+        opts: model::ModelOptions,
+    ) -> Result<model::DeviceModel> {
+        model::DeviceModel::upload(&self.ctx, shape, weights, opts)
     }
 
     /// A device-resident decode cache on this device (see [`ResidentCache`]).
