@@ -18,6 +18,10 @@ use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
 use std::sync::Arc;
 use std::time::Instant;
 
+#[cfg(feature = "vulkan")]
+#[path = "device_model.rs"]
+mod device_model;
+
 /// A hard limit on the retained cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Budget {
@@ -102,6 +106,14 @@ pub struct SessionStats {
     pub bound_per_head: Vec<f64>,
     /// The largest of `bound_per_head` (0 when nothing was evicted).
     pub max_bound: f64,
+    /// Layers the latest feed ran entirely on the Vulkan device (every op, weights and
+    /// cache resident): all of them, or 0 when the model runs on the CPU.
+    pub device_layers: u64,
+    /// Bytes the host wrote for the device (token ids, cache row operations, per-query
+    /// metadata; never cache rows or weights) and device runs (one per chunk or token), so
+    /// far.
+    pub device_bytes_uploaded: u64,
+    pub device_runs: u64,
 }
 
 impl SessionStats {
@@ -297,6 +309,9 @@ pub struct Session {
     stats: SessionStats,
     /// Set when an internal error interrupted a feed half-way; cleared by `reset`.
     poisoned: bool,
+    /// The whole model on a Vulkan device (`device_model.rs`), while it is in use.
+    #[cfg(feature = "vulkan")]
+    device: Option<device_model::Device>,
 }
 
 /// Scratch of one chunk forward, `t` rows.
@@ -381,7 +396,11 @@ impl Session {
             ))
         })?;
         let backend = crate::select::resolve(opts.backend, None)?;
+        #[cfg(feature = "vulkan")]
+        let device = device_model::open(&model, opts.backend);
         let mut s = Session {
+            #[cfg(feature = "vulkan")]
+            device,
             model,
             opts,
             policy_cfg: cfg,
@@ -430,6 +449,12 @@ impl Session {
             });
         }
         self.layers = layers;
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &mut self.device
+            && d.reset().is_err()
+        {
+            self.device = None;
+        }
         self.stats = SessionStats {
             bound_per_head: vec![0.0; info.layers * info.heads],
             ..SessionStats::default()
@@ -654,6 +679,14 @@ impl Session {
         all_rows: bool,
         mut hidden: Option<(&mut [f32], usize, usize)>,
     ) -> Result<()> {
+        #[cfg(feature = "vulkan")]
+        if self.device.is_some() {
+            if hidden.is_none() {
+                return self.device_chunk(ids, scores, logits, all_rows);
+            }
+            // The CPU feeds this chunk: the device's copy of the stream falls behind.
+            self.device = None;
+        }
         let model = Arc::clone(&self.model);
         let info = model.info();
         let (t, d) = (ids.len(), info.hidden);
@@ -1007,8 +1040,8 @@ mod vulkan_tests {
     //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
-    use crate::vulkan_backend::{VulkanBackend, open};
     use crate::Model;
+    use crate::vulkan_backend::{VulkanBackend, open};
     use foxedge_cpu::AttentionStats;
 
     /// Lets several sessions share one backend (and its mirrors) in a test.
