@@ -617,17 +617,7 @@ impl Session {
                 (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
                 (Some(ln_eps), false) => Acp::ObservedNorms { ln_eps },
             };
-            let call = PrefillCall {
-                t,
-                heads: nh,
-                head_dim: hd,
-                q: &s.q,
-                k: &s.k,
-                v: &s.v,
-                log_f: &s.log_f,
-                acp,
-                only: None,
-            };
+            let call = PrefillCall::new(t, nh, hd, &s.q, &s.k, &s.v, &s.log_f).with_acp(acp);
             let st = self.backend.prefill(&call, &mut s.o)?;
             self.stats.kept_pairs += st.kept_pairs();
             self.stats.total_pairs += st.total_pairs();
@@ -660,7 +650,7 @@ impl Session {
                     pos: None,
                 })
                 .collect();
-            let sync: Vec<CacheSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
+            let sync: Vec<HeadSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
             let call = DecodeCall {
                 args: DecodeArgs::one_query(hd, &s.q[..d], &c_t, &heads),
                 sync: &sync,
