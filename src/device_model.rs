@@ -331,10 +331,10 @@ impl Keeper<'_> {
             };
         if self.fresh && n > 1 {
             let mut delta = Vec::with_capacity(nh);
-            for h in 0..nh {
+            for (h, &uh) in u.iter().enumerate().take(nh) {
                 delta.push(match (ln_eps, certified) {
                     (None, _) => None,
-                    (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], n, e)?),
+                    (Some(e), true) => Some(foxedge_core::threshold::threshold(uh, n, e)?),
                     (Some(e), false) => {
                         let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
                         let km = (0..n).map(|r| kn(h, r)).fold(0.0, f64::max);
@@ -539,9 +539,9 @@ impl Session {
         }
         let mut s = Scratch::new(t, &info);
         let pos0 = self.stats.tokens;
-        for l in 0..info.layers {
+        for (l, shift) in shift_before.iter().enumerate().take(info.layers) {
             if l < done {
-                self.replay_layer(&model, l, &mut h, t, &shift_before[l], &mut s)?;
+                self.replay_layer(&model, l, &mut h, t, shift, &mut s)?;
             } else {
                 self.layer_forward(&model, l, &mut h, t, pos0, scores, &mut s)?;
             }
@@ -628,10 +628,10 @@ impl Session {
                 (None, _) => Acp::Off,
                 (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
                 (Some(ln_eps), false) => {
-                    for hh in 0..nh {
+                    for (hh, uh) in u_step.iter_mut().enumerate() {
                         let qh = &s.q[hh * hd..(hh + 1) * hd];
                         let qn = f64::from(ops::dot(qh, qh)).sqrt();
-                        u_step[hh] = foxedge_core::threshold::bound_from_norms(
+                        *uh = foxedge_core::threshold::bound_from_norms(
                             qn,
                             state.k_norm_max[hh],
                             1.0 / (hd as f64).sqrt(),

@@ -30,6 +30,7 @@ mod error;
 pub mod model;
 mod pack;
 mod prefill;
+mod probe;
 
 pub use cache::{CacheCounters, ResidentCache, ResidentOptions};
 pub use decode::{DecodeTuning, PreparedDecode, auto_split};
@@ -390,6 +391,12 @@ impl Vulkan {
         opts: model::ModelOptions,
     ) -> Result<model::DeviceModel> {
         model::DeviceModel::upload(&self.ctx, shape, weights, opts)
+    }
+
+    /// Device memory bandwidth in bytes per second: `reps` copies of a `bytes`-byte buffer
+    /// (each reads and writes `bytes`), timed with GPU timestamps where the queue has them.
+    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
+        probe::copy_bandwidth(&self.ctx, bytes, reps)
     }
 
     /// A device-resident decode cache on this device (see [`ResidentCache`]).
