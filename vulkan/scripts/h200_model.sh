@@ -4,7 +4,9 @@
 # cpu and vulkan backends (prefill of a PROMPT-byte prompt, then DECODE greedy tokens), the
 # device's copy bandwidth (examples/vk_bandwidth), and a table with the decode bandwidth
 # bound: (weight bytes read per token + cache bytes per token) / bandwidth. The facade holds
-# weights as f32, so the device reads 4 bytes per weight.
+# weights as f32, so the device reads 4 bytes per weight. The models are byte-level (vocab
+# 256, as `foxedge generate` streams bytes): the official shapes otherwise, without the
+# 50257-row LM head.
 #
 # On the GPU machine it needs the Vulkan loader as .deb files in .gl/ (as h100.sh), and
 # either cargo (it builds release there) or binaries built on the dev machine and carried
@@ -47,14 +49,14 @@ else
 fi
 [ -x "$bin" ] && [ -x "$bwbin" ] || { echo "no foxedge / vk_bandwidth binaries (see the header)"; exit 1; }
 
-bw=$("$bwbin" 2048 20) || { echo "bandwidth probe failed"; exit 1; }
+bw=$("$bwbin" "${BW_MIB:-2048}" 20) || { echo "bandwidth probe failed"; exit 1; }
 echo "device copy bandwidth: $bw GB/s" | tee "$out/bandwidth.txt"
 
 prompt=$(python3 -c "import sys; n=int(sys.argv[1]); s='def f(x):\n    return x * 2\n'; print((s * (n // len(s) + 1))[:n])" "$prompt_n")
 status=0
 for size in $sizes; do
   dir="$work/$size"
-  [ -f "$dir/model.safetensors" ] || python3 vulkan/scripts/make_fox_model.py "$dir" "$size" --dtype f32 || exit 1
+  [ -f "$dir/model.safetensors" ] || python3 vulkan/scripts/make_fox_model.py "$dir" "$size" --dtype f32 --vocab 256 || exit 1
   for be in cpu vulkan; do
     echo "== $size $be"
     if ! "$bin" generate --model "$dir" --prompt "$prompt" --max-tokens "$decode_n" \
@@ -71,7 +73,7 @@ import json, math, struct, sys, os
 out, work, bw, sizes = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, sys.argv[4].split()
 def stats(path):
     try:
-        return json.loads(open(path).read().strip().splitlines()[-1])
+        return json.loads(open(path, "rb").read().strip().splitlines()[-1].decode())
     except Exception:
         return None
 print(f"\nbandwidth {bw/1e9:.0f} GB/s (copy, read + write)")
