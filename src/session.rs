@@ -17,6 +17,10 @@ use foxedge_core::retention::{
 use std::sync::Arc;
 use std::time::Instant;
 
+#[cfg(feature = "vulkan")]
+#[path = "device_model.rs"]
+mod device_model;
+
 /// A hard limit on the retained cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Budget {
@@ -109,6 +113,14 @@ pub struct SessionStats {
     pub bound_per_head: Vec<Option<f64>>,
     /// The largest of `bound_per_head`; `None` (no guarantee) when any head has none.
     pub max_bound: Option<f64>,
+    /// Layers the latest feed ran entirely on the Vulkan device (every op, weights and
+    /// cache resident): all of them, or 0 when the model runs on the CPU.
+    pub device_layers: u64,
+    /// Bytes the host wrote for the device (token ids, cache row operations, per-query
+    /// metadata; never cache rows or weights) and device runs (one per chunk or token), so
+    /// far.
+    pub device_bytes_uploaded: u64,
+    pub device_runs: u64,
 }
 
 impl Default for SessionStats {
@@ -128,6 +140,9 @@ impl Default for SessionStats {
             total_pairs: 0,
             bound_per_head: Vec::new(),
             max_bound: Some(0.0),
+            device_layers: 0,
+            device_bytes_uploaded: 0,
+            device_runs: 0,
         }
     }
 }
@@ -340,6 +355,9 @@ pub struct Session {
     stats: SessionStats,
     /// Set when an internal error interrupted a feed half-way; cleared by `reset`.
     poisoned: bool,
+    /// The whole model on a Vulkan device (`device_model.rs`), while it is in use.
+    #[cfg(feature = "vulkan")]
+    device: Option<device_model::Device>,
 }
 
 /// Scratch of one chunk forward, `t` rows.
@@ -446,7 +464,11 @@ impl Session {
             )),
         };
         let backend = crate::select::resolve(opts.backend, None)?;
+        #[cfg(feature = "vulkan")]
+        let device = device_model::open(&model, opts.backend);
         let mut s = Session {
+            #[cfg(feature = "vulkan")]
+            device,
             model,
             opts,
             policy_cfg: cfg,
@@ -496,6 +518,12 @@ impl Session {
             });
         }
         self.layers = layers;
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &mut self.device
+            && d.reset().is_err()
+        {
+            self.device = None;
+        }
         self.stats = SessionStats {
             bound_per_head: vec![Some(0.0); info.layers * info.heads],
             ..SessionStats::default()
@@ -734,6 +762,14 @@ impl Session {
         all_rows: bool,
         mut hidden: Option<(&mut [f32], usize, usize)>,
     ) -> Result<()> {
+        #[cfg(feature = "vulkan")]
+        if self.device.is_some() {
+            if hidden.is_none() {
+                return self.device_chunk(ids, scores, logits, all_rows);
+            }
+            // The CPU feeds this chunk: the device's copy of the stream falls behind.
+            self.device = None;
+        }
         let model = Arc::clone(&self.model);
         let info = model.info();
         let (t, d) = (ids.len(), info.hidden);

@@ -537,7 +537,9 @@ fn map_vulkan(e: foxedge_vulkan::Error) -> crate::status::Failure {
         | E::DeviceNotFound { .. }
         | E::DeviceLost
         | E::Vulkan(_) => fail(FX_ERR_BACKEND_UNAVAILABLE, format!("vulkan: {e}")),
-        E::OutOfDeviceMemory => fail(FX_ERR_OUT_OF_MEMORY, format!("vulkan: {e}")),
+        E::OutOfDeviceMemory | E::DoesNotFit { .. } => {
+            fail(FX_ERR_OUT_OF_MEMORY, format!("vulkan: {e}"))
+        }
         E::Unsupported(_) => fail(FX_ERR_UNSUPPORTED, format!("vulkan: {e}")),
     }
 }

@@ -280,6 +280,9 @@ pub fn stats_json(st: &SessionStats, backend: BackendKind) -> String {
         "pruned_fraction": num(st.pruned_fraction()),
         "max_bound": st.max_bound.map(num),
         "bound_per_head": st.bound_per_head.iter().map(|b| b.map(num)).collect::<Vec<_>>(),
+        "device_layers": st.device_layers,
+        "device_bytes_uploaded": st.device_bytes_uploaded,
+        "device_runs": st.device_runs,
     })
     .to_string()
 }

@@ -83,7 +83,7 @@ pub(crate) struct Push {
 /// The decode pipeline for one (head_dim, storage) pair.
 #[derive(Clone)]
 pub(crate) struct Kernel {
-    pipe: Arc<ComputePipeline>,
+    pub pipe: Arc<ComputePipeline>,
     pub f16: bool,
     pub subgroups: bool,
     pub d: usize,

@@ -24,6 +24,8 @@ pub enum Error {
     },
     /// The device (or host) ran out of memory for this call's buffers.
     OutOfDeviceMemory,
+    /// A model's weights need more device memory than its budget allows.
+    DoesNotFit { needed: u64, budget: u64 },
     /// The device was lost (driver reset, hang, removal); create a new [`crate::Vulkan`].
     DeviceLost,
     /// The device cannot run this call (limits, missing features), with the reason.
@@ -45,6 +47,10 @@ impl fmt::Display for Error {
                 available.join(", ")
             ),
             Error::OutOfDeviceMemory => write!(f, "out of device memory"),
+            Error::DoesNotFit { needed, budget } => write!(
+                f,
+                "the model needs {needed} bytes of device memory, over the budget of {budget}"
+            ),
             Error::DeviceLost => write!(f, "Vulkan device lost"),
             Error::Unsupported(m) => write!(f, "unsupported on this device: {m}"),
             Error::Vulkan(m) => write!(f, "Vulkan error: {m}"),

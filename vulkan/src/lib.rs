@@ -27,8 +27,10 @@ mod cache;
 mod decode;
 mod device;
 mod error;
+pub mod model;
 mod pack;
 mod prefill;
+mod probe;
 
 pub use cache::{CacheCounters, ResidentCache, ResidentOptions};
 pub use decode::{DecodeTuning, PreparedDecode, auto_split};
@@ -375,6 +377,26 @@ impl Vulkan {
     /// The decode kernel's launch shape in force.
     pub fn decode_tuning(&self) -> DecodeTuning {
         self.decode_tuning.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// Uploads a model's weights to this device (see [`model`]).
+    ///
+    /// Errors: tensors that do not match `shape` ([`Error::Input`]), a model over the
+    /// budget ([`Error::DoesNotFit`]), a device without what the model's kernels need
+    /// ([`Error::Unsupported`]), device failures.
+    pub fn load_model(
+        &self,
+        shape: model::ModelShape,
+        weights: &model::ModelWeights<'_>,
+        opts: model::ModelOptions,
+    ) -> Result<model::DeviceModel> {
+        model::DeviceModel::upload(&self.ctx, shape, weights, opts)
+    }
+
+    /// Device memory bandwidth in bytes per second: `reps` copies of a `bytes`-byte buffer
+    /// (each reads and writes `bytes`), timed with GPU timestamps where the queue has them.
+    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
+        probe::copy_bandwidth(&self.ctx, bytes, reps)
     }
 
     /// A device-resident decode cache on this device (see [`ResidentCache`]).

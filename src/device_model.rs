@@ -1,0 +1,821 @@
+//! The whole model on a Vulkan device for a [`Session`]: `--backend vulkan` runs every layer
+//! there (foxedge-vulkan's `model`), `auto` does where the device is a GPU (a CPU
+//! implementation such as lavapipe shares the cores the CPU kernels would use).
+//!
+//! The session keeps its bookkeeping exactly as on the CPU: the gate streams (c in f64), the
+//! retention policy and its evictions, the ACP decisions, and a host shadow of every cache
+//! row. The device sends back, per layer, the layer's `log f`, its new K/V rows and its
+//! shift state (a few KiB per token); the session applies them to its own state and answers
+//! with the row operations the policy made (swap-delete moves, the new rows' slots), which
+//! the device applies to its resident cache. So the host shadow is always the stream's
+//! whole state: when the device fails (lost, out of memory) the session drops it and
+//! continues on the CPU. A run that fails part-way has advanced the bookkeeping of the
+//! layers whose gates came back; the CPU then recomputes those layers without bookkeeping
+//! (their cache already holds the run's rows) and runs the others as usual, so the stream
+//! continues as if the device had finished.
+//!
+//! A model whose weights exceed the device budget, or a device without what the kernels
+//! need, leaves the session on the CPU from the start.
+
+use super::*;
+use foxedge_vulkan::model::{
+    self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
+    ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan, Weights,
+};
+use std::sync::{Mutex, OnceLock, Weak};
+
+/// ACP block of the device's decode decisions (foxedge-cpu's default `block_k`).
+const BLOCK: usize = 64;
+
+/// A session's device state.
+pub(super) struct Device {
+    stream: DeviceStream,
+    vk: foxedge_vulkan::Vulkan,
+    /// Bytes the host wrote for the device and runs made, since the session was created.
+    pub(super) bytes_uploaded: u64,
+    pub(super) runs: u64,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("device", &self.vk.info().name)
+            .field("bytes_uploaded", &self.bytes_uploaded)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Forgets the stream's tokens on the device.
+    pub(super) fn reset(&mut self) -> Result<()> {
+        self.bytes_uploaded = 0;
+        self.runs = 0;
+        self.stream.reset().map_err(device_error)
+    }
+}
+
+/// The process's Vulkan device for whole models (opened once).
+fn vulkan() -> std::result::Result<foxedge_vulkan::Vulkan, String> {
+    static VK: OnceLock<std::result::Result<foxedge_vulkan::Vulkan, String>> = OnceLock::new();
+    VK.get_or_init(|| foxedge_vulkan::Vulkan::new().map_err(|e| e.to_string()))
+        .clone()
+}
+
+/// Device copies of models, one per model alive (uploaded at the first session).
+type Uploaded = Vec<(Weak<Model>, Arc<DeviceModel>)>;
+
+fn device_model(model: &Arc<Model>, vk: &foxedge_vulkan::Vulkan) -> Result<Arc<DeviceModel>> {
+    static MODELS: OnceLock<Mutex<Uploaded>> = OnceLock::new();
+    let mut g = MODELS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    g.retain(|(w, _)| w.strong_count() > 0);
+    if let Some((_, m)) = g
+        .iter()
+        .find(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(model)))
+    {
+        return Ok(m.clone());
+    }
+    let dm = vk
+        .load_model(shape_of(model), &weights_of(model), budget_from_env()?)
+        .map_err(device_error)?;
+    let dm = Arc::new(dm);
+    g.push((Arc::downgrade(model), dm.clone()));
+    Ok(dm)
+}
+
+/// `FOXEDGE_DEVICE_MODEL_BUDGET`: most device bytes for a model's weights (default: 90% of
+/// the device's largest heap).
+fn budget_from_env() -> Result<ModelOptions> {
+    match std::env::var("FOXEDGE_DEVICE_MODEL_BUDGET") {
+        Err(_) => Ok(ModelOptions::default()),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(|b| ModelOptions {
+                budget_bytes: Some(b),
+            })
+            .map_err(|_| {
+                Error::invalid(format!(
+                    "FOXEDGE_DEVICE_MODEL_BUDGET: `{v}` is not a number of bytes"
+                ))
+            }),
+    }
+}
+
+/// A device failure as a facade error: [`Error::OutOfMemory`] or
+/// [`Error::BackendUnavailable`] (both make the session fall back to the CPU).
+fn device_error(e: foxedge_vulkan::Error) -> Error {
+    use foxedge_vulkan::Error as V;
+    match e {
+        V::Input(e) => Error::Internal(format!("device model refused its input: {e}")),
+        V::OutOfDeviceMemory => Error::OutOfMemory {
+            what: "Vulkan device memory (whole model)".into(),
+            bytes: 0,
+        },
+        V::DoesNotFit { needed, budget } => Error::OutOfMemory {
+            what: format!("device model weights (budget {budget} bytes)"),
+            bytes: usize::try_from(needed).unwrap_or(usize::MAX),
+        },
+        other => Error::BackendUnavailable(format!("vulkan (whole model): {other}")),
+    }
+}
+
+/// The device state for a session of `kind` on `model`, or `None` (said once per process)
+/// where the model stays on the CPU: `cpu` and `hybrid` kinds, no device, a CPU device under
+/// `auto`, a model over the budget, a device without the kernels' features.
+pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
+    if !matches!(kind, BackendKind::Vulkan | BackendKind::Auto) {
+        return None;
+    }
+    let said = |m: String| {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            eprintln!("foxedge: {m}; the model's layers run on the CPU");
+        }
+    };
+    let vk = match vulkan() {
+        Ok(v) => v,
+        Err(e) => {
+            if kind == BackendKind::Vulkan {
+                said(format!("no Vulkan device for the whole model ({e})"));
+            }
+            return None;
+        }
+    };
+    if kind == BackendKind::Auto && vk.info().device_type.eq_ignore_ascii_case("cpu") {
+        return None;
+    }
+    let dm = match device_model(model, &vk) {
+        Ok(m) => m,
+        Err(e) => {
+            said(format!(
+                "the whole model does not run on {}: {e}",
+                vk.info().name
+            ));
+            return None;
+        }
+    };
+    match DeviceStream::new(dm) {
+        Ok(stream) => Some(Device {
+            stream,
+            vk,
+            bytes_uploaded: 0,
+            runs: 0,
+        }),
+        Err(e) => {
+            said(format!("no device stream: {e}"));
+            None
+        }
+    }
+}
+
+fn act(a: crate::config::OgateAct) -> Act {
+    match a {
+        OgateAct::Sigmoid => Act::Sigmoid,
+        OgateAct::Silu => Act::Silu,
+    }
+}
+
+fn shape_of(model: &Model) -> ModelShape {
+    let c = &model.config;
+    let info = model.info();
+    ModelShape {
+        vocab: info.vocab,
+        hidden: info.hidden,
+        layers: info.layers,
+        heads: info.heads,
+        head_dim: info.head_dim,
+        intermediate: info.intermediate,
+        norm_eps: c.norm_eps,
+        qk_eps: QK_EPS,
+        qk_norm: match (c.qk_norm, c.qk_norm_share_param_across_head) {
+            (false, _) => QkNorm::Off,
+            (true, false) => QkNorm::PerHead,
+            (true, true) => QkNorm::Shared,
+        },
+        k_shift: c.use_k_shift,
+        v_shift: c.use_v_shift,
+        output_gate: c.use_output_gate.then(|| act(c.ogate_act)),
+        output_norm: c.use_output_norm,
+        mlp_act: match c.hidden_act {
+            HiddenAct::Swish => Act::Silu,
+            HiddenAct::Sigmoid => Act::Sigmoid,
+        },
+    }
+}
+
+/// The model's tensors as the device takes them (the facade holds them as f32).
+fn weights_of(model: &Model) -> ModelWeights<'_> {
+    let w = |t| Weights::F32(model.w(t));
+    let layers = model
+        .layers
+        .iter()
+        .map(|l| vm::LayerWeights {
+            attn_norm: model.w(&l.attn_norm),
+            q: w(&l.q_proj),
+            k: w(l.k_proj.linear()),
+            v: w(l.v_proj.linear()),
+            k_shift: l.k_proj.shift().map(w),
+            v_shift: l.v_proj.shift().map(w),
+            fgate: w(&l.fgate_w),
+            fgate_bias: model.w(&l.fgate_b),
+            ogate: l.ogate.as_ref().map(w),
+            output_norm: l.output_norm.as_ref().map(|t| model.w(t)),
+            q_norm: l.qk_norm.as_ref().map(|(q, _)| model.w(q)),
+            k_norm: l.qk_norm.as_ref().map(|(_, k)| model.w(k)),
+            o: w(&l.o_proj),
+            mlp_norm: model.w(&l.mlp_norm),
+            gate_up: w(&l.gate_up),
+            down: w(&l.down),
+        })
+        .collect();
+    ModelWeights {
+        embeddings: w(&model.embeddings),
+        layers,
+        norm: model.w(&model.norm),
+        lm_head: Weights::F32(model.lm_head()),
+    }
+}
+
+/// One layer's bookkeeping of a device run, as `Session::attention` keeps it.
+struct Keeper<'s> {
+    sess: &'s mut Session,
+    pos0: u64,
+    fresh: bool,
+    scores: Option<&'s [f32]>,
+}
+
+impl Keeper<'_> {
+    /// Layer `g.layer`'s gates in, its plan out (and the session's state advanced).
+    fn plan(&mut self, g: &Gates<'_>) -> Result<LayerPlan> {
+        let info = self.sess.model.info();
+        let (nh, hd, d) = (info.heads, info.head_dim, info.hidden);
+        let n = g.tokens;
+        let l = g.layer;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let ln_eps = self.sess.opts.ln_eps;
+        let certified = self.sess.certified[l];
+        let u = self.sess.u[l].clone();
+        let state = &mut self.sess.layers[l];
+        let mut rebased = vec![false; nh];
+        for (h, r) in rebased.iter_mut().enumerate() {
+            let cur = state.gates[h].current();
+            if cur.abs() > REBASE_AT {
+                state.gates[h].rebase(cur);
+                state.policy.rebase(h, cur)?;
+                state.heads[h].rebase(cur);
+                *r = true;
+            }
+        }
+        let mut c_rows = vec![0.0f64; n * nh];
+        for r in 0..n {
+            for h in 0..nh {
+                c_rows[r * nh + h] = state.gates[h].push(g.log_f[r * nh + h])?;
+            }
+        }
+        let kn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h) + 1]);
+        let qn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h)]);
+        if !certified {
+            for h in 0..nh {
+                for r in 0..n {
+                    state.k_norm_max[h] = state.k_norm_max[h].max(kn(h, r));
+                }
+            }
+        }
+        state.k_shift.copy_from_slice(&g.shift[..d]);
+        state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
+        let row =
+            |x: &[f32], h: usize, r: usize| -> Vec<f32> { x[(h * n + r) * hd..][..hd].to_vec() };
+        let mut score_row = vec![0.0f32; nh];
+        let pos0 = self.pos0;
+        let scores = self.scores;
+        // The CPU's `append`: evictions (their moves into `moves[h]`), then the new row.
+        let mut append =
+            |state: &mut LayerState, r: usize, moves: &mut Vec<Vec<RowOp>>| -> Result<()> {
+                let sc = scores.map(|sc| {
+                    score_row.fill(sc[r]);
+                    &score_row[..]
+                });
+                let heads = &mut state.heads;
+                let mut failed = None;
+                state
+                    .policy
+                    .append(pos0 + r as u64, &c_rows[r * nh..(r + 1) * nh], sc, |ev| {
+                        if let Some((from, to)) = ev.moved() {
+                            moves[ev.head].push(RowOp::Move { from, to });
+                        }
+                        if failed.is_none()
+                            && let Err(e) = heads[ev.head].apply(&ev, hd)
+                        {
+                            failed = Some(e);
+                        }
+                    })?;
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                for (h, hc) in heads.iter_mut().enumerate() {
+                    let c = c_rows[r * nh + h];
+                    let pos = pos0 + r as u64;
+                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos);
+                    moves[h].push(RowOp::Put {
+                        token: r as u32,
+                        slot: (hc.len() - 1) as u32,
+                        c,
+                        pos,
+                    });
+                }
+                state.peak_live = state.peak_live.max(state.policy.live_total());
+                Ok(())
+            };
+        if self.fresh && n > 1 {
+            let mut delta = Vec::with_capacity(nh);
+            for (h, &uh) in u.iter().enumerate().take(nh) {
+                delta.push(match (ln_eps, certified) {
+                    (None, _) => None,
+                    (Some(e), true) => Some(foxedge_core::threshold::threshold(uh, n, e)?),
+                    (Some(e), false) => {
+                        let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
+                        let km = (0..n).map(|r| kn(h, r)).fold(0.0, f64::max);
+                        let uu = foxedge_core::threshold::bound_from_norms(qm, km, scale)?;
+                        Some(foxedge_core::threshold::threshold(uu, n, e)?)
+                    }
+                });
+            }
+            let mut scratch = vec![Vec::new(); nh];
+            for r in 0..n {
+                append(state, r, &mut scratch)?;
+            }
+            // The surviving rows, each from its token of the chunk.
+            let ops = state
+                .heads
+                .iter()
+                .map(|hc| {
+                    (0..hc.len())
+                        .map(|s| RowOp::Put {
+                            token: (hc.pos[s] - pos0) as u32,
+                            slot: s as u32,
+                            c: hc.c[s],
+                            pos: hc.pos[s],
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut c = vec![0.0f64; nh * n];
+            for h in 0..nh {
+                for r in 0..n {
+                    c[h * n + r] = c_rows[r * nh + h];
+                }
+            }
+            return Ok(LayerPlan::Chunk { c, delta, ops });
+        }
+        let mut steps = Vec::with_capacity(n);
+        for r in 0..n {
+            let mut ops: Vec<Vec<RowOp>> = (0..nh)
+                .map(|h| {
+                    if r == 0 && rebased[h] {
+                        let hc = &state.heads[h];
+                        (0..hc.len())
+                            .map(|s| RowOp::Meta {
+                                slot: s as u32,
+                                c: hc.c[s],
+                                pos: hc.pos[s],
+                            })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    }
+                })
+                .collect();
+            append(state, r, &mut ops)?;
+            let mut heads = Vec::with_capacity(nh);
+            for (h, ops) in ops.into_iter().enumerate() {
+                let hc = &state.heads[h];
+                let live = hc.len();
+                let delta = match (ln_eps, certified) {
+                    (None, _) => None,
+                    (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], live, e)?),
+                    (Some(e), false) => {
+                        let uu = foxedge_core::threshold::bound_from_norms(
+                            qn(h, r),
+                            state.k_norm_max[h],
+                            scale,
+                        )?;
+                        Some(foxedge_core::threshold::threshold(uu, live, e)?)
+                    }
+                };
+                let c_t = c_rows[r * nh + h];
+                let (kept, stats) = vm::decode_blocks(&hc.c, c_t, delta, BLOCK);
+                heads.push(HeadStep {
+                    ops,
+                    live,
+                    c_t,
+                    kept,
+                    stats,
+                });
+            }
+            steps.push(TokenPlan { heads });
+        }
+        Ok(LayerPlan::Tokens(steps))
+    }
+}
+
+impl Session {
+    /// Feeds one chunk through the device, falling back to the CPU (for good) when the
+    /// device fails; logits as `forward_chunk` writes them.
+    pub(super) fn device_chunk(
+        &mut self,
+        ids: &[u32],
+        scores: Option<&[f32]>,
+        mut logits: Option<&mut [f32]>,
+        all_rows: bool,
+    ) -> Result<()> {
+        let fresh = self.layers[0].gates[0].is_empty();
+        let v = self.model.info().vocab;
+        if !fresh && ids.len() > 1 {
+            // A continuation attends the cache token by token: one run per token.
+            for (r, id) in ids.iter().enumerate() {
+                let last = r + 1 == ids.len();
+                let out = match logits.as_deref_mut() {
+                    Some(l) if all_rows => Some(&mut l[r * v..(r + 1) * v]),
+                    Some(l) if last => Some(l),
+                    _ => None,
+                };
+                let sc = scores.map(|s| &s[r..r + 1]);
+                self.forward_chunk(std::slice::from_ref(id), sc, out, false, None)?;
+            }
+            return Ok(());
+        }
+        let Some(mut dev) = self.device.take() else {
+            return Err(Error::Internal("device chunk without a device".into()));
+        };
+        let n = ids.len();
+        let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
+            .layers
+            .iter()
+            .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
+            .collect();
+        let pos0 = self.stats.tokens;
+        let mut keeper = Keeper {
+            sess: self,
+            pos0,
+            fresh,
+            scores,
+        };
+        let mut layers_done = 0usize;
+        let mut own_err: Option<Error> = None;
+        let out = match logits.as_deref_mut() {
+            None => Output::Nothing,
+            Some(l) if all_rows => Output::All(l),
+            Some(l) => Output::Last(l),
+        };
+        let res = dev.stream.run(
+            ids,
+            &mut |g: &Gates<'_>| match keeper.plan(g) {
+                Ok(p) => {
+                    layers_done = g.layer + 1;
+                    Ok(p)
+                }
+                Err(e) => {
+                    own_err = Some(e);
+                    Err(foxedge_vulkan::Error::Input(
+                        foxedge_core::Error::BadArgument("the session's bookkeeping failed"),
+                    ))
+                }
+            },
+            out,
+        );
+        if let Some(e) = own_err {
+            self.device = Some(dev);
+            return Err(e);
+        }
+        match res {
+            Ok(rs) => {
+                for st in &rs.attention {
+                    self.stats.kept_pairs += st.kept_pairs();
+                    self.stats.total_pairs += st.total_pairs();
+                }
+                self.stats.tokens += n as u64;
+                dev.bytes_uploaded += rs.bytes_uploaded;
+                dev.runs += 1;
+                self.stats.device_layers = self.model.info().layers as u64;
+                self.stats.device_bytes_uploaded = dev.bytes_uploaded;
+                self.stats.device_runs = dev.runs;
+                self.device = Some(dev);
+                Ok(())
+            }
+            Err(e) => {
+                let err = device_error(e);
+                if !crate::backend::is_device_failure(&err) {
+                    self.device = Some(dev);
+                    return Err(err);
+                }
+                eprintln!("foxedge: {err}; the session continues on the CPU");
+                self.stats.device_layers = 0;
+                self.cpu_finish(ids, scores, logits, all_rows, layers_done, &shift_before)
+            }
+        }
+    }
+
+    /// The CPU's forward of a chunk whose first `done` layers' bookkeeping the device run
+    /// already made: those layers are recomputed without it, the others run as usual.
+    fn cpu_finish(
+        &mut self,
+        ids: &[u32],
+        scores: Option<&[f32]>,
+        logits: Option<&mut [f32]>,
+        all_rows: bool,
+        done: usize,
+        shift_before: &[(Vec<f32>, Vec<f32>)],
+    ) -> Result<()> {
+        let model = Arc::clone(&self.model);
+        let info = model.info();
+        let (t, d) = (ids.len(), info.hidden);
+        let mut h = vec![0.0f32; t * d];
+        let emb = model.w(&model.embeddings);
+        for (row, &id) in h.chunks_exact_mut(d).zip(ids) {
+            row.copy_from_slice(&emb[id as usize * d..(id as usize + 1) * d]);
+        }
+        let mut s = Scratch::new(t, &info);
+        let pos0 = self.stats.tokens;
+        for (l, shift) in shift_before.iter().enumerate().take(info.layers) {
+            if l < done {
+                self.replay_layer(&model, l, &mut h, t, shift, &mut s)?;
+            } else {
+                self.layer_forward(&model, l, &mut h, t, pos0, scores, &mut s)?;
+            }
+        }
+        self.stats.tokens += t as u64;
+        if let Some(out) = logits {
+            let (rows, hs) = if all_rows {
+                (t, &h[..])
+            } else {
+                (1, &h[(t - 1) * d..])
+            };
+            let mut x = vec![0.0f32; rows * d];
+            ops::rmsnorm(hs, model.w(&model.norm), model.config.norm_eps, &mut x);
+            ops::linear(&x, rows, model.lm_head(), info.vocab, d, out, false);
+        }
+        Ok(())
+    }
+
+    /// Layer `l` on `t` rows of `h` whose bookkeeping is done (its cache holds the rows of
+    /// these tokens, its gate streams and shift state are past them): the dense math of
+    /// `layer_forward` with the shift state of before the run, and attention over the chunk
+    /// itself (a fresh stream's chunk) or over the cache (one token).
+    fn replay_layer(
+        &mut self,
+        model: &Model,
+        l: usize,
+        h: &mut [f32],
+        t: usize,
+        shift: &(Vec<f32>, Vec<f32>),
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let cfg = &model.config;
+        let info = model.info();
+        let (d, nh, hd) = (info.hidden, info.heads, info.head_dim);
+        let lw: &LayerWeights = &model.layers[l];
+        let w = |x| model.w(x);
+        ops::rmsnorm(h, w(&lw.attn_norm), cfg.norm_eps, &mut s.x);
+        ops::linear(&s.x, t, w(&lw.q_proj), d, d, &mut s.q, false);
+        for (proj, out, st) in [
+            (&lw.k_proj, &mut s.k, &shift.0),
+            (&lw.v_proj, &mut s.v, &shift.1),
+        ] {
+            ops::linear(&s.x, t, w(proj.linear()), d, d, out, false);
+            if let Some(ws) = proj.shift() {
+                ops::linear(&s.x, t, w(ws), nh, d, &mut s.alpha, false);
+                for r in (0..t).rev() {
+                    for hh in 0..nh {
+                        let a = ops::sigmoid(s.alpha[r * nh + hh]);
+                        for c in hh * hd..(hh + 1) * hd {
+                            let prev = if r == 0 { st[c] } else { out[(r - 1) * d + c] };
+                            out[r * d + c] = a * prev + (1.0 - a) * out[r * d + c];
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((qn, kn)) = &lw.qk_norm {
+            ops::group_rmsnorm_inplace(&mut s.q, w(qn), hd, QK_EPS);
+            ops::group_rmsnorm_inplace(&mut s.k, w(kn), hd, QK_EPS);
+        }
+        ops::linear(&s.x, t, w(&lw.fgate_w), nh, d, &mut s.log_f, false);
+        let bias = w(&lw.fgate_b);
+        for (i, z) in s.log_f.iter_mut().enumerate() {
+            *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
+        }
+        let ln_eps = self.opts.ln_eps;
+        let certified = self.certified[l];
+        let u = &self.u[l];
+        let state = &self.layers[l];
+        if t > 1 {
+            let acp = match (ln_eps, certified) {
+                (None, _) => Acp::Off,
+                (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
+                (Some(ln_eps), false) => Acp::ObservedNorms { ln_eps },
+            };
+            let call = PrefillCall::new(t, nh, hd, &s.q, &s.k, &s.v, &s.log_f).with_acp(acp);
+            let st = self.backend.prefill(&call, &mut s.o)?;
+            self.stats.kept_pairs += st.kept_pairs();
+            self.stats.total_pairs += st.total_pairs();
+        } else {
+            let c_t: Vec<f64> = state.gates.iter().map(|g| g.current()).collect();
+            let mut u_step = vec![0.0f64; nh];
+            let acp = match (ln_eps, certified) {
+                (None, _) => Acp::Off,
+                (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
+                (Some(ln_eps), false) => {
+                    for (hh, uh) in u_step.iter_mut().enumerate() {
+                        let qh = &s.q[hh * hd..(hh + 1) * hd];
+                        let qn = f64::from(ops::dot(qh, qh)).sqrt();
+                        *uh = foxedge_core::threshold::bound_from_norms(
+                            qn,
+                            state.k_norm_max[hh],
+                            1.0 / (hd as f64).sqrt(),
+                        )?;
+                    }
+                    Acp::Bound { u: &u_step, ln_eps }
+                }
+            };
+            let heads: Vec<CacheHead<'_, f32>> = state
+                .heads
+                .iter()
+                .map(|hc| CacheHead {
+                    k: &hc.k,
+                    v: &hc.v,
+                    c: &hc.c,
+                    pos: None,
+                })
+                .collect();
+            let sync: Vec<HeadSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
+            let call = DecodeCall {
+                args: DecodeArgs::one_query(hd, &s.q[..d], &c_t, &heads),
+                sync: &sync,
+                acp,
+            };
+            let st = self.backend.decode(&call, &mut s.o[..d])?;
+            self.stats.kept_pairs += st.kept_pairs();
+            self.stats.total_pairs += st.total_pairs();
+        }
+        if let Some(on) = &lw.output_norm {
+            ops::group_rmsnorm_inplace(&mut s.o, w(on), hd, cfg.norm_eps);
+        }
+        if let Some(og) = &lw.ogate {
+            ops::linear(&s.x, t, w(og), d, d, &mut s.g, false);
+            for (o, &g) in s.o.iter_mut().zip(&s.g) {
+                *o *= match cfg.ogate_act {
+                    OgateAct::Sigmoid => ops::sigmoid(g),
+                    OgateAct::Silu => ops::silu(g),
+                };
+            }
+        }
+        ops::linear(&s.o, t, w(&lw.o_proj), d, d, h, true);
+        let i = info.intermediate;
+        ops::rmsnorm(h, w(&lw.mlp_norm), cfg.norm_eps, &mut s.x);
+        ops::linear(&s.x, t, w(&lw.gate_up), 2 * i, d, &mut s.gu, false);
+        for r in 0..t {
+            let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
+            for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
+                *a = match cfg.hidden_act {
+                    HiddenAct::Swish => ops::silu(g),
+                    HiddenAct::Sigmoid => ops::sigmoid(g),
+                } * u;
+            }
+        }
+        ops::linear(&s.act, t, w(&lw.down), d, i, h, true);
+        Ok(())
+    }
+
+    /// Makes the `k`-th device submission from now fail as a lost device would (tests of
+    /// the fallback); false without a device.
+    #[cfg(test)]
+    pub(crate) fn inject_device_loss(&mut self, k: u64) -> bool {
+        match &mut self.device {
+            Some(d) => {
+                d.stream.fail_after(k);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether the session's layers run on the device now.
+    pub fn on_device(&self) -> bool {
+        self.device.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Device loss mid-stream: the session drops the device and continues on the CPU from
+    //! its host state, so the stream equals a CPU session's (logits within 2e-3 absolute:
+    //! the bundled model's logits are O(10), the device's f32 sums differ from the CPU's by
+    //! ~1e-6 relative per op over 4 layers).
+    use super::*;
+
+    fn ids() -> Vec<u32> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let f = std::fs::File::open(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
+            .expect("fixture");
+        let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).expect("npy");
+        let v: Vec<i32> = npy.into_vec().expect("ids");
+        v.into_iter().map(|x| x as u32).collect()
+    }
+
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(
+                0.0,
+                |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+            )
+    }
+
+    /// A CPU session and a whole-model device session, or `None` (skipped) without a device.
+    fn pair(test: &str, opts: &SessionOptions) -> Option<(Session, Session)> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).expect("model"));
+        let cpu = Session::new(model.clone(), opts.clone()).expect("cpu session");
+        let gpu = crate::test_device::or_skip(
+            Session::new(
+                model,
+                SessionOptions {
+                    backend: BackendKind::Vulkan,
+                    ..opts.clone()
+                },
+            ),
+            test,
+            "Vulkan",
+        )?;
+        if !gpu.on_device() {
+            crate::test_device::missing(test, &"the whole model did not load on the device");
+            return None;
+        }
+        Some((cpu, gpu))
+    }
+
+    /// Loses the device at submission `k` of the run after `before` tokens (a prefill
+    /// chunk when `chunk`, else a decode step), then streams on: every logit stays within
+    /// the tolerance of the CPU session's and the caches hold the same positions.
+    fn loss_keeps_the_stream(test: &str, k: u64, chunk: bool) {
+        let opts = SessionOptions {
+            budget: Some(Budget::EntriesPerHead(48)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        let Some((mut cpu, mut gpu)) = pair(test, &opts) else {
+            return;
+        };
+        let ids = ids();
+        let v = cpu.model().info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        let first = if chunk { 40 } else { 30 };
+        if chunk {
+            assert!(gpu.inject_device_loss(k));
+        }
+        cpu.feed(&ids[..first], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..first], Some(&mut b)).unwrap();
+        assert!(worst(&a, &b) <= 2e-3, "{}", worst(&a, &b));
+        for (i, &t) in ids[first..first + 60].iter().enumerate() {
+            if !chunk && i == 10 {
+                assert!(gpu.inject_device_loss(k));
+            }
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+        }
+        assert!(!gpu.on_device(), "the device was lost");
+        assert_eq!(gpu.stats().device_layers, 0);
+        assert!(gpu.stats().evicted_forced > 0, "the budget must evict");
+        assert_eq!(gpu.stats().tokens, cpu.stats().tokens);
+        for l in 0..4 {
+            for h in 0..4 {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
+        }
+    }
+
+    #[test]
+    fn device_loss_in_a_decode_step_keeps_the_stream() {
+        loss_keeps_the_stream("device_loss_in_a_decode_step_keeps_the_stream", 2, false);
+    }
+
+    #[test]
+    fn device_loss_in_a_prefill_chunk_keeps_the_stream() {
+        loss_keeps_the_stream("device_loss_in_a_prefill_chunk_keeps_the_stream", 3, true);
+    }
+
+    #[test]
+    fn device_loss_at_the_first_submission_keeps_the_stream() {
+        loss_keeps_the_stream(
+            "device_loss_at_the_first_submission_keeps_the_stream",
+            0,
+            false,
+        );
+    }
+}

@@ -1,0 +1,238 @@
+//! The whole model on the Vulkan device (`--backend vulkan`: every op a shader, weights and
+//! cache resident) against the CPU backend on the same model: the bundled model and random
+//! models of other shapes (head_dim 32 and 16, FoX Pro and plain FoX, QK-norm per head and
+//! shared, weights stored as f32, f16 and bf16), and a 512-token greedy stream with
+//! certified eviction under a budget.
+//!
+//! Tolerance: |logit - cpu| <= 2e-3 (1 + |cpu|). Both sides compute in f32 from the same
+//! f32 weights; they differ only in summation order (~1e-6 relative per op), carried
+//! through at most 4 layers. A wrong op (a missed shift, a stale cache row, a wrong gate)
+//! moves logits by O(0.1).
+//!
+//! Vulkan device: lavapipe here and in CI. With `CI` set, a missing device fails the tests;
+//! without it they print why and return.
+
+mod common;
+
+use common::synth::{Synth, config_json, safetensors_bytes, tensors, with_weights};
+use common::*;
+use foxedge::{BackendKind, Budget, Model, Session, SessionOptions};
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+
+fn close(cpu: &[f32], dev: &[f32], what: &str) {
+    for (j, (&c, &d)) in cpu.iter().zip(dev).enumerate() {
+        let tol = 2e-3 * (1.0 + f64::from(c).abs());
+        assert!(
+            (f64::from(c) - f64::from(d)).abs() <= tol,
+            "{what}: logit {j}: device {d} vs cpu {c}"
+        );
+    }
+}
+
+/// A CPU session and a whole-model device session on `model`, or `None` (skipped).
+fn pair(model: &Arc<Model>, opts: &SessionOptions, test: &str) -> Option<(Session, Session)> {
+    let cpu = session(model, opts.clone());
+    let gpu = or_skip(
+        Session::new(
+            model.clone(),
+            SessionOptions {
+                backend: BackendKind::Vulkan,
+                ..opts.clone()
+            },
+        ),
+        test,
+        "Vulkan",
+    )?;
+    if !gpu.on_device() {
+        common::device::missing(test, &"the whole model did not load on the device");
+        return None;
+    }
+    Some((cpu, gpu))
+}
+
+/// A prompt with every row's logits, then `steps` greedy tokens (the CPU's choice fed to
+/// both), compared row by row; returns the two sessions.
+fn compare(model: &Arc<Model>, opts: &SessionOptions, prompt: &[u32], steps: usize, test: &str) {
+    let Some((mut cpu, mut gpu)) = pair(model, opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let n = prompt.len();
+    let (mut a, mut b) = (vec![0.0f32; n * v], vec![0.0f32; n * v]);
+    cpu.feed(prompt, Some(&mut a)).unwrap();
+    gpu.feed(prompt, Some(&mut b)).unwrap();
+    for r in 0..n {
+        close(
+            &a[r * v..(r + 1) * v],
+            &b[r * v..(r + 1) * v],
+            &format!("{test}: prompt row {r}"),
+        );
+    }
+    let mut last = a[(n - 1) * v..].to_vec();
+    let (mut x, mut y) = (vec![0.0f32; v], vec![0.0f32; v]);
+    for s in 0..steps {
+        let t = (0..v).max_by(|&i, &j| last[i].total_cmp(&last[j])).unwrap() as u32;
+        cpu.feed(&[t], Some(&mut x)).unwrap();
+        gpu.feed(&[t], Some(&mut y)).unwrap();
+        close(&x, &y, &format!("{test}: step {s}"));
+        last.copy_from_slice(&x);
+    }
+    let st = gpu.stats();
+    assert_eq!(st.device_layers, model.info().layers as u64);
+    assert_eq!(st.device_runs, 1 + steps as u64);
+    assert!(st.device_bytes_uploaded > 0);
+    let layers = model.info().layers;
+    for l in 0..layers {
+        for h in 0..model.info().heads {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
+
+#[test]
+fn bundled_model_on_the_device_matches_cpu() {
+    let model = tiny();
+    let ids = input_ids();
+    compare(&model, &dense_opts(), &ids[..80], 30, "bundled_model_dense");
+    compare(
+        &model,
+        &SessionOptions::default(),
+        &ids[..80],
+        30,
+        "bundled_model_acp",
+    );
+}
+
+/// A random model of `s` stored as `dtype`, QK-norm weights shared across heads when
+/// `shared`.
+fn random_model(s: &Synth, dtype: &str, shared: bool, tag: &str) -> Arc<Model> {
+    let mut ts = tensors(s);
+    let mut cfg = config_json(s);
+    if shared {
+        let hd = s.hidden / s.heads;
+        cfg = cfg.replace(
+            r#""qk_norm_share_param_across_head": false"#,
+            r#""qk_norm_share_param_across_head": true"#,
+        );
+        for (name, shape, vals) in &mut ts {
+            if name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight") {
+                *shape = vec![hd];
+                vals.truncate(hd);
+            }
+        }
+    }
+    let dir = with_weights(&cfg, &safetensors_bytes(&ts, dtype), tag);
+    let m = Model::open(&dir).expect("random model loads");
+    let _ = std::fs::remove_dir_all(&dir);
+    Arc::new(m)
+}
+
+#[test]
+fn random_models_of_other_shapes_on_the_device_match_cpu() {
+    let cases = [
+        // head_dim 32, FoX Pro, per-head QK-norm, bf16 storage.
+        (
+            Synth {
+                vocab: 300,
+                hidden: 96,
+                layers: 3,
+                heads: 3,
+                seed: 5,
+                ..Synth::default()
+            },
+            "BF16",
+            false,
+        ),
+        // head_dim 16, FoX Pro, shared QK-norm, f16 storage.
+        (
+            Synth {
+                vocab: 200,
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                seed: 6,
+                ..Synth::default()
+            },
+            "F16",
+            true,
+        ),
+        // head_dim 48, plain FoX (no shifts, gates or norms), f32.
+        (
+            Synth {
+                vocab: 128,
+                hidden: 96,
+                layers: 2,
+                heads: 2,
+                pro: false,
+                seed: 7,
+                ..Synth::default()
+            },
+            "F32",
+            false,
+        ),
+    ];
+    for (i, (s, dtype, shared)) in cases.iter().enumerate() {
+        let model = random_model(s, dtype, *shared, &format!("devmodel{i}"));
+        let mut r = rand::rngs::StdRng::seed_from_u64(11 + i as u64);
+        let prompt: Vec<u32> = (0..40).map(|_| r.gen_range(0..s.vocab as u32)).collect();
+        let opts = SessionOptions {
+            budget: Some(Budget::EntriesPerHead(32)),
+            window: 4,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        compare(
+            &model,
+            &opts,
+            &prompt,
+            24,
+            &format!("random model {i} ({dtype})"),
+        );
+    }
+}
+
+#[test]
+fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
+    let model = tiny();
+    let ids = input_ids();
+    let opts = SessionOptions {
+        budget: Some(Budget::EntriesPerHead(96)),
+        window: 16,
+        sinks: 4,
+        ..SessionOptions::default()
+    };
+    assert!(opts.certified_eviction && opts.ln_eps.is_some());
+    let test = "a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+    cpu.feed(&ids[..64], Some(&mut a)).unwrap();
+    gpu.feed(&ids[..64], Some(&mut b)).unwrap();
+    close(&a, &b, "prompt");
+    // Each side picks its own greedy token: the streams must agree token for token.
+    for s in 64..512 {
+        let ta = (0..v).max_by(|&i, &j| a[i].total_cmp(&a[j])).unwrap() as u32;
+        let tb = (0..v).max_by(|&i, &j| b[i].total_cmp(&b[j])).unwrap() as u32;
+        assert_eq!(ta, tb, "token {s}");
+        cpu.feed(&[ta], Some(&mut a)).unwrap();
+        gpu.feed(&[tb], Some(&mut b)).unwrap();
+        close(&a, &b, &format!("token {s}"));
+    }
+    let (sc, sg) = (cpu.stats(), gpu.stats());
+    assert!(
+        sg.evicted_forced + sg.evicted_certified > 0,
+        "the budget must evict"
+    );
+    assert_eq!(sg.evicted_forced, sc.evicted_forced);
+    assert_eq!(sg.evicted_certified, sc.evicted_certified);
+    assert_eq!(sg.tokens, 512);
+    assert_eq!(sg.device_layers, 4);
+    for l in 0..4 {
+        for h in 0..4 {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! A FoX model resident on the device: weights uploaded once in their storage format
+//! ([`DeviceModel`]), and per-stream state (K/V/c cache heads, token-shift states,
+//! activations) in [`DeviceStream`], which runs every op of the block as a compute shader
+//! (docs/FOX_MODEL_SPEC.md, section 3):
+//!
+//! - embedding gather (`embed.comp`), RMSNorm (`rmsnorm.comp`);
+//! - projections: matrix-vector products for one token (`mv.glsl`) and tiled matrix
+//!   products for a chunk (`mm.glsl`), weights f32, f16 or bf16 (`wfmt.glsl`, widened to
+//!   f32 in registers; accumulation in f32);
+//! - the token shift of k and v, QK-norm and the forget gate's `log f = logsigmoid(z)`
+//!   (`attn_pre.comp`);
+//! - forgetting attention: the prefill kernel (`prefill.glsl`) over a fresh chunk, the decode
+//!   kernel (`decode.glsl`) over resident cache heads;
+//! - output norm and gate (`attn_post.comp`), SwiGLU (`swiglu.comp`), residual additions
+//!   (the products accumulate into the residual stream), final norm, LM head, and greedy
+//!   selection (`argmax.comp`) so that a decode step can return one token id.
+//!
+//! The caller keeps the stream's bookkeeping: after each layer's gates it receives `log f`
+//! (and the layer's new K/V rows, for a host shadow of the cache) and answers with a
+//! [`LayerPlan`]: the cumulative gates `c` (f64, as the CPU keeps them), ACP decisions, and
+//! the row operations (swap-delete moves of its retention policy, stores of new rows) that
+//! the device applies to its cache heads. Cache `c` goes to the device as a double-float
+//! pair (`pack::split_f64`), as the attention kernels take it.
+
+mod ops;
+mod step;
+mod weights;
+
+pub use step::{DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, TokenPlan};
+pub use weights::DeviceModel;
+
+use foxedge_core::contract::HeadStats;
+
+/// Activation of the output gate or of the MLP gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    Sigmoid,
+    Silu,
+}
+
+/// QK-norm: none, one weight `[D]` (a slice per head), or one `[head_dim]` shared by all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    Off,
+    PerHead,
+    Shared,
+}
+
+/// Sizes and switches of a FoX model (spec section 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelShape {
+    pub vocab: usize,
+    /// D = heads * head_dim.
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// I, the MLP width.
+    pub intermediate: usize,
+    /// eps of attn_norm, mlp_norm, the final norm and the output norm.
+    pub norm_eps: f64,
+    /// eps of the QK-norm.
+    pub qk_eps: f64,
+    pub qk_norm: QkNorm,
+    pub k_shift: bool,
+    pub v_shift: bool,
+    /// The output gate and its activation.
+    pub output_gate: Option<Act>,
+    pub output_norm: bool,
+    /// The MLP's gate activation (`swish` = SiLU).
+    pub mlp_act: Act,
+}
+
+impl ModelShape {
+    /// Floats of one projection row of `attn_pre.comp`: `[q | k | v | k shift | v shift |
+    /// gate | output gate]`.
+    pub(crate) fn proj_width(&self) -> usize {
+        4 * self.hidden + 3 * self.heads
+    }
+}
+
+/// A weight matrix `[out, in]` (row-major) or vector in its storage format.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+    Bf16(&'a [half::bf16]),
+}
+
+impl Weights<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::F16(w) => w.len(),
+            Weights::Bf16(w) => w.len(),
+        }
+    }
+
+    /// Format id of the shaders (`wfmt.glsl`): 0 f32, 1 f16, 2 bf16.
+    pub(crate) fn format(&self) -> u32 {
+        match self {
+            Weights::F32(_) => 0,
+            Weights::F16(_) => 1,
+            Weights::Bf16(_) => 2,
+        }
+    }
+
+    /// Bytes of storage.
+    pub fn bytes(&self) -> u64 {
+        let e = if self.format() == 0 { 4 } else { 2 };
+        self.len() as u64 * e
+    }
+}
+
+/// The tensors of one block (spec section 2). Vectors are f32; matrices any [`Weights`].
+#[derive(Debug, Clone)]
+pub struct LayerWeights<'a> {
+    pub attn_norm: &'a [f32],
+    pub q: Weights<'a>,
+    /// The k / v projection (`linear` with a shift).
+    pub k: Weights<'a>,
+    pub v: Weights<'a>,
+    /// `[H, D]` shift projections, with `k_shift` / `v_shift`.
+    pub k_shift: Option<Weights<'a>>,
+    pub v_shift: Option<Weights<'a>>,
+    /// `[H, D]` forget-gate projection and its bias `[H]`.
+    pub fgate: Weights<'a>,
+    pub fgate_bias: &'a [f32],
+    pub ogate: Option<Weights<'a>>,
+    pub output_norm: Option<&'a [f32]>,
+    /// QK-norm weights, `[D]` each (or `[head_dim]` when shared).
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    pub o: Weights<'a>,
+    pub mlp_norm: &'a [f32],
+    /// `[2I, D]`: rows `0..I` gate, `I..2I` up.
+    pub gate_up: Weights<'a>,
+    /// `[D, I]`.
+    pub down: Weights<'a>,
+}
+
+/// Every tensor of a model.
+#[derive(Debug, Clone)]
+pub struct ModelWeights<'a> {
+    /// `[V, D]`.
+    pub embeddings: Weights<'a>,
+    pub layers: Vec<LayerWeights<'a>>,
+    pub norm: &'a [f32],
+    /// `[V, D]` (the embeddings again when tied).
+    pub lm_head: Weights<'a>,
+}
+
+/// Settings of [`crate::Vulkan::load_model`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// Most device bytes the weights may take; `None`: 90% of the largest device-local
+    /// heap. A model over it is [`crate::Error::DoesNotFit`].
+    pub budget_bytes: Option<u64>,
+}
+
+/// ACP decisions of one decode head over `c` (its live entries' cumulative gates, slot
+/// order) for a query at `c_t`: a flag per `block` entries (1 = attend; empty when every
+/// block is attended) and the statistics, by foxedge-core's rule (a block is skipped when
+/// `c_t - min_j c_j < delta`), as `foxedge_cpu::decode` decides.
+pub fn decode_blocks(
+    c: &[f64],
+    c_t: f64,
+    delta: Option<f64>,
+    block: usize,
+) -> (Vec<u32>, HeadStats) {
+    use foxedge_core::contract::acp;
+    let n = c.len();
+    let block = block.max(1);
+    let blocks = n.div_ceil(block);
+    let mut st = HeadStats {
+        delta,
+        total_pairs: n as u64,
+        total_blocks: blocks as u64,
+        ..HeadStats::default()
+    };
+    let Some(dl) = delta else {
+        st.kept_pairs = st.total_pairs;
+        st.kept_blocks = st.total_blocks;
+        return (Vec::new(), st);
+    };
+    let mut kept: Vec<u32> = c
+        .chunks(block)
+        .map(|b| u32::from(!acp::decode_block_pruned(&[c_t], acp::block_min(b), dl)))
+        .collect();
+    for (b, &k) in kept.iter().enumerate() {
+        if k != 0 {
+            st.kept_blocks += 1;
+            st.kept_pairs += (block.min(n - b * block)) as u64;
+        }
+    }
+    if st.kept_blocks == st.total_blocks {
+        kept.clear();
+    }
+    (kept, st)
+}

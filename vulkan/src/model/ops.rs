@@ -1,0 +1,408 @@
+//! Recording the model's compute shaders into a command buffer: one method per op, each
+//! binding its buffers and push constants and dispatching. Buffers are u32 words (the
+//! shaders reinterpret them as f32 where they hold floats).
+
+use super::weights::Mat;
+use crate::device::Context;
+use crate::error::{Error, Result};
+use std::sync::Arc;
+use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::command_buffer::{AutoCommandBufferBuilder, PrimaryAutoCommandBuffer};
+use vulkano::descriptor_set::{DescriptorSet, WriteDescriptorSet};
+use vulkano::pipeline::{ComputePipeline, Pipeline, PipelineBindPoint};
+
+static MV: [&[u8]; 3] = [
+    include_bytes!("../../shaders/mv_f32.spv"),
+    include_bytes!("../../shaders/mv_f16.spv"),
+    include_bytes!("../../shaders/mv_bf16.spv"),
+];
+static MM: [&[u8]; 3] = [
+    include_bytes!("../../shaders/mm_f32.spv"),
+    include_bytes!("../../shaders/mm_f16.spv"),
+    include_bytes!("../../shaders/mm_bf16.spv"),
+];
+static MV_NAMES: [&str; 3] = ["mv_f32", "mv_f16", "mv_bf16"];
+static MM_NAMES: [&str; 3] = ["mm_f32", "mm_f16", "mm_bf16"];
+static EMBED: &[u8] = include_bytes!("../../shaders/embed.spv");
+static RMSNORM: &[u8] = include_bytes!("../../shaders/rmsnorm.spv");
+static ATTN_PRE: &[u8] = include_bytes!("../../shaders/attn_pre.spv");
+static ATTN_POST: &[u8] = include_bytes!("../../shaders/attn_post.spv");
+static SWIGLU: &[u8] = include_bytes!("../../shaders/swiglu.spv");
+static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
+static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
+
+/// Threads per workgroup and per row of the matrix-vector kernel.
+const MV_WGS: u32 = 256;
+const MV_TPR: u32 = 32;
+/// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
+const MM_TILE: u32 = 64;
+
+/// A command buffer being recorded, with the context its pipelines come from.
+pub(crate) struct Rec<'c> {
+    pub ctx: &'c Arc<Context>,
+    pub b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
+    /// Dispatches recorded.
+    pub dispatches: u32,
+}
+
+impl<'c> Rec<'c> {
+    pub fn new(ctx: &'c Arc<Context>) -> Result<Self> {
+        Ok(Self {
+            ctx,
+            b: ctx.builder()?,
+            dispatches: 0,
+        })
+    }
+
+    /// Binds `pipe` with `bufs` at bindings 0.. (buffer arrays: several at one binding), pushes
+    /// `push`, dispatches `groups`.
+    pub fn run<P: BufferContents + Copy>(
+        &mut self,
+        pipe: &Arc<ComputePipeline>,
+        writes: Vec<WriteDescriptorSet>,
+        push: P,
+        groups: [u32; 3],
+    ) -> Result<()> {
+        if groups.contains(&0) {
+            return Ok(());
+        }
+        let layout = pipe
+            .layout()
+            .set_layouts()
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::Vulkan("model pipeline has no descriptor set".into()))?;
+        let set = DescriptorSet::new(self.ctx.desc.clone(), layout, writes, [])?;
+        self.b.bind_pipeline_compute(pipe.clone())?;
+        self.b
+            .bind_descriptor_sets(PipelineBindPoint::Compute, pipe.layout().clone(), 0, set)?;
+        self.b.push_constants(pipe.layout().clone(), 0, push)?;
+        // SAFETY: pipeline, descriptor set and push constants are bound above. Every shader
+        // of the model bounds its indices by what the host passes: token and row counts in
+        // push constants that match the bound buffers' sizes (the stream sizes its scratch
+        // for the chunk, and a weight chunk's rows for its binding), head slots < the bound
+        // array, cache rows < the head's capacity (checked by the stream before recording).
+        unsafe { self.b.dispatch(groups) }?;
+        self.dispatches += 1;
+        Ok(())
+    }
+
+    /// `y[y_off + r] (+)= W x` for one token (`x` at float `x_off`, a multiple of 4).
+    pub fn matvec(
+        &mut self,
+        m: &Mat,
+        x: &Subbuffer<[u32]>,
+        x_off: usize,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let f = m.format as usize;
+        let pipe = self.ctx.pipeline(
+            MV_NAMES[f],
+            MV[f],
+            &[
+                (0, MV_WGS),
+                (1, m.cols as u32),
+                (2, MV_TPR),
+                (3, u32::from(acc)),
+            ],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            rows: u32,
+            y_off: u32,
+            x_off4: u32,
+        }
+        let teams = (MV_WGS / MV_TPR) as usize;
+        for (w, r0, rows) in &m.chunks {
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, w.clone()),
+                    WriteDescriptorSet::buffer(1, x.clone()),
+                    WriteDescriptorSet::buffer(2, y.clone()),
+                ],
+                P {
+                    rows: *rows as u32,
+                    y_off: (y_off + r0) as u32,
+                    x_off4: (x_off / 4) as u32,
+                },
+                [rows.div_ceil(teams) as u32, 1, 1],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &mut self,
+        m: &Mat,
+        n: usize,
+        x: &Subbuffer<[u32]>,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        ldy: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let f = m.format as usize;
+        let pipe = self.ctx.pipeline(
+            MM_NAMES[f],
+            MM[f],
+            &[(0, m.cols as u32), (1, u32::from(acc))],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            n: u32,
+            rows: u32,
+            y_off: u32,
+            ldy: u32,
+        }
+        for (w, r0, rows) in &m.chunks {
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, w.clone()),
+                    WriteDescriptorSet::buffer(1, x.clone()),
+                    WriteDescriptorSet::buffer(2, y.clone()),
+                ],
+                P {
+                    n: n as u32,
+                    rows: *rows as u32,
+                    y_off: (y_off + r0) as u32,
+                    ldy: ldy as u32,
+                },
+                [
+                    rows.div_ceil(MM_TILE as usize) as u32,
+                    n.div_ceil(MM_TILE as usize) as u32,
+                    1,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One token or many: the matrix-vector kernel for one, the tiled product for more.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &mut self,
+        m: &Mat,
+        n: usize,
+        x: &Subbuffer<[u32]>,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        ldy: usize,
+        acc: bool,
+    ) -> Result<()> {
+        if n == 1 {
+            self.matvec(m, x, 0, y, y_off, acc)
+        } else {
+            self.matmul(m, n, x, y, y_off, ldy, acc)
+        }
+    }
+
+    /// `h[t] = E[ids[t]]`.
+    pub fn embed(
+        &mut self,
+        e: &Mat,
+        ids: &Subbuffer<[u32]>,
+        n: usize,
+        h: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let pipe = self
+            .ctx
+            .pipeline("embed", EMBED, &[(0, e.cols as u32), (1, e.format)])?;
+        for (w, r0, rows) in &e.chunks {
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, w.clone()),
+                    WriteDescriptorSet::buffer(1, ids.clone()),
+                    WriteDescriptorSet::buffer(2, h.clone()),
+                ],
+                [*r0 as u32, *rows as u32],
+                [n as u32, 1, 1],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// RMSNorm of `n` rows of `d` floats.
+    pub fn rmsnorm(
+        &mut self,
+        d: usize,
+        n: usize,
+        x: &Subbuffer<[u32]>,
+        w: &Subbuffer<[u32]>,
+        eps: f64,
+        y: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let pipe = self.ctx.pipeline("rmsnorm", RMSNORM, &[(0, d as u32)])?;
+        self.run(
+            &pipe,
+            vec![
+                WriteDescriptorSet::buffer(0, x.clone()),
+                WriteDescriptorSet::buffer(1, w.clone()),
+                WriteDescriptorSet::buffer(2, y.clone()),
+            ],
+            eps as f32,
+            [n as u32, 1, 1],
+        )
+    }
+
+    /// `attn_pre.comp` over `n` tokens: bindings in its order, spec (H, HD, kshift, vshift, qkn).
+    pub fn attn_pre(
+        &mut self,
+        spec: [u32; 5],
+        n: usize,
+        bufs: [&Subbuffer<[u32]>; 9],
+        qk_eps: f64,
+    ) -> Result<()> {
+        let pipe = self.ctx.pipeline(
+            "attn_pre",
+            ATTN_PRE,
+            &[
+                (0, spec[0]),
+                (1, spec[1]),
+                (2, spec[2]),
+                (3, spec[3]),
+                (4, spec[4]),
+            ],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            n: u32,
+            qk_eps: f32,
+        }
+        let writes = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| WriteDescriptorSet::buffer(i as u32, (*b).clone()))
+            .collect();
+        self.run(
+            &pipe,
+            writes,
+            P {
+                n: n as u32,
+                qk_eps: qk_eps as f32,
+            },
+            [n as u32, spec[0], 1],
+        )
+    }
+
+    /// `attn_post.comp` over `n` tokens: (o, projections, output norm weight, out), spec
+    /// (H, HD, norm, gate).
+    pub fn attn_post(
+        &mut self,
+        spec: [u32; 4],
+        n: usize,
+        bufs: [&Subbuffer<[u32]>; 4],
+        eps: f64,
+    ) -> Result<()> {
+        let pipe = self.ctx.pipeline(
+            "attn_post",
+            ATTN_POST,
+            &[(0, spec[0]), (1, spec[1]), (2, spec[2]), (3, spec[3])],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            n: u32,
+            eps: f32,
+        }
+        let writes = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| WriteDescriptorSet::buffer(i as u32, (*b).clone()))
+            .collect();
+        self.run(
+            &pipe,
+            writes,
+            P {
+                n: n as u32,
+                eps: eps as f32,
+            },
+            [n as u32, spec[0], 1],
+        )
+    }
+
+    /// `a = act(g) * u` over `n` rows of `gu = [g | u]` (`i` each).
+    pub fn swiglu(
+        &mut self,
+        i: usize,
+        act: u32,
+        n: usize,
+        gu: &Subbuffer<[u32]>,
+        a: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let pipe = self
+            .ctx
+            .pipeline("swiglu", SWIGLU, &[(0, i as u32), (1, act)])?;
+        self.run(
+            &pipe,
+            vec![
+                WriteDescriptorSet::buffer(0, gu.clone()),
+                WriteDescriptorSet::buffer(1, a.clone()),
+            ],
+            n as u32,
+            [(n * i).div_ceil(256) as u32, 1, 1],
+        )
+    }
+
+    /// `cache_ops.comp` on up to 8 head buffers: (heads, k, v, ops, ranges).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_ops(
+        &mut self,
+        hd: usize,
+        n: usize,
+        heads: Vec<Subbuffer<[u32]>>,
+        k: &Subbuffer<[u32]>,
+        v: &Subbuffer<[u32]>,
+        ops: &Subbuffer<[u32]>,
+        ranges: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let pipe = self
+            .ctx
+            .pipeline("cache_ops", CACHE_OPS, &[(0, hd as u32)])?;
+        let slots = heads.len() as u32;
+        let mut arr = heads;
+        while arr.len() < 8 {
+            arr.push(arr[0].clone());
+        }
+        self.run(
+            &pipe,
+            vec![
+                WriteDescriptorSet::buffer_array(0, 0, arr),
+                WriteDescriptorSet::buffer(1, k.clone()),
+                WriteDescriptorSet::buffer(2, v.clone()),
+                WriteDescriptorSet::buffer(3, ops.clone()),
+                WriteDescriptorSet::buffer(4, ranges.clone()),
+            ],
+            n as u32,
+            [slots, 1, 1],
+        )
+    }
+
+    /// `out = (argmax, max)` of `n` logits.
+    pub fn argmax(
+        &mut self,
+        logits: &Subbuffer<[u32]>,
+        n: usize,
+        out: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let pipe = self.ctx.pipeline("argmax", ARGMAX, &[])?;
+        self.run(
+            &pipe,
+            vec![
+                WriteDescriptorSet::buffer(0, logits.clone()),
+                WriteDescriptorSet::buffer(1, out.clone()),
+            ],
+            n as u32,
+            [1, 1, 1],
+        )
+    }
+}

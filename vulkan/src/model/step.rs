@@ -1,0 +1,1063 @@
+//! A stream on a [`DeviceModel`]: its cache heads, token-shift states and activations on the
+//! device, and [`DeviceStream::run`], which feeds a chunk of tokens through every layer.
+//!
+//! One run is `layers + 1` submissions: the first ends after layer 0's gates, each next one
+//! runs a layer's attention and MLP and the next layer up to its gates, the last the final
+//! norm and LM head. Between them the caller's plan callback sees the layer's `log f` and new
+//! K/V rows and decides (its retention policy, its ACP decisions); the host waits only for
+//! those few values. The cache stays on the device: a step uploads the caller's row
+//! operations (a few words per row) and per-query metadata, never cache rows.
+
+use super::ops::Rec;
+use super::weights::DeviceModel;
+use super::{Act, QkNorm};
+use crate::decode::{auto_split, head_words, meta_off, storage_align, v_off};
+use crate::error::{Error, Result};
+use crate::pack::split_f64;
+use foxedge_core::boundary::{self, BlockGrid};
+use foxedge_core::contract::{AttentionStats, HeadStats, acp};
+use std::sync::Arc;
+use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::command_buffer::{BufferCopy, CopyBufferInfo};
+use vulkano::descriptor_set::WriteDescriptorSet;
+
+static PREFILL_F32: &[u8] = include_bytes!("../../shaders/prefill_f32.spv");
+
+/// Entries per ACP block of the device's decisions (the kernels' default tile).
+const BLOCK: usize = 64;
+/// Head buffers bound per attention or cache dispatch (`HPD` / `SLOTS` in the shaders).
+const HPD: usize = crate::decode::HPD;
+/// Chunks per query at most (`MAXC` in decode.glsl).
+const MAXC: usize = 1024;
+
+/// One row operation on a cache head (slot indices of that head).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowOp {
+    /// Row `from` moves to row `to` (a swap-delete).
+    Move { from: u32, to: u32 },
+    /// Token `token` of the run (its K and V) is stored in row `slot`, with `c` (relative to
+    /// the head's gate origin) and its stream position.
+    Put {
+        token: u32,
+        slot: u32,
+        c: f64,
+        pos: u64,
+    },
+    /// Row `slot` keeps its K and V and takes this `c` and position (a re-based origin).
+    Meta { slot: u32, c: f64, pos: u64 },
+}
+
+/// One head of one token's step: row operations, then its query attends rows `0..live`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HeadStep {
+    pub ops: Vec<RowOp>,
+    pub live: usize,
+    /// The query's cumulative gate `c_t` (same origin as the rows').
+    pub c_t: f64,
+    /// ACP flags per [`BLOCK`]-entry block of rows (1 = attend), empty = every block
+    /// ([`super::decode_blocks`]), and the statistics they give.
+    pub kept: Vec<u32>,
+    pub stats: HeadStats,
+}
+
+/// One token's step, one [`HeadStep`] per head.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TokenPlan {
+    pub heads: Vec<HeadStep>,
+}
+
+/// The caller's decisions for one layer of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerPlan {
+    /// A fresh stream's chunk: causal attention over the chunk's own tokens with ACP
+    /// threshold `delta[h]` (`None`: dense) on cumulative gates `c` (`[H][n]`, from 0),
+    /// then `ops[h]` store rows into the cache heads.
+    Chunk {
+        c: Vec<f64>,
+        delta: Vec<Option<f64>>,
+        ops: Vec<Vec<RowOp>>,
+    },
+    /// Each token in turn (`n` plans): its row operations, then its query attends the
+    /// cache.
+    Tokens(Vec<TokenPlan>),
+}
+
+/// What a layer's gates gave, for the plan callback.
+#[derive(Debug, Clone, Copy)]
+pub struct Gates<'a> {
+    pub layer: usize,
+    pub tokens: usize,
+    /// `[n][H]` log forget gates.
+    pub log_f: &'a [f32],
+    /// `[n][H]` (|q|, |k|) after the QK-norm, interleaved.
+    pub norms: &'a [f32],
+    /// `[H][n][head_dim]` the run's keys and values (after shift and QK-norm).
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// `[k_raw D | v_raw D]`: the raw projections of the run's last token (the layer's
+    /// token-shift state from now on).
+    pub shift: &'a [f32],
+}
+
+/// What a run returns.
+#[derive(Debug)]
+pub enum Output<'a> {
+    /// Nothing (the tokens only fill the cache).
+    Nothing,
+    /// The last token's logits (`vocab` floats).
+    Last(&'a mut [f32]),
+    /// Every token's logits (`n * vocab`).
+    All(&'a mut [f32]),
+    /// The id of the last token's largest logit.
+    Greedy,
+}
+
+/// Counters of one run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunStats {
+    /// With [`Output::Greedy`]: the chosen token.
+    pub token: Option<u32>,
+    /// Per layer, the attention statistics of every head (token steps summed).
+    pub attention: Vec<AttentionStats>,
+    /// Bytes the host wrote for the device (token ids, row operations, query metadata).
+    pub bytes_uploaded: u64,
+    /// Bytes read back (gates, new rows, logits).
+    pub bytes_downloaded: u64,
+    pub submissions: u32,
+    pub dispatches: u32,
+}
+
+/// A cache head on the device in the decode kernel's layout.
+#[derive(Clone)]
+struct HeadBuf {
+    buf: Subbuffer<[u32]>,
+    cap: usize,
+}
+
+/// Activations of a run of `n` tokens.
+struct Scratch {
+    n: usize,
+    h: Subbuffer<[u32]>,
+    x: Subbuffer<[u32]>,
+    p: Subbuffer<[u32]>,
+    q: Subbuffer<[u32]>,
+    k: Subbuffer<[u32]>,
+    v: Subbuffer<[u32]>,
+    lf: Subbuffer<[u32]>,
+    nrm: Subbuffer<[u32]>,
+    o: Subbuffer<[u32]>,
+    op: Subbuffer<[u32]>,
+    gu: Subbuffer<[u32]>,
+    a: Subbuffer<[u32]>,
+    lse: Subbuffer<[u32]>,
+    /// One token's queries and outputs `[H][HD]` (token steps of a multi-token run).
+    q1: Subbuffer<[u32]>,
+    o1: Subbuffer<[u32]>,
+}
+
+/// A stream's device state on one model.
+pub struct DeviceStream {
+    model: Arc<DeviceModel>,
+    /// `[layer][head]`, created at the first row stored.
+    heads: Vec<Vec<Option<HeadBuf>>>,
+    /// `[layer]` `[k_raw D | v_raw D]` of the last token fed.
+    shift: Vec<Subbuffer<[u32]>>,
+    scratch: Option<Scratch>,
+    flag: Subbuffer<[u32]>,
+    /// Test hook: the submission (counted over runs) that reports a lost device.
+    fail_at: Option<u64>,
+    submitted: u64,
+}
+
+impl std::fmt::Debug for DeviceStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceStream")
+            .field("shape", &self.model.shape)
+            .finish()
+    }
+}
+
+/// Small host-written inputs of a submission, gathered into one host-visible buffer.
+struct HostData {
+    words: Vec<u32>,
+    align: usize,
+}
+
+impl HostData {
+    fn new(align: usize) -> Self {
+        Self {
+            words: Vec::new(),
+            align,
+        }
+    }
+
+    /// Appends `w` at an aligned offset; returns (offset, length).
+    fn push(&mut self, w: &[u32]) -> (usize, usize) {
+        let at = self.words.len().div_ceil(self.align) * self.align;
+        self.words.resize(at, 0);
+        self.words.extend_from_slice(w);
+        if w.is_empty() {
+            self.words.push(0);
+        }
+        (at, w.len().max(1))
+    }
+
+    fn upload(self, rec: &Rec<'_>) -> Result<(Subbuffer<[u32]>, u64)> {
+        let buf = rec.ctx.host_buffer(self.words.len().max(1), true)?;
+        buf.write()
+            .map_err(|e| Error::Vulkan(e.to_string()))?
+            .get_mut(..self.words.len())
+            .ok_or_else(|| Error::Vulkan("host buffer too small".into()))?
+            .copy_from_slice(&self.words);
+        Ok((buf, self.words.len() as u64 * 4))
+    }
+}
+
+fn view(b: &Subbuffer<[u32]>, (at, len): (usize, usize)) -> Subbuffer<[u32]> {
+    b.clone().slice(at as u64..(at + len) as u64)
+}
+
+fn copy_region(src: usize, dst: usize, words: usize) -> BufferCopy {
+    BufferCopy {
+        src_offset: src as u64 * 4,
+        dst_offset: dst as u64 * 4,
+        size: words as u64 * 4,
+        ..Default::default()
+    }
+}
+
+fn copy(
+    rec: &mut Rec<'_>,
+    src: &Subbuffer<[u32]>,
+    dst: &Subbuffer<[u32]>,
+    regions: Vec<BufferCopy>,
+) -> Result<()> {
+    if regions.is_empty() {
+        return Ok(());
+    }
+    let mut info = CopyBufferInfo::buffers(src.clone(), dst.clone());
+    info.regions.clear();
+    info.regions.extend(regions);
+    rec.b.copy_buffer(info)?;
+    Ok(())
+}
+
+fn non_finite() -> Error {
+    Error::Input(foxedge_core::Error::BadArgument(
+        "attention logits are not finite: q, k or v holds NaN/inf, or s*q.k overflows f32",
+    ))
+}
+
+fn internal(m: &str) -> Error {
+    Error::Vulkan(format!("device model: {m}"))
+}
+
+/// A merged head statistic (pairs and blocks added).
+fn add_stats(a: &mut HeadStats, b: &HeadStats) {
+    a.kept_pairs += b.kept_pairs;
+    a.total_pairs += b.total_pairs;
+    a.kept_blocks += b.kept_blocks;
+    a.total_blocks += b.total_blocks;
+    a.delta = b.delta.or(a.delta);
+}
+
+impl DeviceStream {
+    /// An empty stream (zero shift states, no cache rows).
+    pub fn new(model: Arc<DeviceModel>) -> Result<Self> {
+        let ctx = model.ctx.clone();
+        let d = model.shape.hidden;
+        let mut shift = Vec::with_capacity(model.shape.layers);
+        for _ in 0..model.shape.layers {
+            shift.push(ctx.device_buffer(2 * d)?);
+        }
+        let flag = ctx.device_buffer(1)?;
+        let mut s = Self {
+            heads: vec![vec![None; model.shape.heads]; model.shape.layers],
+            model,
+            shift,
+            scratch: None,
+            flag,
+            fail_at: None,
+            submitted: 0,
+        };
+        s.reset()?;
+        Ok(s)
+    }
+
+    /// Forgets every token: zero shift states, no cache rows.
+    pub fn reset(&mut self) -> Result<()> {
+        let ctx = self.model.ctx.clone();
+        let mut rec = Rec::new(&ctx)?;
+        for s in &self.shift {
+            rec.b.fill_buffer(s.clone(), 0)?;
+        }
+        ctx.submit(rec.b)?;
+        for l in &mut self.heads {
+            l.iter_mut().for_each(|h| *h = None);
+        }
+        Ok(())
+    }
+
+    /// Makes the `k`-th submission from now (0: the next) fail as a lost device would,
+    /// without submitting it: tests of a caller's fallback use it.
+    #[doc(hidden)]
+    pub fn fail_after(&mut self, k: u64) {
+        self.fail_at = Some(self.submitted + k);
+    }
+
+    /// Submits `rec`, or reports the device lost where [`Self::fail_after`] says so.
+    fn submit(&mut self, rec: Rec<'_>, stats: &mut RunStats) -> Result<()> {
+        let at = self.submitted;
+        self.submitted += 1;
+        stats.dispatches += rec.dispatches;
+        if self.fail_at == Some(at) {
+            self.fail_at = None;
+            return Err(Error::DeviceLost);
+        }
+        self.model.ctx.submit(rec.b)?;
+        stats.submissions += 1;
+        Ok(())
+    }
+
+    /// The model this stream runs.
+    pub fn model(&self) -> &Arc<DeviceModel> {
+        &self.model
+    }
+
+    /// Device bytes of the cache heads and activations.
+    pub fn bytes(&self) -> u64 {
+        let heads: u64 = self
+            .heads
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|h| h.buf.size())
+            .sum();
+        heads
+    }
+
+    fn scratch(&mut self, n: usize) -> Result<()> {
+        if self.scratch.as_ref().is_some_and(|s| s.n >= n) {
+            return Ok(());
+        }
+        let sh = &self.model.shape;
+        let ctx = &self.model.ctx;
+        let (d, h, i, hd) = (sh.hidden, sh.heads, sh.intermediate, sh.head_dim);
+        let b = |w: usize| ctx.device_buffer(w);
+        self.scratch = Some(Scratch {
+            n,
+            h: b(n * d)?,
+            x: b(n * d)?,
+            p: b(n * sh.proj_width())?,
+            q: b(n * d)?,
+            k: b(n * d)?,
+            v: b(n * d)?,
+            lf: b(n * h)?,
+            nrm: b(2 * n * h)?,
+            o: b(n * d)?,
+            op: b(n * d)?,
+            gu: b(2 * n * i)?,
+            a: b(n * i)?,
+            lse: b(n * h)?,
+            q1: b(h * hd)?,
+            o1: b(h * hd)?,
+        });
+        Ok(())
+    }
+
+    /// Feeds `tokens` (ids `< vocab`, the stream's next positions) through every layer.
+    /// After each layer's gates, `plan` gets them and returns the layer's decisions; the
+    /// device then applies its row operations and runs the rest of the layer.
+    ///
+    /// Errors: a bad token id or plan ([`Error::Input`]), a non-finite softmax (as the CPU
+    /// kernels report it), the plan callback's own error, device failures. After an error
+    /// the stream's cache may hold part of the run: reset it.
+    pub fn run(
+        &mut self,
+        tokens: &[u32],
+        plan: &mut dyn FnMut(&Gates<'_>) -> Result<LayerPlan>,
+        out: Output<'_>,
+    ) -> Result<RunStats> {
+        let model = self.model.clone();
+        let sh = model.shape;
+        let ctx = model.ctx.clone();
+        let n = tokens.len();
+        let (d, nh, hd, v) = (sh.hidden, sh.heads, sh.head_dim, sh.vocab);
+        if n == 0 {
+            return Err(Error::Input(foxedge_core::Error::BadArgument("no tokens")));
+        }
+        if tokens.iter().any(|&t| t as usize >= v) {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "a token id is out of the vocabulary",
+            )));
+        }
+        match &out {
+            Output::Last(l) if l.len() != v => {
+                return Err(foxedge_core::Error::BadLength {
+                    what: "logits (vocab)",
+                    expected: v,
+                    got: l.len(),
+                }
+                .into());
+            }
+            Output::All(l) if l.len() != n * v => {
+                return Err(foxedge_core::Error::BadLength {
+                    what: "logits (tokens * vocab)",
+                    expected: n * v,
+                    got: l.len(),
+                }
+                .into());
+            }
+            _ => {}
+        }
+        self.scratch(n)?;
+        let align = storage_align(&ctx);
+        let mut stats = RunStats {
+            attention: Vec::with_capacity(sh.layers),
+            ..RunStats::default()
+        };
+        let pw = sh.proj_width();
+        let qkn = match sh.qk_norm {
+            QkNorm::Off => 0,
+            QkNorm::PerHead => 1,
+            QkNorm::Shared => 2,
+        };
+        let pre_spec = [
+            nh as u32,
+            hd as u32,
+            u32::from(sh.k_shift),
+            u32::from(sh.v_shift),
+            qkn,
+        ];
+        let post_spec = [
+            nh as u32,
+            hd as u32,
+            u32::from(sh.output_norm),
+            match sh.output_gate {
+                None => 0,
+                Some(Act::Sigmoid) => 1,
+                Some(Act::Silu) => 2,
+            },
+        ];
+        // Readback of a layer's gates: lf [n H] | norms [n H 2] | k [H n HD] | v [H n HD] |
+        // shift state [2 D].
+        let rb_words = 3 * n * nh + 2 * n * d + 2 * d;
+        let rb = ctx.host_buffer(rb_words, false)?;
+
+        let mut rec = Rec::new(&ctx)?;
+        rec.b.fill_buffer(self.flag.clone(), 0)?;
+        let mut hdata = HostData::new(align);
+        let ids_at = hdata.push(tokens);
+        let (hbuf, up) = hdata.upload(&rec)?;
+        stats.bytes_uploaded += up;
+        {
+            let s = self
+                .scratch
+                .as_ref()
+                .ok_or_else(|| internal("no scratch"))?;
+            rec.embed(&model.embeddings, &view(&hbuf, ids_at), n, &s.h)?;
+        }
+        for l in 0..sh.layers {
+            let lw = &model.layers[l];
+            let s = self
+                .scratch
+                .as_ref()
+                .ok_or_else(|| internal("no scratch"))?;
+            // Up to the gates.
+            rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
+            for (m, col) in &lw.pre {
+                rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+            }
+            rec.attn_pre(
+                pre_spec,
+                n,
+                [
+                    &s.p,
+                    &self.shift[l],
+                    &lw.qk_norm,
+                    &lw.fgate_bias,
+                    &s.q,
+                    &s.k,
+                    &s.v,
+                    &s.lf,
+                    &s.nrm,
+                ],
+                sh.qk_eps,
+            )?;
+            copy(
+                &mut rec,
+                &s.p,
+                &self.shift[l],
+                vec![copy_region((n - 1) * pw + d, 0, 2 * d)],
+            )?;
+            copy(&mut rec, &s.lf, &rb, vec![copy_region(0, 0, n * nh)])?;
+            copy(
+                &mut rec,
+                &s.nrm,
+                &rb,
+                vec![copy_region(0, n * nh, 2 * n * nh)],
+            )?;
+            copy(&mut rec, &s.k, &rb, vec![copy_region(0, 3 * n * nh, n * d)])?;
+            copy(
+                &mut rec,
+                &s.v,
+                &rb,
+                vec![copy_region(0, 3 * n * nh + n * d, n * d)],
+            )?;
+            copy(
+                &mut rec,
+                &self.shift[l],
+                &rb,
+                vec![copy_region(0, 3 * n * nh + 2 * n * d, 2 * d)],
+            )?;
+            self.submit(rec, &mut stats)?;
+            stats.bytes_downloaded += rb_words as u64 * 4;
+
+            let layer_plan = {
+                let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+                let f = |a: usize, len: usize| -> &[f32] { bytemuck_f32(&w[a..a + len]) };
+                let gates = Gates {
+                    layer: l,
+                    tokens: n,
+                    log_f: f(0, n * nh),
+                    norms: f(n * nh, 2 * n * nh),
+                    k: f(3 * n * nh, n * d),
+                    v: f(3 * n * nh + n * d, n * d),
+                    shift: f(3 * n * nh + 2 * n * d, 2 * d),
+                };
+                plan(&gates)?
+            };
+
+            rec = Rec::new(&ctx)?;
+            let st = self.attend(&mut rec, l, n, &layer_plan, &mut stats)?;
+            stats.attention.push(st);
+            let s = self
+                .scratch
+                .as_ref()
+                .ok_or_else(|| internal("no scratch"))?;
+            rec.attn_post(
+                post_spec,
+                n,
+                [&s.o, &s.p, &lw.output_norm, &s.op],
+                sh.norm_eps,
+            )?;
+            rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+            rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
+            rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;
+            let act = match sh.mlp_act {
+                Act::Silu => 0,
+                Act::Sigmoid => 1,
+            };
+            rec.swiglu(sh.intermediate, act, n, &s.gu, &s.a)?;
+            rec.linear(&lw.down, n, &s.a, &s.h, 0, d, true)?;
+        }
+        // Final norm and LM head on the rows asked for.
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        let rows = match out {
+            Output::Nothing => 0,
+            Output::All(_) => n,
+            Output::Last(_) | Output::Greedy => 1,
+        };
+        let logits = ctx.device_buffer((rows * v).max(1))?;
+        let host = ctx.host_buffer((rows * v).max(2) + 2, false)?;
+        if rows > 0 {
+            let src = if rows == n {
+                s.h.clone()
+            } else {
+                copy(&mut rec, &s.h, &s.op, vec![copy_region((n - 1) * d, 0, d)])?;
+                s.op.clone()
+            };
+            rec.rmsnorm(d, rows, &src, &model.norm, sh.norm_eps, &s.x)?;
+            rec.linear(&model.lm_head, rows, &s.x, &logits, 0, v, false)?;
+            if matches!(out, Output::Greedy) {
+                let am = ctx.device_buffer(2)?;
+                rec.argmax(&logits, v, &am)?;
+                copy(&mut rec, &am, &host, vec![copy_region(0, 0, 2)])?;
+                stats.bytes_downloaded += 8;
+            } else {
+                copy(&mut rec, &logits, &host, vec![copy_region(0, 0, rows * v)])?;
+                stats.bytes_downloaded += (rows * v) as u64 * 4;
+            }
+        }
+        copy(
+            &mut rec,
+            &self.flag,
+            &host,
+            vec![copy_region(0, (rows * v).max(2), 1)],
+        )?;
+        self.submit(rec, &mut stats)?;
+        let w = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+        if w[(rows * v).max(2)] != 0 {
+            return Err(non_finite());
+        }
+        match out {
+            Output::Nothing => {}
+            Output::Greedy => stats.token = Some(w[0]),
+            Output::Last(o) | Output::All(o) => {
+                for (x, &b) in o.iter_mut().zip(w.iter()) {
+                    *x = f32::from_bits(b);
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Records layer `l`'s attention (and its cache row operations) into `s.o` (head-major).
+    fn attend(
+        &mut self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        n: usize,
+        plan: &LayerPlan,
+        stats: &mut RunStats,
+    ) -> Result<AttentionStats> {
+        let sh = self.model.shape;
+        let nh = sh.heads;
+        match plan {
+            LayerPlan::Chunk { c, delta, ops } => {
+                if c.len() != nh * n || delta.len() != nh || ops.len() != nh {
+                    return Err(foxedge_core::Error::BadLength {
+                        what: "chunk plan (c [H][n], one delta and op list per head)",
+                        expected: nh * n,
+                        got: c.len(),
+                    }
+                    .into());
+                }
+                let st = self.prefill(rec, n, c, delta, stats)?;
+                let no_q: Vec<HeadStep> = ops
+                    .iter()
+                    .map(|o| HeadStep {
+                        ops: o.clone(),
+                        ..HeadStep::default()
+                    })
+                    .collect();
+                self.apply_ops(rec, l, n, &no_q, stats)?;
+                Ok(st)
+            }
+            LayerPlan::Tokens(steps) => {
+                if steps.len() != n || steps.iter().any(|s| s.heads.len() != nh) {
+                    return Err(foxedge_core::Error::BadLength {
+                        what: "token plans (one per token, one head step per head)",
+                        expected: n,
+                        got: steps.len(),
+                    }
+                    .into());
+                }
+                let mut st = AttentionStats {
+                    heads: vec![HeadStats::default(); nh],
+                };
+                for (r, step) in steps.iter().enumerate() {
+                    self.apply_ops(rec, l, n, &step.heads, stats)?;
+                    self.decode(rec, l, n, r, step, stats)?;
+                    for (a, hs) in st.heads.iter_mut().zip(&step.heads) {
+                        add_stats(a, &hs.stats);
+                    }
+                }
+                Ok(st)
+            }
+        }
+    }
+
+    /// Grows head `h` of layer `l` to hold `need` rows (doubling, rows copied on the
+    /// device); creates it at the first use.
+    fn ensure_head(
+        &mut self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        h: usize,
+        need: usize,
+    ) -> Result<HeadBuf> {
+        let hd = self.model.shape.head_dim;
+        let ctx = self.model.ctx.clone();
+        match &self.heads[l][h] {
+            Some(hb) if hb.cap >= need => return Ok(hb.clone()),
+            _ => {}
+        }
+        let cap = need.max(64).next_power_of_two();
+        let buf = ctx.device_buffer(head_words(cap, hd, false))?;
+        if let Some(old) = &self.heads[l][h] {
+            let oc = old.cap;
+            copy(
+                rec,
+                &old.buf,
+                &buf,
+                vec![
+                    copy_region(0, 0, oc * hd),
+                    copy_region(v_off(oc, hd, false), v_off(cap, hd, false), oc * hd),
+                    copy_region(meta_off(oc, hd, false), meta_off(cap, hd, false), 4 * oc),
+                ],
+            )?;
+        }
+        let hb = HeadBuf { buf, cap };
+        self.heads[l][h] = Some(hb.clone());
+        Ok(hb)
+    }
+
+    /// Records the row operations of every head (`steps[h].ops`), one workgroup per head.
+    fn apply_ops(
+        &mut self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        n: usize,
+        steps: &[HeadStep],
+        stats: &mut RunStats,
+    ) -> Result<()> {
+        let hd = self.model.shape.head_dim;
+        let mut heads: Vec<(usize, HeadBuf)> = Vec::new();
+        let mut words: Vec<u32> = Vec::new();
+        let mut ranges: Vec<u32> = Vec::new();
+        for (h, st) in steps.iter().enumerate() {
+            if st.ops.is_empty() {
+                continue;
+            }
+            let mut need = st.live;
+            for op in &st.ops {
+                match *op {
+                    RowOp::Move { from, to } => need = need.max(from.max(to) as usize + 1),
+                    RowOp::Meta { slot, .. } => need = need.max(slot as usize + 1),
+                    RowOp::Put { token, slot, .. } => {
+                        if token as usize >= n {
+                            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                "a Put names a token outside the run",
+                            )));
+                        }
+                        need = need.max(slot as usize + 1);
+                    }
+                }
+            }
+            if need > u32::MAX as usize / 4 {
+                return Err(Error::Unsupported("cache head too large".into()));
+            }
+            let hb = self.ensure_head(rec, l, h, need)?;
+            let first = words.len() / 8;
+            for op in &st.ops {
+                match *op {
+                    RowOp::Move { from, to } => words.extend([0, from, to, 0, 0, 0, 0, 0]),
+                    RowOp::Put { slot, c, pos, .. } | RowOp::Meta { slot, c, pos } => {
+                        if !c.is_finite() {
+                            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                "cache c_j must be finite",
+                            )));
+                        }
+                        let mut cw = [0u32; 2];
+                        split_f64(&[c], &mut cw);
+                        let (kind, token) = match *op {
+                            RowOp::Put { token, .. } => (1, token),
+                            _ => (2, 0),
+                        };
+                        words.extend([
+                            kind,
+                            token,
+                            slot,
+                            0,
+                            cw[0],
+                            cw[1],
+                            pos as u32,
+                            (pos >> 32) as u32,
+                        ]);
+                    }
+                }
+            }
+            ranges.extend([first as u32, st.ops.len() as u32, h as u32, hb.cap as u32]);
+            heads.push((h, hb));
+        }
+        if heads.is_empty() {
+            return Ok(());
+        }
+        let mut hdata = HostData::new(storage_align(rec.ctx));
+        let ops_at = hdata.push(&words);
+        let mut range_at = Vec::new();
+        for g in ranges.chunks(4 * HPD) {
+            range_at.push(hdata.push(g));
+        }
+        let (hbuf, up) = hdata.upload(rec)?;
+        stats.bytes_uploaded += up;
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        for (g, ra) in heads.chunks(HPD).zip(range_at) {
+            let bufs = g.iter().map(|(_, hb)| hb.buf.clone()).collect();
+            rec.cache_ops(
+                hd,
+                n,
+                bufs,
+                &s.k,
+                &s.v,
+                &view(&hbuf, ops_at),
+                &view(&hbuf, ra),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Fresh-chunk attention with `prefill.glsl` over q, k, v head-major in scratch.
+    fn prefill(
+        &mut self,
+        rec: &mut Rec<'_>,
+        n: usize,
+        c: &[f64],
+        delta: &[Option<f64>],
+        stats: &mut RunStats,
+    ) -> Result<AttentionStats> {
+        let sh = self.model.shape;
+        let (nh, hd) = (sh.heads, sh.head_dim);
+        let ctx = self.model.ctx.clone();
+        let grid = BlockGrid::new(BLOCK, BLOCK, n, n)?;
+        let nqb = grid.q_blocks();
+        let mut first = vec![0u32; nh * nqb];
+        let mut cw = vec![0u32; 2 * nh * n];
+        let mut heads = Vec::with_capacity(nh);
+        let mut starts = vec![0u32; nqb];
+        for h in 0..nh {
+            let ch = &c[h * n..(h + 1) * n];
+            if ch.iter().any(|x| !x.is_finite()) {
+                return Err(Error::Input(foxedge_core::Error::BadArgument(
+                    "chunk c must be finite",
+                )));
+            }
+            boundary::start_blocks(&grid, ch, delta[h], 0, &mut starts)?;
+            heads.push(acp::head_stats(&grid, &starts, 0, delta[h]));
+            for (f, &s) in first[h * nqb..(h + 1) * nqb].iter_mut().zip(&starts) {
+                *f = (s as usize * BLOCK) as u32;
+            }
+            split_f64(ch, &mut cw[2 * h * n..2 * (h + 1) * n]);
+        }
+        let mut hdata = HostData::new(storage_align(&ctx));
+        let c_at = hdata.push(&cw);
+        let f_at = hdata.push(&first);
+        let (hbuf, up) = hdata.upload(rec)?;
+        stats.bytes_uploaded += up;
+        let tile = crate::prefill::PrefillTile::choose(&ctx, hd)?;
+        let pipe = ctx.pipeline(
+            "prefill_f32",
+            PREFILL_F32,
+            &[
+                (0, tile.bm * tile.tpr),
+                (1, hd as u32),
+                (2, tile.bm),
+                (3, tile.bn),
+                (4, tile.tpr),
+            ],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            seq_q: u32,
+            seq_k: u32,
+            q_off: u32,
+            group: u32,
+            n_qb: u32,
+            scale_log2: f32,
+            acp_bq: u32,
+            acp_nqb: u32,
+        }
+        let n_tiles = n.div_ceil(tile.bm as usize);
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        rec.run(
+            &pipe,
+            vec![
+                WriteDescriptorSet::buffer(0, s.q.clone()),
+                WriteDescriptorSet::buffer(1, s.k.clone()),
+                WriteDescriptorSet::buffer(2, s.v.clone()),
+                WriteDescriptorSet::buffer(3, view(&hbuf, c_at)),
+                WriteDescriptorSet::buffer(4, view(&hbuf, f_at)),
+                WriteDescriptorSet::buffer(5, s.o.clone()),
+                WriteDescriptorSet::buffer(6, s.lse.clone()),
+                WriteDescriptorSet::buffer(7, self.flag.clone()),
+            ],
+            P {
+                seq_q: n as u32,
+                seq_k: n as u32,
+                q_off: 0,
+                group: 1,
+                n_qb: n_tiles as u32,
+                scale_log2: (1.0 / (hd as f32).sqrt()) * std::f32::consts::LOG2_E,
+                acp_bq: BLOCK as u32,
+                acp_nqb: nqb as u32,
+            },
+            [n_tiles as u32, nh as u32, 1],
+        )?;
+        Ok(AttentionStats { heads })
+    }
+
+    /// Token `r`'s query of every head against its cache rows `0..live` (`decode.glsl`).
+    fn decode(
+        &mut self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        n: usize,
+        r: usize,
+        step: &TokenPlan,
+        stats: &mut RunStats,
+    ) -> Result<()> {
+        let sh = self.model.shape;
+        let (nh, hd) = (sh.heads, sh.head_dim);
+        let ctx = self.model.ctx.clone();
+        let kernel = crate::decode::kernel(&ctx, &crate::DecodeTuning::default(), hd, false)?;
+        let entries: usize = step.heads.iter().map(|h| h.live).sum();
+        let n_max = step.heads.iter().map(|h| h.live).max().unwrap_or(0);
+        let chunk = auto_split(entries)
+            .max(n_max.div_ceil(MAXC))
+            .div_ceil(BLOCK)
+            * BLOCK;
+        // Heads with no rows still need a buffer bound (their queries write zeros).
+        for h in 0..nh {
+            if self.heads[l][h].is_none() {
+                self.ensure_head(rec, l, h, 1)?;
+            }
+        }
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        let (q, o) = if n == 1 {
+            (s.q.clone(), s.o.clone())
+        } else {
+            let regions = (0..nh)
+                .map(|h| copy_region((h * n + r) * hd, h * hd, hd))
+                .collect();
+            copy(rec, &s.q, &s.q1, regions)?;
+            (s.q1.clone(), s.o1.clone())
+        };
+        let mut hdata = HostData::new(storage_align(&ctx));
+        struct G {
+            h0: usize,
+            h1: usize,
+            qinfo: (usize, usize),
+            qc: (usize, usize),
+            kept: (usize, usize),
+            parts: usize,
+            chunks: usize,
+        }
+        let mut groups = Vec::new();
+        for h0 in (0..nh).step_by(HPD) {
+            let h1 = (h0 + HPD).min(nh);
+            let mut qinfo = Vec::new();
+            let mut qc = vec![0u32; 2 * (h1 - h0)];
+            let mut kept = Vec::new();
+            let mut parts = 0usize;
+            let mut chunks = 1usize;
+            for h in h0..h1 {
+                let hs = &step.heads[h];
+                let cap = self.heads[l][h].as_ref().map_or(1, |b| b.cap);
+                if hs.live > cap {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "a head attends more rows than its operations stored",
+                    )));
+                }
+                if !hs.kept.is_empty() && hs.kept.len() != hs.live.div_ceil(BLOCK) {
+                    return Err(foxedge_core::Error::BadLength {
+                        what: "ACP block flags (one per 64 rows)",
+                        expected: hs.live.div_ceil(BLOCK),
+                        got: hs.kept.len(),
+                    }
+                    .into());
+                }
+                let kept0 = if hs.kept.is_empty() {
+                    u32::MAX
+                } else {
+                    let k0 = kept.len() as u32;
+                    kept.extend(&hs.kept);
+                    k0
+                };
+                let nch = hs.live.div_ceil(chunk);
+                chunks = chunks.max(nch);
+                qinfo.extend([
+                    hs.live as u32,
+                    cap as u32,
+                    parts as u32,
+                    kept0,
+                    (h - h0) as u32,
+                    0,
+                    0,
+                    0,
+                ]);
+                parts += nch;
+                if !hs.c_t.is_finite() {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "query c_t must be finite",
+                    )));
+                }
+                split_f64(&[hs.c_t], &mut qc[2 * (h - h0)..2 * (h - h0) + 2]);
+            }
+            groups.push(G {
+                h0,
+                h1,
+                qinfo: hdata.push(&qinfo),
+                qc: hdata.push(&qc),
+                kept: hdata.push(&kept),
+                parts,
+                chunks,
+            });
+        }
+        let (hbuf, up) = hdata.upload(rec)?;
+        stats.bytes_uploaded += up;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            chunk: u32,
+            block: u32,
+            scale_log2: f32,
+            pad: u32,
+        }
+        let push = P {
+            chunk: chunk as u32,
+            block: BLOCK as u32,
+            scale_log2: (1.0 / (hd as f32).sqrt()) * std::f32::consts::LOG2_E,
+            pad: 0,
+        };
+        for g in &groups {
+            let q_views = (g.h1 - g.h0) * hd;
+            let ml = ctx.device_buffer(2 * g.parts.max(1))?;
+            let po = ctx.device_buffer(hd * g.parts.max(1))?;
+            let counters = ctx.device_buffer(g.h1 - g.h0)?;
+            rec.b.fill_buffer(counters.clone(), 0)?;
+            let slots: Vec<Subbuffer<[u32]>> = (0..HPD)
+                .map(|i| {
+                    let h = (g.h0 + i).min(g.h1 - 1);
+                    self.heads[l][h].as_ref().map(|b| b.buf.clone())
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| internal("cache head missing"))?;
+            rec.run(
+                &kernel.pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, view(&q, (g.h0 * hd, q_views))),
+                    WriteDescriptorSet::buffer_array(1, 0, slots),
+                    WriteDescriptorSet::buffer(2, view(&hbuf, g.qinfo)),
+                    WriteDescriptorSet::buffer(3, view(&hbuf, g.qc)),
+                    WriteDescriptorSet::buffer(4, view(&hbuf, g.kept)),
+                    WriteDescriptorSet::buffer(5, ml),
+                    WriteDescriptorSet::buffer(6, po),
+                    WriteDescriptorSet::buffer(7, view(&o, (g.h0 * hd, q_views))),
+                    WriteDescriptorSet::buffer(8, view(&s.lse, (0, g.h1 - g.h0))),
+                    WriteDescriptorSet::buffer(9, counters),
+                    WriteDescriptorSet::buffer(10, self.flag.clone()),
+                ],
+                push,
+                [g.chunks as u32, (g.h1 - g.h0) as u32, 1],
+            )?;
+        }
+        if n > 1 {
+            let regions = (0..nh)
+                .map(|h| copy_region(h * hd, (h * n + r) * hd, hd))
+                .collect();
+            copy(rec, &s.o1, &s.o, regions)?;
+        }
+        Ok(())
+    }
+}
+
+/// u32 words as f32 values (same size and alignment; every bit pattern is an f32).
+fn bytemuck_f32(w: &[u32]) -> &[f32] {
+    // SAFETY: u32 and f32 have the same size and alignment and every u32 bit pattern is a
+    // valid f32, so the slice reinterprets in place with the same length and lifetime.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len()) }
+}
