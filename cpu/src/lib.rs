@@ -19,6 +19,7 @@
 mod api;
 mod decode;
 pub mod limits;
+pub mod linear;
 mod prefill;
 pub mod reference;
 pub mod simd;
