@@ -225,7 +225,11 @@ impl BlockQ4 {
         let d0 = if m < 0.0 { -d0 } else { d0 };
         let mut best_err = f32::INFINITY;
         for (k, f) in Q4_SEARCH.into_iter().enumerate() {
-            let d = if k == 0 { d0 } else { f16::from_f32(f * m / 127.0) };
+            let d = if k == 0 {
+                d0
+            } else {
+                f16::from_f32(f * m / 127.0)
+            };
             let mut idx = [0u8; BLOCK];
             let err = q4_assign(w, d.to_f32(), &mut idx);
             if err < best_err {

@@ -38,7 +38,11 @@ fn weights() -> impl Strategy<Value = [f32; BLOCK]> {
     )
         .prop_map(|(e, v, zero)| {
             let s = libm::powf(2.0, e as f32);
-            block(&v.iter().map(|x| if zero == 0 { 0.0 } else { x * s }).collect::<Vec<_>>())
+            block(
+                &v.iter()
+                    .map(|x| if zero == 0 { 0.0 } else { x * s })
+                    .collect::<Vec<_>>(),
+            )
         })
 }
 
@@ -175,7 +179,9 @@ fn nearest_table_matches_brute_force() {
         assert_eq!((f32::from(got) - v).abs(), best, "v {v} -> {got}");
     }
     // Levels are increasing, with the gaps the bound of BlockQ4::quantize uses.
-    let gaps = Q4_LEVELS.windows(2).map(|p| i32::from(p[1]) - i32::from(p[0]));
+    let gaps = Q4_LEVELS
+        .windows(2)
+        .map(|p| i32::from(p[1]) - i32::from(p[0]));
     assert!(gaps.clone().all(|g| g > 0) && gaps.max() == Some(28));
     assert_eq!(127 + i32::from(Q4_LEVELS[0]), 17);
 }
@@ -191,7 +197,11 @@ fn gaussian_relative_rms_error() {
         encode_row(f, &w, &mut bytes).unwrap();
         let mut r = vec![0.0; w.len()];
         decode_row(f, &bytes, &mut r).unwrap();
-        let e: f64 = w.iter().zip(&r).map(|(&a, &b)| f64::from(a - b).powi(2)).sum();
+        let e: f64 = w
+            .iter()
+            .zip(&r)
+            .map(|(&a, &b)| f64::from(a - b).powi(2))
+            .sum();
         let s: f64 = w.iter().map(|&a| f64::from(a).powi(2)).sum();
         libm::sqrt(e / s)
     };
@@ -201,7 +211,9 @@ fn gaussian_relative_rms_error() {
     // Uniform 4-bit levels -8..=7, d = m / -8 (m the signed largest-magnitude weight).
     let mut e = 0.0f64;
     for b in w.chunks_exact(BLOCK) {
-        let m = b.iter().fold(0.0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+        let m = b
+            .iter()
+            .fold(0.0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
         let d = m / -8.0;
         for &x in b {
             let q = libm::roundf(x / d).clamp(-8.0, 7.0);
@@ -230,20 +242,30 @@ fn formats_sizes_names_and_errors() {
     assert_eq!(F32.row_bytes(usize::MAX), None);
     for f in WeightFormat::ALL {
         assert_eq!(f.name().parse::<WeightFormat>(), Ok(f));
-        assert_eq!(std::format!("{f}").to_uppercase().parse::<WeightFormat>(), Ok(f));
+        assert_eq!(
+            std::format!("{f}").to_uppercase().parse::<WeightFormat>(),
+            Ok(f)
+        );
     }
     assert!("q5".parse::<WeightFormat>().is_err());
 
     let mut out = vec![0u8; 34];
     assert!(matches!(
         encode_row(Q8, &[0.0; 32], &mut out[..33]),
-        Err(Error::BadLength { expected: 34, got: 33, .. })
+        Err(Error::BadLength {
+            expected: 34,
+            got: 33,
+            ..
+        })
     ));
     let mut bad = [0.5f32; 32];
     bad[7] = f32::NAN;
     for f in WeightFormat::ALL {
         let mut o = vec![0u8; f.row_bytes(32).unwrap()];
-        assert!(matches!(encode_row(f, &bad, &mut o), Err(Error::BadArgument(_))), "{f}");
+        assert!(
+            matches!(encode_row(f, &bad, &mut o), Err(Error::BadArgument(_))),
+            "{f}"
+        );
     }
     assert!(encode_row(F16, &[1e6], &mut [0u8; 2]).is_err());
     assert!(encode_row(Q8, &[1e10; 32], &mut out).is_err());

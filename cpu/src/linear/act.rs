@@ -83,7 +83,12 @@ fn quantize_row_with(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &m
 /// blocks into `qs` (`32 d.len()` values) and `bias`.
 #[inline(always)]
 pub(crate) fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
-    for (k, ((q, dk), bk)) in qs.chunks_exact_mut(32).zip(d.iter_mut()).zip(bias.iter_mut()).enumerate() {
+    for (k, ((q, dk), bk)) in qs
+        .chunks_exact_mut(32)
+        .zip(d.iter_mut())
+        .zip(bias.iter_mut())
+        .enumerate()
+    {
         let mut v = [0.0f32; 32];
         let src = x.get(k * 32..x.len().min(k * 32 + 32)).unwrap_or(&[]);
         v[..src.len()].copy_from_slice(src);

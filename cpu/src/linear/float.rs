@@ -62,7 +62,10 @@ pub(super) fn reference<T: Elem>(w: &[T], inp: usize, x: &[f32], rows: usize, y:
     for t in 0..rows {
         for (o, wr) in w.chunks_exact(inp).enumerate() {
             let xr = &x[t * inp..(t + 1) * inp];
-            let s = wr.iter().zip(xr).fold(0.0f32, |s, (&a, &b)| s + a.to_f32() * b);
+            let s = wr
+                .iter()
+                .zip(xr)
+                .fold(0.0f32, |s, (&a, &b)| s + a.to_f32() * b);
             y.put(t, o, s);
         }
     }
@@ -81,7 +84,17 @@ pub(super) fn linear<T: Elem>(
     threads: usize,
 ) {
     split_outputs(out, rows, 16, threads, y, |range, y| {
-        dispatch(isa, Job { w, inp, x, rows, range, y });
+        dispatch(
+            isa,
+            Job {
+                w,
+                inp,
+                x,
+                rows,
+                range,
+                y,
+            },
+        );
     });
 }
 
@@ -98,10 +111,21 @@ impl<T: Elem> WithSimd for Job<'_, '_, '_, T> {
     type Output = ();
     #[inline(always)]
     fn run<V: Vf32>(self) {
-        let Job { w, inp, x, rows, range, y } = self;
+        let Job {
+            w,
+            inp,
+            x,
+            rows,
+            range,
+            y,
+        } = self;
         if rows == 1 {
             for o in range.clone() {
-                y.put(0, o - range.start, dot::<V, T>(&w[o * inp..(o + 1) * inp], x));
+                y.put(
+                    0,
+                    o - range.start,
+                    dot::<V, T>(&w[o * inp..(o + 1) * inp], x),
+                );
             }
         } else if V::MM_COLS == 4 {
             matmul::<V, T, 4>(w, inp, x, rows, range, y);

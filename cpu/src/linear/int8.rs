@@ -33,7 +33,11 @@ pub(super) fn reference(f: WeightFormat, bytes: &[u8], out: usize, xq: &QuantRow
                         let mut raw = [0u8; Q8_BYTES];
                         raw.copy_from_slice(&wr[k * Q8_BYTES..(k + 1) * Q8_BYTES]);
                         let b = BlockQ8::from_bytes(&raw);
-                        let s: i32 = b.qs.iter().zip(x).map(|(&w, &v)| i32::from(w) * i32::from(v)).sum();
+                        let s: i32 =
+                            b.qs.iter()
+                                .zip(x)
+                                .map(|(&w, &v)| i32::from(w) * i32::from(v))
+                                .sum();
                         (b.scale(), s)
                     }
                     _ => {
@@ -41,7 +45,9 @@ pub(super) fn reference(f: WeightFormat, bytes: &[u8], out: usize, xq: &QuantRow
                         raw.copy_from_slice(&wr[k * Q4_BYTES..(k + 1) * Q4_BYTES]);
                         let b = BlockQ4::from_bytes(&raw);
                         let s: i32 = (0..32)
-                            .map(|i| i32::from(Q4_LEVELS[usize::from(b.index(i))]) * i32::from(x[i]))
+                            .map(|i| {
+                                i32::from(Q4_LEVELS[usize::from(b.index(i))]) * i32::from(x[i])
+                            })
                             .sum();
                         (b.scale(), s)
                     }
@@ -57,9 +63,19 @@ pub(super) fn reference(f: WeightFormat, bytes: &[u8], out: usize, xq: &QuantRow
 pub(super) trait GroupKernel {
     /// `out[r][j]` for activation rows `t0 + r` (`r < R`) and the 16 rows `j` of the
     /// group whose tiles are `tiles` (`pairs` tiles), Q8.
-    fn q8<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R];
+    fn q8<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R];
     /// As [`GroupKernel::q8`], Q4.
-    fn q4<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R];
+    fn q4<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R];
 }
 
 /// Activation rows per chunk of the matmul loop: the chunk's quantized rows (`64 * inp`
@@ -69,7 +85,12 @@ const ROW_CHUNK: usize = 64;
 /// The packed product for outputs `range` (a multiple of 16 apart from the end): row
 /// chunks, then groups, then tiles of 4 activation rows (1 for the rest).
 #[inline(always)]
-pub(super) fn drive<K: GroupKernel>(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+pub(super) fn drive<K: GroupKernel>(
+    p: &PackedWeights,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
     let rows = xq.d.len() / xq.blocks;
     let (g0, g1) = (range.start / GROUP, range.end.div_ceil(GROUP));
     let mut store = |t0: usize, g: usize, v: &[[f32; GROUP]]| {
@@ -141,8 +162,17 @@ pub(super) struct Portable;
 
 impl Portable {
     #[inline(always)]
-    fn group<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
-        let f = if Q4 { WeightFormat::Q4 } else { WeightFormat::Q8 };
+    fn group<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
+        let f = if Q4 {
+            WeightFormat::Q4
+        } else {
+            WeightFormat::Q8
+        };
         let mut acc = [[0.0f32; GROUP]; R];
         for (p, tile) in tiles.chunks_exact(tile_bytes(f)).take(pairs).enumerate() {
             for b in 0..2 {
@@ -165,7 +195,9 @@ impl Portable {
                                 s += i32::from(w) * i32::from(x[4 * c + i]);
                             }
                         }
-                        let dw = f16::from_le_bytes([tile[32 * b + 2 * j], tile[32 * b + 2 * j + 1]]).to_f32();
+                        let dw =
+                            f16::from_le_bytes([tile[32 * b + 2 * j], tile[32 * b + 2 * j + 1]])
+                                .to_f32();
                         *a = (s as f32).mul_add(dw * dx, *a);
                     }
                 }
@@ -177,11 +209,21 @@ impl Portable {
 
 impl GroupKernel for Portable {
     #[inline(always)]
-    fn q8<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q8<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, false>(tiles, pairs, xq, t0)
     }
     #[inline(always)]
-    fn q4<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q4<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, true>(tiles, pairs, xq, t0)
     }
 }

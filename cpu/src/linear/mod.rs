@@ -56,19 +56,31 @@ impl<'a> Weights<'a> {
     /// [`Error::BadLength`] for a wrong slice length.
     pub fn f32(w: &'a [f32], out: usize, inp: usize) -> Result<Self> {
         check(WeightFormat::F32, w.len() * 4, out, inp)?;
-        Ok(Self { out, inp, data: Data::F32(w) })
+        Ok(Self {
+            out,
+            inp,
+            data: Data::F32(w),
+        })
     }
 
     /// f16 weights, `out * inp` values. Errors as [`Weights::f32`].
     pub fn f16(w: &'a [f16], out: usize, inp: usize) -> Result<Self> {
         check(WeightFormat::F16, w.len() * 2, out, inp)?;
-        Ok(Self { out, inp, data: Data::F16(w) })
+        Ok(Self {
+            out,
+            inp,
+            data: Data::F16(w),
+        })
     }
 
     /// bf16 weights, `out * inp` values. Errors as [`Weights::f32`].
     pub fn bf16(w: &'a [bf16], out: usize, inp: usize) -> Result<Self> {
         check(WeightFormat::Bf16, w.len() * 2, out, inp)?;
-        Ok(Self { out, inp, data: Data::Bf16(w) })
+        Ok(Self {
+            out,
+            inp,
+            data: Data::Bf16(w),
+        })
     }
 
     /// Weights of any format from their stored bytes (little-endian; block formats as
@@ -77,7 +89,12 @@ impl<'a> Weights<'a> {
     /// Errors: [`Error::BadShape`], [`Error::BadLength`] as [`Weights::f32`];
     /// [`Error::BadArgument`] when f32 / f16 / bf16 bytes are not aligned to their element
     /// (copy them to an aligned buffer first). Every byte pattern is accepted otherwise.
-    pub fn from_bytes(format: WeightFormat, bytes: &'a [u8], out: usize, inp: usize) -> Result<Self> {
+    pub fn from_bytes(
+        format: WeightFormat,
+        bytes: &'a [u8],
+        out: usize,
+        inp: usize,
+    ) -> Result<Self> {
         check(format, bytes.len(), out, inp)?;
         let misaligned = Error::BadArgument("float weight bytes are not aligned to their element");
         let data = match format {
@@ -138,7 +155,11 @@ fn check(format: WeightFormat, len: usize, out: usize, inp: usize) -> Result<()>
     }
     let expected = format.matrix_bytes(out, inp)?;
     if len != expected {
-        return Err(Error::BadLength { what: "weight matrix bytes", expected, got: len });
+        return Err(Error::BadLength {
+            what: "weight matrix bytes",
+            expected,
+            got: len,
+        });
     }
     Ok(())
 }
@@ -210,7 +231,11 @@ pub fn linear_with_isa<'a>(
     let (out, inp) = m.shape();
     let want = |what, n: Option<usize>, got| match n {
         Some(expected) if expected == got => Ok(()),
-        Some(expected) => Err(Error::BadLength { what, expected, got }),
+        Some(expected) => Err(Error::BadLength {
+            what,
+            expected,
+            got,
+        }),
         None => Err(Error::BadShape("rows times features overflows usize")),
     };
     want("linear input x", rows.checked_mul(inp), x.len())?;
@@ -218,7 +243,11 @@ pub fn linear_with_isa<'a>(
     if rows == 0 {
         return Ok(());
     }
-    let out_y = Out { y, ld: out, accumulate };
+    let out_y = Out {
+        y,
+        ld: out,
+        accumulate,
+    };
     match m {
         Matrix::Stored(w) => match w.data {
             Data::F32(d) => float::linear(isa, d, out, inp, x, rows, out_y, threads),
@@ -276,7 +305,14 @@ where
             let r = c * per..n.min((c + 1) * per);
             let mut buf = vec![0.0f32; rows * r.len()];
             let ld = r.len();
-            task(r.clone(), &mut Out { y: &mut buf, ld, accumulate: false });
+            task(
+                r.clone(),
+                &mut Out {
+                    y: &mut buf,
+                    ld,
+                    accumulate: false,
+                },
+            );
             (r.start, buf)
         })
         .collect();

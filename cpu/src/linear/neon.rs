@@ -121,8 +121,17 @@ struct Neon<D>(PhantomData<D>);
 impl<D: Dot> Neon<D> {
     /// Up to two activation rows (registers: 8 + 8 accumulators).
     #[inline(always)]
-    fn group<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
-        let f = if Q4 { WeightFormat::Q4 } else { WeightFormat::Q8 };
+    fn group<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
+        let f = if Q4 {
+            WeightFormat::Q4
+        } else {
+            WeightFormat::Q8
+        };
         // SAFETY: see above the impl.
         let (zf, zi) = unsafe { (vdupq_n_f32(0.0), vdupq_n_s32(0)) };
         // SAFETY: see above the impl; Q4_LEVELS holds 16 i8.
@@ -153,7 +162,10 @@ impl<D: Dot> Neon<D> {
                                 let lo = vqtbl1q_s8(table, vandq_u8(v, low4));
                                 let hi = vqtbl1q_s8(table, vshrq_n_u8::<4>(v));
                                 for r in 0..R {
-                                    let (xl, xh) = (vreinterpretq_s8_s32(x[r].0), vreinterpretq_s8_s32(x[r].1));
+                                    let (xl, xh) = (
+                                        vreinterpretq_s8_s32(x[r].0),
+                                        vreinterpretq_s8_s32(x[r].1),
+                                    );
                                     s[r][j] = dot_lane::<D>(s[r][j], lo, xl, c);
                                     s[r][j] = dot_lane::<D>(s[r][j], hi, xh, c);
                                 }
@@ -162,10 +174,13 @@ impl<D: Dot> Neon<D> {
                     } else {
                         for c in 0..8 {
                             for j in 0..4 {
-                                let w = vld1q_s8(q[64 * c + 16 * j..64 * c + 16 * j + 16].as_ptr().cast());
+                                let w = vld1q_s8(
+                                    q[64 * c + 16 * j..64 * c + 16 * j + 16].as_ptr().cast(),
+                                );
                                 for r in 0..R {
                                     let xv = if c < 4 { x[r].0 } else { x[r].1 };
-                                    s[r][j] = dot_lane::<D>(s[r][j], w, vreinterpretq_s8_s32(xv), c % 4);
+                                    s[r][j] =
+                                        dot_lane::<D>(s[r][j], w, vreinterpretq_s8_s32(xv), c % 4);
                                 }
                             }
                         }
@@ -176,7 +191,9 @@ impl<D: Dot> Neon<D> {
                     let dx = xq.d[(t0 + r) * xq.blocks + k];
                     for j in 0..4 {
                         // SAFETY: see above the impl.
-                        acc[r][j] = unsafe { vfmaq_f32(acc[r][j], vcvtq_f32_s32(s[r][j]), vmulq_n_f32(sw[j], dx)) };
+                        acc[r][j] = unsafe {
+                            vfmaq_f32(acc[r][j], vcvtq_f32_s32(s[r][j]), vmulq_n_f32(sw[j], dx))
+                        };
                     }
                 }
             }
@@ -193,7 +210,12 @@ impl<D: Dot> Neon<D> {
 
     /// Any `R`, two rows at a time.
     #[inline(always)]
-    fn rows<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn rows<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         let mut out = [[0.0f32; GROUP]; R];
         let mut r = 0;
         while r < R {
@@ -212,11 +234,21 @@ impl<D: Dot> Neon<D> {
 
 impl<D: Dot> GroupKernel for Neon<D> {
     #[inline(always)]
-    fn q8<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q8<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::rows::<R, false>(tiles, pairs, xq, t0)
     }
     #[inline(always)]
-    fn q4<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q4<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::rows::<R, true>(tiles, pairs, xq, t0)
     }
 }
@@ -232,7 +264,13 @@ fn run_smull(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, 
 }
 
 /// [`drive`] with `sdot` where the CPU has it (and `sdot` is allowed), else `smull`.
-pub(super) fn run_with(sdot: bool, p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+pub(super) fn run_with(
+    sdot: bool,
+    p: &PackedWeights,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
     if sdot && std::arch::is_aarch64_feature_detected!("dotprod") {
         // SAFETY: `dotprod` was detected just above (NEON is baseline).
         unsafe { run_sdot(p, xq, range, y) }
@@ -243,6 +281,11 @@ pub(super) fn run_with(sdot: bool, p: &PackedWeights, xq: &QuantRows, range: cor
 }
 
 /// [`run_with`] preferring `sdot`.
-pub(super) fn run(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+pub(super) fn run(
+    p: &PackedWeights,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
     run_with(true, p, xq, range, y);
 }

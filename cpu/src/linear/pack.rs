@@ -29,7 +29,11 @@ pub(crate) const HEAD: usize = 64;
 
 /// Weight bytes of one block of a group (16 rows): Q8 512, Q4 256.
 pub(crate) const fn block_bytes(f: WeightFormat) -> usize {
-    if matches!(f, WeightFormat::Q8) { 512 } else { 256 }
+    if matches!(f, WeightFormat::Q8) {
+        512
+    } else {
+        256
+    }
 }
 
 /// Bytes of one tile (two blocks of 16 rows with their scales).
@@ -69,16 +73,32 @@ impl PackedWeights {
             for (gi, g) in dst.chunks_exact_mut(group_bytes).enumerate() {
                 let r0 = (c * per + gi) * GROUP;
                 let rows = w.out.saturating_sub(r0).min(GROUP);
-                pack_group(format, &src[r0 * row_bytes..(r0 + rows) * row_bytes], row_bytes, g);
+                pack_group(
+                    format,
+                    &src[r0 * row_bytes..(r0 + rows) * row_bytes],
+                    row_bytes,
+                    g,
+                );
             }
         };
         if threads > 1 {
             use rayon::prelude::*;
-            body.par_chunks_mut(per * group_bytes).enumerate().for_each(fill);
+            body.par_chunks_mut(per * group_bytes)
+                .enumerate()
+                .for_each(fill);
         } else {
-            body.chunks_mut(per * group_bytes).enumerate().for_each(fill);
+            body.chunks_mut(per * group_bytes)
+                .enumerate()
+                .for_each(fill);
         }
-        Ok(Self { format, out: w.out, inp: w.inp, pairs, buf, start })
+        Ok(Self {
+            format,
+            out: w.out,
+            inp: w.inp,
+            pairs,
+            buf,
+            start,
+        })
     }
 
     /// Q8 or Q4.

@@ -5,7 +5,9 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.r#gen::<f32>() * 2.0 - 1.0) * scale).collect()
+    (0..n)
+        .map(|_| (rng.r#gen::<f32>() * 2.0 - 1.0) * scale)
+        .collect()
 }
 
 /// `W` in `format`, encoded row by row.
@@ -20,7 +22,10 @@ fn encode(format: WeightFormat, w: &[f32], out: usize, inp: usize) -> Vec<u8> {
 
 /// Equal, NaN equal to NaN.
 fn same(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
 }
 
 /// Each float format on every instruction set and thread count, against the plain
@@ -35,13 +40,23 @@ fn check_float(out: usize, inp: usize, rows: usize, seed: u64) {
     let wb16: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
     let cases = [
         (Weights::f32(&w, out, inp).unwrap(), w.clone()),
-        (Weights::f16(&w16, out, inp).unwrap(), w16.iter().map(|v| v.to_f32()).collect()),
-        (Weights::bf16(&wb16, out, inp).unwrap(), wb16.iter().map(|v| v.to_f32()).collect()),
+        (
+            Weights::f16(&w16, out, inp).unwrap(),
+            w16.iter().map(|v| v.to_f32()).collect(),
+        ),
+        (
+            Weights::bf16(&wb16, out, inp).unwrap(),
+            wb16.iter().map(|v| v.to_f32()).collect(),
+        ),
     ];
     for (wts, deq) in cases {
         let f = wts.format();
         let mut want = y0.clone();
-        let mut y_ref = Out { y: &mut want, ld: out, accumulate: true };
+        let mut y_ref = Out {
+            y: &mut want,
+            ld: out,
+            accumulate: true,
+        };
         match wts.data {
             Data::F32(d) => float::reference(d, inp, &x, rows, &mut y_ref),
             Data::F16(d) => float::reference(d, inp, &x, rows, &mut y_ref),
@@ -56,8 +71,12 @@ fn check_float(out: usize, inp: usize, rows: usize, seed: u64) {
                     (e, a) = (e + p, a + p.abs());
                 }
                 let got = f64::from(want[t * out + o] - y0[t * out + o]);
-                let tol = inp as f64 * 2f64.powi(-24) * a + 1e-6 * (1.0 + f64::from(y0[t * out + o]).abs());
-                assert!((got - e).abs() <= tol, "{f} reference vs f64 at ({t}, {o}): {got} vs {e}");
+                let tol = inp as f64 * 2f64.powi(-24) * a
+                    + 1e-6 * (1.0 + f64::from(y0[t * out + o]).abs());
+                assert!(
+                    (got - e).abs() <= tol,
+                    "{f} reference vs f64 at ({t}, {o}): {got} vs {e}"
+                );
             }
         }
         for isa in Isa::available() {
@@ -66,10 +85,16 @@ fn check_float(out: usize, inp: usize, rows: usize, seed: u64) {
                 linear_with_isa(isa, wts, &x, rows, &mut y, true, threads).unwrap();
                 for t in 0..rows {
                     for o in 0..out {
-                        let a: f32 = (0..inp).map(|i| (deq[o * inp + i] * x[t * inp + i]).abs()).sum();
-                        let tol = 2.0 * inp as f32 * 2f32.powi(-24) * a + 1e-6 * (1.0 + y0[t * out + o].abs());
+                        let a: f32 = (0..inp)
+                            .map(|i| (deq[o * inp + i] * x[t * inp + i]).abs())
+                            .sum();
+                        let tol = 2.0 * inp as f32 * 2f32.powi(-24) * a
+                            + 1e-6 * (1.0 + y0[t * out + o].abs());
                         let (g, r) = (y[t * out + o], want[t * out + o]);
-                        assert!((g - r).abs() <= tol, "{f} {isa:?} t{threads} {out}x{inp} rows {rows} ({t}, {o}): {g} vs {r}");
+                        assert!(
+                            (g - r).abs() <= tol,
+                            "{f} {isa:?} t{threads} {out}x{inp} rows {rows} ({t}, {o}): {g} vs {r}"
+                        );
                     }
                 }
             }
@@ -79,9 +104,17 @@ fn check_float(out: usize, inp: usize, rows: usize, seed: u64) {
 
 #[test]
 fn float_formats_match_reference() {
-    for (i, &(out, inp, rows)) in [(1, 1, 1), (5, 17, 1), (37, 259, 1), (64, 768, 1), (33, 100, 3), (19, 64, 9), (70, 130, 70)]
-        .iter()
-        .enumerate()
+    for (i, &(out, inp, rows)) in [
+        (1, 1, 1),
+        (5, 17, 1),
+        (37, 259, 1),
+        (64, 768, 1),
+        (33, 100, 3),
+        (19, 64, 9),
+        (70, 130, 70),
+    ]
+    .iter()
+    .enumerate()
     {
         check_float(out, inp, rows, i as u64);
     }
@@ -91,7 +124,15 @@ fn float_formats_match_reference() {
 /// blocks bit for bit, for any thread count; the reference is within f32 rounding of the
 /// exact f64 product of the quantized operands, and within the activation-quantization
 /// bound of the dequantized weights times `x`.
-fn check_blocks(f: WeightFormat, w_bytes: &[u8], out: usize, inp: usize, x: &[f32], rows: usize, exact_check: bool) {
+fn check_blocks(
+    f: WeightFormat,
+    w_bytes: &[u8],
+    out: usize,
+    inp: usize,
+    x: &[f32],
+    rows: usize,
+    exact_check: bool,
+) {
     let w = Weights::from_bytes(f, w_bytes, out, inp).unwrap();
     let mut want = vec![0.0f32; rows * out];
     linear_with_isa(Isa::Scalar, w, x, rows, &mut want, false, 1).unwrap();
@@ -101,14 +142,27 @@ fn check_blocks(f: WeightFormat, w_bytes: &[u8], out: usize, inp: usize, x: &[f3
         for threads in [1, 2, 5] {
             let mut y = vec![f32::NAN; rows * out];
             linear_with_isa(isa, &packed, x, rows, &mut y, false, threads).unwrap();
-            assert!(same(&y, &want), "{f} {isa:?} threads {threads} {out}x{inp} rows {rows}");
+            assert!(
+                same(&y, &want),
+                "{f} {isa:?} threads {threads} {out}x{inp} rows {rows}"
+            );
         }
     }
     #[cfg(target_arch = "aarch64")]
     for sdot in [true, false] {
         let xq = QuantRows::new(Isa::Portable, x, rows, inp, packed.padded_blocks());
         let mut y = vec![f32::NAN; rows * out];
-        neon::run_with(sdot, &packed, &xq, 0..out, &mut Out { y: &mut y, ld: out, accumulate: false });
+        neon::run_with(
+            sdot,
+            &packed,
+            &xq,
+            0..out,
+            &mut Out {
+                y: &mut y,
+                ld: out,
+                accumulate: false,
+            },
+        );
         assert!(same(&y, &want), "{f} neon sdot={sdot}");
     }
     if !exact_check {
@@ -139,8 +193,14 @@ fn check_blocks(f: WeightFormat, w_bytes: &[u8], out: usize, inp: usize, x: &[f3
             let blocks = inp.div_ceil(BLOCK) as f64;
             let got = f64::from(want[t * out + o]);
             let tol = (blocks + 2.0) * 2f64.powi(-24) * mag + 1e-30;
-            assert!((got - exact).abs() <= tol, "{f} ({t}, {o}): {got} vs exact {exact}");
-            assert!((got - true_y).abs() <= qbound * 1.0001 + tol, "{f} ({t}, {o}) vs x Wᵀ");
+            assert!(
+                (got - exact).abs() <= tol,
+                "{f} ({t}, {o}): {got} vs exact {exact}"
+            );
+            assert!(
+                (got - true_y).abs() <= qbound * 1.0001 + tol,
+                "{f} ({t}, {o}) vs x Wᵀ"
+            );
         }
     }
 }
@@ -148,7 +208,15 @@ fn check_blocks(f: WeightFormat, w_bytes: &[u8], out: usize, inp: usize, x: &[f3
 #[test]
 fn block_formats_match_reference() {
     let mut rng = StdRng::seed_from_u64(9);
-    for &(out, inp, rows) in &[(1, 32, 1), (16, 64, 1), (17, 96, 2), (40, 33, 5), (100, 768, 1), (35, 256, 13), (48, 200, 70)] {
+    for &(out, inp, rows) in &[
+        (1, 32, 1),
+        (16, 64, 1),
+        (17, 96, 2),
+        (40, 33, 5),
+        (100, 768, 1),
+        (35, 256, 13),
+        (48, 200, 70),
+    ] {
         let w = randn(&mut rng, out * inp, 0.05);
         let x = randn(&mut rng, rows * inp, 2.0);
         for f in [WeightFormat::Q8, WeightFormat::Q4] {
@@ -163,7 +231,9 @@ fn any_block_bytes_give_reference_bits() {
     let mut rng = StdRng::seed_from_u64(4);
     for f in [WeightFormat::Q8, WeightFormat::Q4] {
         let (out, inp, rows) = (21, 160, 3);
-        let mut bytes: Vec<u8> = (0..f.matrix_bytes(out, inp).unwrap()).map(|_| rng.r#gen()).collect();
+        let mut bytes: Vec<u8> = (0..f.matrix_bytes(out, inp).unwrap())
+            .map(|_| rng.r#gen())
+            .collect();
         // Keep most scales finite so the comparison is not all NaN.
         for blk in bytes.chunks_exact_mut(f.unit_bytes()).skip(1).step_by(3) {
             blk[1] &= 0x3f;
@@ -202,7 +272,10 @@ fn activation_quantization() {
         for (i, &v) in blk.iter().enumerate() {
             let q = qs[k * 32 + i];
             assert!(q.unsigned_abs() <= 127);
-            assert!((v - d[k] * f32::from(q)).abs() <= d[k] * 0.5 * (1.0 + 1e-5), "block {k}");
+            assert!(
+                (v - d[k] * f32::from(q)).abs() <= d[k] * 0.5 * (1.0 + 1e-5),
+                "block {k}"
+            );
         }
     }
 }
@@ -210,24 +283,37 @@ fn activation_quantization() {
 #[test]
 fn bad_input_is_a_clear_error() {
     let w = vec![0.5f32; 12];
-    assert!(matches!(Weights::f32(&w, 3, 5), Err(Error::BadLength { expected: 60, got: 48, .. })));
+    assert!(matches!(
+        Weights::f32(&w, 3, 5),
+        Err(Error::BadLength {
+            expected: 60,
+            got: 48,
+            ..
+        })
+    ));
     assert!(matches!(Weights::f32(&[], 0, 5), Err(Error::BadShape(_))));
     let ok = Weights::f32(&w, 3, 4).unwrap();
     assert_eq!((ok.format(), ok.out(), ok.inp()), (WeightFormat::F32, 3, 4));
     let mut y = vec![0.0; 6];
     assert!(matches!(
         linear(ok, &[1.0; 7], 2, &mut y, false, 1),
-        Err(Error::BadLength { what: "linear input x", .. })
+        Err(Error::BadLength {
+            what: "linear input x",
+            ..
+        })
     ));
     assert!(matches!(
         linear(ok, &[1.0; 8], 2, &mut y[..5], false, 1),
-        Err(Error::BadLength { what: "linear output y", .. })
+        Err(Error::BadLength {
+            what: "linear output y",
+            ..
+        })
     ));
     linear(ok, &[1.0; 8], 2, &mut y, false, 1).unwrap();
     assert_eq!(y, [2.0; 6]);
     assert!(linear(ok, &[], 0, &mut [], false, 1).is_ok());
     // Misaligned float bytes are refused; block bytes need no alignment.
-    let mut buf = vec![0u8; 64];
+    let mut buf = [0u8; 64];
     let start = buf.as_ptr().align_offset(4);
     buf[start..start + 4].copy_from_slice(&2.0f32.to_le_bytes());
     buf[start + 4..start + 8].copy_from_slice(&(-3.0f32).to_le_bytes());
@@ -236,13 +322,25 @@ fn bad_input_is_a_clear_error() {
     linear(from_bytes, &[1.0, 1.0], 1, &mut y1, false, 1).unwrap();
     assert_eq!(y1, [-1.0]);
     let mis = &buf[start + 1..start + 9];
-    assert!(matches!(Weights::from_bytes(WeightFormat::F32, mis, 1, 2), Err(Error::BadArgument(_))));
+    assert!(matches!(
+        Weights::from_bytes(WeightFormat::F32, mis, 1, 2),
+        Err(Error::BadArgument(_))
+    ));
     let mis16 = &buf[start + 1..start + 5];
-    assert!(matches!(Weights::from_bytes(WeightFormat::Bf16, mis16, 1, 2), Err(Error::BadArgument(_))));
+    assert!(matches!(
+        Weights::from_bytes(WeightFormat::Bf16, mis16, 1, 2),
+        Err(Error::BadArgument(_))
+    ));
     assert!(Weights::from_bytes(WeightFormat::F16, &buf[start..start + 4], 1, 2).is_ok());
     assert!(Weights::from_bytes(WeightFormat::Q8, &buf[start + 1..start + 1 + 34], 1, 20).is_ok());
-    assert!(matches!(Weights::from_bytes(WeightFormat::Q4, &buf[..17], 1, 20), Err(Error::BadLength { .. })));
-    assert!(matches!(PackedWeights::pack(&ok, 1), Err(Error::BadArgument(_))));
+    assert!(matches!(
+        Weights::from_bytes(WeightFormat::Q4, &buf[..17], 1, 20),
+        Err(Error::BadLength { .. })
+    ));
+    assert!(matches!(
+        PackedWeights::pack(&ok, 1),
+        Err(Error::BadArgument(_))
+    ));
 }
 
 proptest! {

@@ -32,13 +32,23 @@ pub(crate) fn has_avx2() -> bool {
 
 /// [`drive`] with the VNNI kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) fn vnni(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+pub(super) fn vnni(
+    p: &PackedWeights,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
     drive::<Vnni>(p, xq, range, y);
 }
 
 /// [`drive`] with the AVX2 kernel.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn avx2(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+pub(super) fn avx2(
+    p: &PackedWeights,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
     drive::<Avx2>(p, xq, range, y);
 }
 
@@ -79,7 +89,13 @@ struct Vnni;
 impl Vnni {
     /// 16 lanes (the group's rows) of `dw * dx` for block `b` of `tile` and each row.
     #[inline(always)]
-    fn block_scales<const R: usize>(tile: &[u8], b: usize, xq: &QuantRows, t0: usize, k: usize) -> [__m512; R] {
+    fn block_scales<const R: usize>(
+        tile: &[u8],
+        b: usize,
+        xq: &QuantRows,
+        t0: usize,
+        k: usize,
+    ) -> [__m512; R] {
         let s = &tile[32 * b..32 * b + 32];
         // SAFETY: see above the impl.
         let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(s.as_ptr().cast())) };
@@ -93,8 +109,17 @@ impl Vnni {
     }
 
     #[inline(always)]
-    fn group<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
-        let f = if Q4 { WeightFormat::Q4 } else { WeightFormat::Q8 };
+    fn group<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
+        let f = if Q4 {
+            WeightFormat::Q4
+        } else {
+            WeightFormat::Q8
+        };
         // SAFETY: see above the impl.
         let (flip, low4, table) = unsafe {
             (
@@ -122,10 +147,18 @@ impl Vnni {
                         for c in 0..4 {
                             let v = _mm512_loadu_si512(q[64 * c..64 * c + 64].as_ptr().cast());
                             let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
-                            let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4));
+                            let hi = _mm512_shuffle_epi8(
+                                table,
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+                            );
                             for r in 0..R {
-                                s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(four(x[r], c)));
-                                s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(four(x[r], c + 4)));
+                                s[r] =
+                                    _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(four(x[r], c)));
+                                s[r] = _mm512_dpbusd_epi32(
+                                    s[r],
+                                    hi,
+                                    _mm512_set1_epi32(four(x[r], c + 4)),
+                                );
                             }
                         }
                     } else {
@@ -133,7 +166,8 @@ impl Vnni {
                             let v = _mm512_loadu_si512(q[64 * c..64 * c + 64].as_ptr().cast());
                             let w = _mm512_xor_si512(v, flip);
                             for r in 0..R {
-                                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four(x[r], c)));
+                                s[r] =
+                                    _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four(x[r], c)));
                             }
                         }
                     }
@@ -156,11 +190,21 @@ impl Vnni {
 
 impl GroupKernel for Vnni {
     #[inline(always)]
-    fn q8<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q8<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, false>(tiles, pairs, xq, t0)
     }
     #[inline(always)]
-    fn q4<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q4<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, true>(tiles, pairs, xq, t0)
     }
 }
@@ -181,11 +225,24 @@ impl Avx2 {
 
     /// One half (rows `8h..8h+8`) of a group.
     #[inline(always)]
-    fn half<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize, h: usize) -> [__m256; R] {
-        let f = if Q4 { WeightFormat::Q4 } else { WeightFormat::Q8 };
+    fn half<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+        h: usize,
+    ) -> [__m256; R] {
+        let f = if Q4 {
+            WeightFormat::Q4
+        } else {
+            WeightFormat::Q8
+        };
         // SAFETY: see above the Vnni impl.
         let (low4, table) = unsafe {
-            (_mm256_set1_epi8(15), _mm256_broadcastsi128_si256(_mm_loadu_si128(LEVELS_I8.as_ptr().cast())))
+            (
+                _mm256_set1_epi8(15),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(LEVELS_I8.as_ptr().cast())),
+            )
         };
         // SAFETY: see above the Vnni impl.
         let mut acc = [unsafe { _mm256_setzero_ps() }; R];
@@ -200,9 +257,14 @@ impl Avx2 {
                 unsafe {
                     if Q4 {
                         for c in 0..4 {
-                            let v = _mm256_loadu_si256(q[64 * c + 32 * h..64 * c + 32 * h + 32].as_ptr().cast());
+                            let v = _mm256_loadu_si256(
+                                q[64 * c + 32 * h..64 * c + 32 * h + 32].as_ptr().cast(),
+                            );
                             let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
-                            let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4));
+                            let hi = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4),
+                            );
                             let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
                             for r in 0..R {
                                 s[r] = Self::dot4(s[r], lo, alo, four(x[r], c));
@@ -211,7 +273,9 @@ impl Avx2 {
                         }
                     } else {
                         for c in 0..8 {
-                            let w = _mm256_loadu_si256(q[64 * c + 32 * h..64 * c + 32 * h + 32].as_ptr().cast());
+                            let w = _mm256_loadu_si256(
+                                q[64 * c + 32 * h..64 * c + 32 * h + 32].as_ptr().cast(),
+                            );
                             let aw = _mm256_abs_epi8(w);
                             for r in 0..R {
                                 s[r] = Self::dot4(s[r], w, aw, four(x[r], c));
@@ -226,7 +290,11 @@ impl Avx2 {
                     let dx = xq.d[(t0 + r) * xq.blocks + k];
                     // SAFETY: see above the Vnni impl.
                     acc[r] = unsafe {
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[r])
+                        _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s[r]),
+                            _mm256_mul_ps(dw, _mm256_set1_ps(dx)),
+                            acc[r],
+                        )
                     };
                 }
             }
@@ -235,7 +303,12 @@ impl Avx2 {
     }
 
     #[inline(always)]
-    fn group<const R: usize, const Q4: bool>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn group<const R: usize, const Q4: bool>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         let mut out = [[0.0f32; GROUP]; R];
         for h in 0..2 {
             let acc = Self::half::<R, Q4>(tiles, pairs, xq, t0, h);
@@ -251,11 +324,21 @@ impl Avx2 {
 
 impl GroupKernel for Avx2 {
     #[inline(always)]
-    fn q8<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q8<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, false>(tiles, pairs, xq, t0)
     }
     #[inline(always)]
-    fn q4<const R: usize>(tiles: &[u8], pairs: usize, xq: &QuantRows, t0: usize) -> [[f32; GROUP]; R] {
+    fn q4<const R: usize>(
+        tiles: &[u8],
+        pairs: usize,
+        xq: &QuantRows,
+        t0: usize,
+    ) -> [[f32; GROUP]; R] {
         Self::group::<R, true>(tiles, pairs, xq, t0)
     }
 }
