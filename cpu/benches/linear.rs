@@ -11,6 +11,7 @@
 //!   (AVX-512 VNNI, written here only to measure the packed layout against).
 //! - `matmul/{out}x{in}/rows{r}/{fmt}/{t}t`: `r` activation rows; FLOP/s (`2 r out in`)
 //!   for f32 / f16 / bf16, int8 OP/s for Q8 / Q4; `f32-gemm` is the gemm crate.
+//! - `quantize/768x768/{encode,pack}/{fmt}`: load-time conversion, weights/s.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use foxedge_core::quant::{WeightFormat, encode_row};
@@ -310,5 +311,39 @@ mod canonical {
     }
 }
 
-criterion_group!(benches, bench_dram, bench_matvec, bench_matmul);
+/// Load-time cost of the scalar quantizers (`foxedge_core::quant::encode_row`) and of
+/// repacking, per 768 x 768 matrix on one thread (weights/s).
+fn bench_quantize(c: &mut Criterion) {
+    let (out, inp) = (768, 768);
+    let w = values(out * inp, 0.05, 5);
+    let mut g = c.benchmark_group("quantize/768x768");
+    g.sample_size(10)
+        .throughput(Throughput::Elements((out * inp) as u64));
+    for f in [WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4] {
+        let rb = f.row_bytes(inp).unwrap_or(0);
+        let mut b = vec![0u8; out * rb];
+        g.bench_function(BenchmarkId::new("encode", f.name()), |bch| {
+            bch.iter(|| {
+                for (r, d) in w.chunks_exact(inp).zip(b.chunks_exact_mut(rb)) {
+                    encode_row(f, black_box(r), d).expect("finite weights");
+                }
+            })
+        });
+        if f.is_block() {
+            let ws = Weights::from_bytes(f, &b, out, inp).expect("shape");
+            g.bench_function(BenchmarkId::new("pack", f.name()), |bch| {
+                bch.iter(|| PackedWeights::pack(black_box(&ws), 1).expect("block format"))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_dram,
+    bench_matvec,
+    bench_matmul,
+    bench_quantize
+);
 criterion_main!(benches);
