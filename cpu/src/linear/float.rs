@@ -5,7 +5,8 @@
 //!   sequential stream (four vector accumulators per row hide the FMA latency).
 //! - Several rows: tiles of `R` activation rows x `C` weight rows with `R x C` vector
 //!   accumulators along `in`, reduced at the end; each weight vector loaded feeds `R`
-//!   multiply-adds and each activation vector `C`.
+//!   multiply-adds and each activation vector `C`. f16 / bf16 rows are widened to an f32
+//!   panel once per chunk of 64 activation rows.
 
 use super::{Out, split_outputs};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch};
@@ -13,12 +14,16 @@ use half::{bf16, f16};
 
 /// A weight element read by the float kernels.
 pub(super) trait Elem: Copy + Send + Sync + 'static {
+    /// Whether the matmul widens blocks of weight rows to an f32 panel first (16-bit
+    /// types: the conversion is then paid once per row chunk, not once per row tile).
+    const WIDEN: bool = true;
     /// `V::LANES` weights from `s[..V::LANES]`, widened.
     fn load<V: Vf32>(s: &[Self]) -> V;
     fn to_f32(self) -> f32;
 }
 
 impl Elem for f32 {
+    const WIDEN: bool = false;
     #[inline(always)]
     fn load<V: Vf32>(s: &[Self]) -> V {
         V::load(s)
@@ -163,8 +168,9 @@ fn dot<V: Vf32, T: Elem>(w: &[T], x: &[f32]) -> f32 {
 /// row of the range passes over it.
 const ROW_CHUNK: usize = 64;
 
-/// Several activation rows: chunks of rows, then `C` weight rows, then tiles of 4
-/// activation rows (`R = 1` and `C = 1` for the rest).
+/// Several activation rows: chunks of rows, then blocks of `C` weight rows (f16 / bf16
+/// widened once per chunk into an f32 panel), then tiles of 4 activation rows (`R = 1`
+/// and `C = 1` for the rest).
 #[inline(always)]
 fn matmul<V: Vf32, T: Elem, const C: usize>(
     w: &[T],
@@ -174,25 +180,61 @@ fn matmul<V: Vf32, T: Elem, const C: usize>(
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,
 ) {
+    let mut panel = Vec::new();
     for c0 in (0..rows).step_by(ROW_CHUNK) {
         let c1 = rows.min(c0 + ROW_CHUNK);
         let mut o = range.start;
         while o < range.end {
             let cols = if o + C <= range.end { C } else { 1 };
-            let mut t = c0;
-            while t < c1 {
-                let r = if t + 4 <= c1 { 4 } else { 1 };
-                let at = o - range.start;
-                match (r == 4, cols == C) {
-                    (true, true) => put(y, t, at, tile::<V, T, 4, C>(x, w, inp, t, o)),
-                    (true, false) => put(y, t, at, tile::<V, T, 4, 1>(x, w, inp, t, o)),
-                    (false, true) => put(y, t, at, tile::<V, T, 1, C>(x, w, inp, t, o)),
-                    (false, false) => put(y, t, at, tile::<V, T, 1, 1>(x, w, inp, t, o)),
-                }
-                t += r;
+            let wb = &w[o * inp..(o + cols) * inp];
+            let at = o - range.start;
+            if T::WIDEN {
+                panel.resize(wb.len(), 0.0);
+                widen::<V, T>(wb, &mut panel);
+                tiles::<V, f32, C>(x, &panel, inp, cols, c0..c1, at, y);
+            } else {
+                tiles::<V, T, C>(x, wb, inp, cols, c0..c1, at, y);
             }
             o += cols;
         }
+    }
+}
+
+/// `dst = f32(src)`, a vector at a time.
+#[inline(always)]
+fn widen<V: Vf32, T: Elem>(src: &[T], dst: &mut [f32]) {
+    let l = V::LANES;
+    let body = src.len() - src.len() % l;
+    for i in (0..body).step_by(l) {
+        T::load::<V>(&src[i..]).store(&mut dst[i..]);
+    }
+    for (d, s) in dst[body..].iter_mut().zip(&src[body..]) {
+        *d = s.to_f32();
+    }
+}
+
+/// The activation rows `ts` against the `cols` (`C` or 1) weight rows `wb`, whose outputs
+/// start at column `at`.
+#[inline(always)]
+fn tiles<V: Vf32, T: Elem, const C: usize>(
+    x: &[f32],
+    wb: &[T],
+    inp: usize,
+    cols: usize,
+    ts: core::ops::Range<usize>,
+    at: usize,
+    y: &mut Out<'_>,
+) {
+    let mut t = ts.start;
+    while t < ts.end {
+        let r = if t + 4 <= ts.end { 4 } else { 1 };
+        match (r == 4, cols == C) {
+            (true, true) => put(y, t, at, tile::<V, T, 4, C>(x, wb, inp, t, 0)),
+            (true, false) => put(y, t, at, tile::<V, T, 4, 1>(x, wb, inp, t, 0)),
+            (false, true) => put(y, t, at, tile::<V, T, 1, C>(x, wb, inp, t, 0)),
+            (false, false) => put(y, t, at, tile::<V, T, 1, 1>(x, wb, inp, t, 0)),
+        }
+        t += r;
     }
 }
 
