@@ -80,9 +80,12 @@ fn check_float(out: usize, inp: usize, rows: usize, seed: u64) {
             }
         }
         for isa in Isa::available() {
+            let mut first: Option<Vec<f32>> = None;
             for threads in [1, 3] {
                 let mut y = y0.clone();
                 linear_with_isa(isa, wts, &x, rows, &mut y, true, threads).unwrap();
+                // The same bits whatever the thread count.
+                assert!(first.get_or_insert_with(|| y.clone()) == &y, "{f} {isa:?}");
                 for t in 0..rows {
                     for o in 0..out {
                         let a: f32 = (0..inp)
