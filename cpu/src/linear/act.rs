@@ -6,6 +6,10 @@
 //! `d = NaN, q = 0` for a block holding a NaN or an infinity, so the outputs it feeds are
 //! NaN. Each block also keeps `-128 sum(q)`, the correction of kernels that multiply
 //! `q_w + 128` (unsigned) by `q` (AVX-512 VNNI).
+//!
+//! The SIMD block quantizers (`x86`, `neon`) perform the same f32 operations (`127 / amax`
+//! once, one multiply and a round-to-nearest-even conversion per value), so they give the
+//! reference's bits.
 
 use crate::simd::Isa;
 
@@ -51,29 +55,28 @@ impl QuantRows {
     }
 }
 
-/// [`quantize_row`] compiled for `isa` (x86-64: AVX-512 or AVX2, which vectorise it).
+/// One block's quantizer: `q` and `(d, -128 sum(q))` as in the module docs.
+pub(super) trait QuantBlock {
+    fn block(x: &[f32; 32], q: &mut [i8; 32]) -> (f32, i32);
+}
+
+/// [`quantize_row`] with the block quantizer of `isa` (every one gives the same bits).
 fn quantize_row_with(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        fn avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
-            quantize_row(x, qs, d, bias);
+    match isa {
+        Isa::Avx512 if super::x86::has_vnni() => {
+            // SAFETY: the features `quantize_row_avx512` is compiled for were detected.
+            return unsafe { super::x86::quantize_row_avx512(x, qs, d, bias) };
         }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        fn avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
-            quantize_row(x, qs, d, bias);
+        Isa::Avx512 | Isa::Avx2 if super::x86::has_avx2() => {
+            // SAFETY: the features `quantize_row_avx2` is compiled for were detected.
+            return unsafe { super::x86::quantize_row_avx2(x, qs, d, bias) };
         }
-        match isa {
-            Isa::Avx512 if super::x86::has_vnni() => {
-                // SAFETY: the features `avx512` is compiled for were detected just above.
-                return unsafe { avx512(x, qs, d, bias) };
-            }
-            Isa::Avx512 | Isa::Avx2 if super::x86::has_avx2() => {
-                // SAFETY: the features `avx2` is compiled for were detected just above.
-                return unsafe { avx2(x, qs, d, bias) };
-            }
-            _ => {}
-        }
+        _ => {}
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Portable {
+        return rows_with::<super::neon::Quant>(x, qs, d, bias);
     }
     let _ = isa;
     quantize_row(x, qs, d, bias);
@@ -81,34 +84,55 @@ fn quantize_row_with(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &m
 
 /// The scalar reference of the module docs for one row: `x` (any length), `d.len()`
 /// blocks into `qs` (`32 d.len()` values) and `bias`.
-#[inline(always)]
 pub(crate) fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
-    for (k, ((q, dk), bk)) in qs
-        .chunks_exact_mut(32)
+    rows_with::<Scalar>(x, qs, d, bias);
+}
+
+/// The row loop: blocks of 32 (the last one zero-padded; blocks past `x` all zero).
+#[inline(always)]
+pub(super) fn rows_with<B: QuantBlock>(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
+    let blocks = qs
+        .as_chunks_mut::<32>()
+        .0
+        .iter_mut()
         .zip(d.iter_mut())
-        .zip(bias.iter_mut())
-        .enumerate()
-    {
+        .zip(bias.iter_mut());
+    for (k, ((q, dk), bk)) in blocks.enumerate() {
         let mut v = [0.0f32; 32];
         let src = x.get(k * 32..x.len().min(k * 32 + 32)).unwrap_or(&[]);
         v[..src.len()].copy_from_slice(src);
+        (*dk, *bk) = B::block(&v, q);
+    }
+}
+
+/// The plain block quantizer.
+pub(super) struct Scalar;
+
+impl QuantBlock for Scalar {
+    #[inline(always)]
+    fn block(v: &[f32; 32], q: &mut [i8; 32]) -> (f32, i32) {
         let mut amax = 0.0f32;
         let mut finite = true;
-        for &a in &v {
+        for &a in v {
             finite &= a.is_finite();
             amax = amax.max(a.abs());
         }
         if !finite {
             q.fill(0);
-            (*dk, *bk) = (f32::NAN, 0);
-            continue;
+            return (f32::NAN, 0);
         }
-        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let id = inverse(amax);
         let mut sum = 0i32;
-        for (qi, &a) in q.iter_mut().zip(&v) {
+        for (qi, &a) in q.iter_mut().zip(v) {
             *qi = (a * id).round_ties_even() as i8;
             sum += i32::from(*qi);
         }
-        (*dk, *bk) = (amax / 127.0, -128 * sum);
+        (amax / 127.0, -128 * sum)
     }
+}
+
+/// `127 / amax`, or 0 for an all-zero block (so that every `q` is 0).
+#[inline(always)]
+pub(super) fn inverse(amax: f32) -> f32 {
+    if amax > 0.0 { 127.0 / amax } else { 0.0 }
 }

@@ -7,7 +7,7 @@
 //! this toolchain.
 
 use super::Out;
-use super::act::QuantRows;
+use super::act::{QuantBlock, QuantRows, inverse};
 use super::int8::{GroupKernel, drive};
 use super::pack::{GROUP, HEAD, PackedWeights, block_bytes, tile_bytes};
 use core::arch::aarch64::*;
@@ -288,4 +288,50 @@ pub(super) fn run(
     y: &mut Out<'_>,
 ) {
     run_with(true, p, xq, range, y);
+}
+
+/// The NEON block quantizer: `fcvtns` rounds to nearest even, `sqxtn` narrows.
+pub(super) struct Quant;
+
+impl QuantBlock for Quant {
+    #[inline(always)]
+    fn block(x: &[f32; 32], q: &mut [i8; 32]) -> (f32, i32) {
+        // SAFETY: NEON is baseline; the loads read 8 x 4 f32 of `x`, the stores write
+        // 2 x 16 bytes of `q`.
+        unsafe {
+            let mut v = [vdupq_n_f32(0.0); 8];
+            let mut m = vdupq_n_f32(0.0);
+            for (j, vj) in v.iter_mut().enumerate() {
+                *vj = vld1q_f32(x.as_ptr().add(4 * j));
+                // fmax propagates NaN, so a NaN anywhere makes `amax` NaN.
+                m = vmaxq_f32(m, vabsq_f32(*vj));
+            }
+            let amax = vmaxvq_f32(m);
+            if !amax.is_finite() {
+                q.fill(0);
+                return (f32::NAN, 0);
+            }
+            let id = inverse(amax);
+            let mut i = [vdupq_n_s32(0); 8];
+            for (ij, vj) in i.iter_mut().zip(v) {
+                *ij = vcvtnq_s32_f32(vmulq_n_f32(vj, id));
+            }
+            let h: [int16x8_t; 4] = core::array::from_fn(|j| {
+                vcombine_s16(vqmovn_s32(i[2 * j]), vqmovn_s32(i[2 * j + 1]))
+            });
+            vst1q_s8(
+                q.as_mut_ptr(),
+                vcombine_s8(vqmovn_s16(h[0]), vqmovn_s16(h[1])),
+            );
+            vst1q_s8(
+                q.as_mut_ptr().add(16),
+                vcombine_s8(vqmovn_s16(h[2]), vqmovn_s16(h[3])),
+            );
+            let s = vaddq_s32(
+                vaddq_s32(vaddq_s32(i[0], i[1]), vaddq_s32(i[2], i[3])),
+                vaddq_s32(vaddq_s32(i[4], i[5]), vaddq_s32(i[6], i[7])),
+            );
+            (amax / 127.0, -128 * vaddvq_s32(s))
+        }
+    }
 }

@@ -8,7 +8,7 @@
 //! pair sums never saturate.
 
 use super::Out;
-use super::act::QuantRows;
+use super::act::{QuantBlock, QuantRows, inverse, rows_with};
 use super::int8::{GroupKernel, drive};
 use super::pack::{GROUP, HEAD, PackedWeights, block_bytes, tile_bytes};
 use core::arch::x86_64::*;
@@ -340,5 +340,99 @@ impl GroupKernel for Avx2 {
         t0: usize,
     ) -> [[f32; GROUP]; R] {
         Self::group::<R, true>(tiles, pairs, xq, t0)
+    }
+}
+
+/// [`rows_with`] with the AVX-512 block quantizer.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) fn quantize_row_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
+    rows_with::<Quant512>(x, qs, d, bias);
+}
+
+/// [`rows_with`] with the AVX2 block quantizer.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn quantize_row_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], bias: &mut [i32]) {
+    rows_with::<Quant256>(x, qs, d, bias);
+}
+
+struct Quant512;
+
+impl QuantBlock for Quant512 {
+    /// `vcvtps2dq` rounds to nearest even (the default MXCSR mode); `vpmovsdb` narrows.
+    #[inline(always)]
+    fn block(x: &[f32; 32], q: &mut [i8; 32]) -> (f32, i32) {
+        // SAFETY: AVX-512 F/BW/VL are enabled in the caller (`quantize_row_avx512`); the
+        // loads read 2 x 16 f32 of `x`, the stores write 2 x 16 bytes of `q`.
+        unsafe {
+            let v = [
+                _mm512_loadu_ps(x.as_ptr()),
+                _mm512_loadu_ps(x.as_ptr().add(16)),
+            ];
+            let a = [_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])];
+            let inf = _mm512_set1_ps(f32::INFINITY);
+            // Lanes not below +inf: infinities and NaNs.
+            let bad = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a[0], inf)
+                | _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a[1], inf);
+            if bad != 0 {
+                q.fill(0);
+                return (f32::NAN, 0);
+            }
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]));
+            let id = _mm512_set1_ps(inverse(amax));
+            let i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], id));
+            let i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], id));
+            _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtsepi32_epi8(i0));
+            _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtsepi32_epi8(i1));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            (amax / 127.0, -128 * sum)
+        }
+    }
+}
+
+struct Quant256;
+
+impl QuantBlock for Quant256 {
+    #[inline(always)]
+    fn block(x: &[f32; 32], q: &mut [i8; 32]) -> (f32, i32) {
+        // SAFETY: AVX2 is enabled in the caller (`quantize_row_avx2`); the loads read
+        // 4 x 8 f32 of `x`, the store writes the 32 bytes of `q`.
+        unsafe {
+            let sign = _mm256_set1_ps(-0.0);
+            let inf = _mm256_set1_ps(f32::INFINITY);
+            let mut v = [_mm256_setzero_ps(); 4];
+            let mut m = _mm256_setzero_ps();
+            let mut bad = 0;
+            for (j, vj) in v.iter_mut().enumerate() {
+                *vj = _mm256_loadu_ps(x.as_ptr().add(8 * j));
+                let a = _mm256_andnot_ps(sign, *vj);
+                bad |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+                m = _mm256_max_ps(m, a);
+            }
+            if bad != 0 {
+                q.fill(0);
+                return (f32::NAN, 0);
+            }
+            let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            let amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<1>(h, h)));
+            let id = _mm256_set1_ps(inverse(amax));
+            let mut i = [_mm256_setzero_si256(); 4];
+            for (ij, vj) in i.iter_mut().zip(v) {
+                *ij = _mm256_cvtps_epi32(_mm256_mul_ps(vj, id));
+            }
+            // packs work within 128-bit lanes: [0a 1a 2a 3a | 0b 1b 2b 3b] in 4-byte groups
+            // (a, b: the low and high halves of each i[j]); the permute restores the order.
+            let p = _mm256_packs_epi16(
+                _mm256_packs_epi32(i[0], i[1]),
+                _mm256_packs_epi32(i[2], i[3]),
+            );
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.as_mut_ptr().cast(), p);
+            let s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            (amax / 127.0, -128 * _mm_cvtsi128_si32(s))
+        }
     }
 }
