@@ -10,6 +10,9 @@
 //! With `matmul` as the first argument: 64 and 512 activation rows per format and the gemm
 //! crate (f32), rounds alternating between them; best GFLOP/s (int8 GOP/s) of each.
 //!
+//! With `cache` as the first argument: the same matrix-vector products on one matrix that
+//! stays in L2 (the kernels' compute ceiling, weight GB/s), one thread.
+//!
 //! `FOXEDGE_CLOCK=cpu` times one-thread runs by the calling thread's CPU time instead of
 //! the wall clock (on a machine shared with other work, a descheduled thread then does not
 //! count as slow); two-thread runs always use the wall clock. `q8-canonical` is the
@@ -94,8 +97,11 @@ fn held(f: WeightFormat, canonical: bool, w: &[f32], out: usize, inp: usize) -> 
 
 fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let matmul = args.first().is_some_and(|a| a == "matmul");
-    if matmul {
+    let mode = match args.first().map(String::as_str) {
+        Some(m @ ("matmul" | "cache")) => m.to_string(),
+        _ => String::new(),
+    };
+    if !mode.is_empty() {
         args.remove(0);
     }
     let rounds: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(15);
@@ -112,8 +118,10 @@ fn main() {
         limits::fma_peak_gflops(1, 0.5),
         limits::fma_peak_gflops(2, 0.5)
     );
-    if matmul {
-        return matmuls(rounds, &shapes);
+    match mode.as_str() {
+        "matmul" => return matmuls(rounds, &shapes),
+        "cache" => return in_cache(rounds, &shapes),
+        _ => {}
     }
     let dram: Vec<f32> = (0..POOL / 4).map(|i| i as f32).collect();
     println!("shape fmt threads | weight GB/s best | dram GB/s best | ratio median (min..max)");
@@ -251,5 +259,36 @@ fn gemm_f32(
             false,
             par,
         );
+    }
+}
+
+/// Best weight GB/s of one-thread matrix-vector products on a matrix already in cache.
+fn in_cache(rounds: usize, shapes: &[(usize, usize)]) {
+    println!("shape fmt | weight GB/s best, one thread, matrix in cache");
+    for &(out, inp) in shapes {
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1)
+            .collect();
+        let x: Vec<f32> = (0..inp).map(|i| (i % 13) as f32 / 13.0 - 0.5).collect();
+        let mut y = vec![0.0f32; out];
+        let canon = canonical::available().then_some((WeightFormat::Q8, true));
+        for (f, canonical) in WeightFormat::ALL.iter().map(|&f| (f, false)).chain(canon) {
+            let h = held(f, canonical, &w, out, inp);
+            let bytes = f.matrix_bytes(out, inp).expect("size") as f64;
+            let mut best = 0.0f64;
+            for _ in 0..rounds {
+                let t0 = now(1);
+                for _ in 0..100 {
+                    h.run(out, inp, black_box(&x), 1, &mut y, 1);
+                }
+                best = best.max(100.0 * bytes / (now(1) - t0) / 1e9);
+            }
+            let name = if canonical {
+                "q8-canonical".to_string()
+            } else {
+                f.to_string()
+            };
+            println!("{out}x{inp} {name} | {best:.1}");
+        }
     }
 }

@@ -15,8 +15,12 @@
 //!
 //! Rows past `out` and blocks past `ceil(inp / 32)` are zero (scale 0). The packed size
 //! equals the canonical one (34 or 18 bytes per 32 weights) up to that padding.
-//! Measured against streaming the canonical 34-byte blocks row by row: see
-//! `cpu/benches/linear.rs`.
+//!
+//! Why repack: a Q8 matrix-vector product streaming the canonical 34-byte blocks row by
+//! row (AVX-512 VNNI, one block per 256-bit dot product, scale per block) reads at most
+//! ~28 GB/s on one Zen 4 thread even from cache, about the DRAM rate of one thread; this
+//! layout reaches 75-80 GB/s in cache (a scale vector per 16 rows, 64-byte aligned loads,
+//! one `i32` lane per row), so decode stays memory-bound (`examples/linear_bw.rs cache`).
 
 use super::{Data, Weights};
 use foxedge_core::quant::{BLOCK, Q4_BYTES, Q8_BYTES, WeightFormat};
