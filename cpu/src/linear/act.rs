@@ -2,7 +2,8 @@
 //!
 //! Block `k` of row `t` (zero-padded past `inp`): `d = max|x| / 127` (f32) and
 //! `q_i = round_ties_even(x_i * (127 / max|x|))`, so `|q_i| <= 127` and
-//! `|x_i - d q_i| <= d / 2` up to f32 rounding; `d = 0, q = 0` for an all-zero block;
+//! `|x_i - d q_i| <= d / 2` up to f32 rounding; `q = 0` for an all-zero block and for a
+//! block with `max|x| < 127 / f32::MAX` (there `|x_i - d q_i| < 3.7e-37`);
 //! `d = NaN, q = 0` for a block holding a NaN or an infinity, so the outputs it feeds are
 //! NaN. Each block also keeps `-128 sum(q)`, the correction of kernels that multiply
 //! `q_w + 128` (unsigned) by `q` (AVX-512 VNNI).
@@ -131,8 +132,14 @@ impl QuantBlock for Scalar {
     }
 }
 
-/// `127 / amax`, or 0 for an all-zero block (so that every `q` is 0).
+/// `127 / amax`, or 0 (every `q` is 0) for an all-zero block and for one so small that
+/// `127 / amax` overflows (`amax < 127 / f32::MAX`, about 3.7e-37).
 #[inline(always)]
 pub(super) fn inverse(amax: f32) -> f32 {
-    if amax > 0.0 { 127.0 / amax } else { 0.0 }
+    let id = 127.0 / amax;
+    if amax > 0.0 && id.is_finite() {
+        id
+    } else {
+        0.0
+    }
 }

@@ -265,6 +265,25 @@ fn activation_quantization() {
         assert!(same(&q.d, &d) && q.bias == bias, "{isa:?}");
     }
     assert!(d[2].is_nan() && qs[64..96].iter().all(|&v| v == 0) && bias[2] == 0);
+    // Blocks so small that 127 / max|x| overflows quantize to zero on every ISA (a fuzz
+    // finding: the SIMD conversions of inf and NaN differ from Rust's saturating `as`).
+    let tiny: Vec<f32> = [1e-38f32, -3e-39, 1e-45, 0.0, 2e-37, -1e-40, 3e-37, 1e-44]
+        .iter()
+        .cycle()
+        .take(96)
+        .enumerate()
+        .map(|(i, &v)| if i < 64 { v } else { v * 1e4 })
+        .collect();
+    let (mut tq, mut td, mut tb) = (vec![0i8; 96], vec![0.0f32; 3], vec![0i32; 3]);
+    quantize_row(&tiny, &mut tq, &mut td, &mut tb);
+    for isa in Isa::available() {
+        let q = QuantRows::new(isa, &tiny, 1, 96, 3);
+        assert!(
+            q.qs == tq && same(&q.d, &td) && q.bias == tb,
+            "{isa:?} tiny blocks"
+        );
+    }
+    assert!(tq[..32].iter().all(|&v| v == 0) && tq[64..].iter().any(|&v| v != 0));
     assert!(d[4] == 0.0 && d[5] == 0.0 && d[7] == 0.0);
     for k in [0, 1, 3, 6] {
         let blk = &x[k * 32..200.min((k + 1) * 32)];
