@@ -12,7 +12,7 @@
 //! bits (padding blocks add `0 * 0`).
 
 use super::act::QuantRows;
-use super::pack::{GROUP, HEAD, PackedWeights, block_bytes, tile_bytes};
+use super::pack::{GROUP, HEAD, PackedView, block_bytes, tile_bytes};
 use super::{Out, split_outputs};
 use crate::simd::Isa;
 use foxedge_core::quant::{BlockQ4, BlockQ8, Q4_BYTES, Q4_LEVELS, Q8_BYTES, WeightFormat};
@@ -59,7 +59,7 @@ pub(super) fn reference(f: WeightFormat, bytes: &[u8], out: usize, xq: &QuantRow
     }
 }
 
-/// One instruction set's kernel for one row group of a [`PackedWeights`].
+/// One instruction set's kernel for one row group of a [`PackedView`].
 pub(super) trait GroupKernel {
     /// `out[r][j]` for activation rows `t0 + r` (`r < R`) and the 16 rows `j` of the
     /// group whose tiles are `tiles` (`pairs` tiles), Q8.
@@ -86,7 +86,7 @@ const ROW_CHUNK: usize = 64;
 /// chunks, then groups, then tiles of 4 activation rows (1 for the rest).
 #[inline(always)]
 pub(super) fn drive<K: GroupKernel>(
-    p: &PackedWeights,
+    p: &PackedView<'_>,
     xq: &QuantRows,
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,
@@ -129,7 +129,7 @@ pub(super) fn drive<K: GroupKernel>(
 }
 
 /// `y (+)= x Wᵀ` for packed `W` and quantized `x`, outputs split over `threads`.
-pub(super) fn packed(isa: Isa, p: &PackedWeights, xq: &QuantRows, y: Out<'_>, threads: usize) {
+pub(super) fn packed(isa: Isa, p: &PackedView<'_>, xq: &QuantRows, y: Out<'_>, threads: usize) {
     let rows = xq.d.len() / xq.blocks;
     split_outputs(p.out(), rows, GROUP, threads, y, |range, y| {
         #[cfg(target_arch = "x86_64")]

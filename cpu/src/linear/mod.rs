@@ -5,9 +5,10 @@
 //!
 //! - f32 / f16 / bf16 ([`Weights`] borrowed as stored): widened to f32 in registers,
 //!   f32 multiply-adds ([`float`]).
-//! - Q8 / Q4 ([`PackedWeights`], repacked at load from the canonical blocks of
-//!   [`foxedge_core::quant`]): activations quantized per block of 32 to `i8` with an f32
-//!   scale ([`act`]), integer dot products per block (AVX-512 VNNI, AVX2, NEON `sdot` or
+//! - Q8 / Q4 ([`PackedWeights`] owned, repacked from the canonical blocks of
+//!   [`foxedge_core::quant`] or quantized group by group; [`PackedView`] the same tiles
+//!   borrowed, e.g. from a model file that stores them): activations quantized per block
+//!   of 32 to `i8` with an f32 scale ([`act`]), integer dot products per block (AVX-512 VNNI, AVX2, NEON `sdot` or
 //!   `smull`, or plain Rust), and `y += d_w d_x sum(q_w q_x)` in f32, block by block.
 //!   All integer kernels give the same bits as the scalar reference ([`int8`]).
 //!
@@ -28,7 +29,7 @@ mod x86;
 mod tests;
 
 pub use foxedge_core::quant::WeightFormat;
-pub use pack::PackedWeights;
+pub use pack::{PACKED_LAYOUT, PackedView, PackedWeights};
 
 use crate::simd::Isa;
 use foxedge_core::{Error, Result};
@@ -169,8 +170,8 @@ fn check(format: WeightFormat, len: usize, out: usize, inp: usize) -> Result<()>
 pub enum Matrix<'a> {
     /// Any format as stored. Q8 / Q4 as stored run the scalar reference: pack them.
     Stored(Weights<'a>),
-    /// Q8 / Q4 repacked for the integer kernels.
-    Packed(&'a PackedWeights),
+    /// Q8 / Q4 repacked for the integer kernels (owned or borrowed from a file).
+    Packed(PackedView<'a>),
 }
 
 impl<'a> From<Weights<'a>> for Matrix<'a> {
@@ -181,6 +182,12 @@ impl<'a> From<Weights<'a>> for Matrix<'a> {
 
 impl<'a> From<&'a PackedWeights> for Matrix<'a> {
     fn from(w: &'a PackedWeights) -> Self {
+        Matrix::Packed(w.view())
+    }
+}
+
+impl<'a> From<PackedView<'a>> for Matrix<'a> {
+    fn from(w: PackedView<'a>) -> Self {
         Matrix::Packed(w)
     }
 }
@@ -260,7 +267,7 @@ pub fn linear_with_isa<'a>(
         },
         Matrix::Packed(p) => {
             let xq = act::QuantRows::new(isa, x, rows, inp, p.padded_blocks());
-            int8::packed(isa, p, &xq, out_y, threads);
+            int8::packed(isa, &p, &xq, out_y, threads);
         }
     }
     Ok(())

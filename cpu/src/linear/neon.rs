@@ -9,7 +9,7 @@
 use super::Out;
 use super::act::{QuantBlock, QuantRows, inverse};
 use super::int8::{GroupKernel, drive};
-use super::pack::{GROUP, HEAD, PackedWeights, block_bytes, tile_bytes};
+use super::pack::{GROUP, HEAD, PackedView, block_bytes, tile_bytes};
 use core::arch::aarch64::*;
 use core::arch::asm;
 use core::marker::PhantomData;
@@ -254,19 +254,19 @@ impl<D: Dot> GroupKernel for Neon<D> {
 }
 
 #[target_feature(enable = "neon,dotprod")]
-fn run_sdot(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+fn run_sdot(p: &PackedView<'_>, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
     drive::<Neon<Sdot>>(p, xq, range, y);
 }
 
 #[target_feature(enable = "neon")]
-fn run_smull(p: &PackedWeights, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
+fn run_smull(p: &PackedView<'_>, xq: &QuantRows, range: core::ops::Range<usize>, y: &mut Out<'_>) {
     drive::<Neon<Smull>>(p, xq, range, y);
 }
 
 /// [`drive`] with `sdot` where the CPU has it (and `sdot` is allowed), else `smull`.
 pub(super) fn run_with(
     sdot: bool,
-    p: &PackedWeights,
+    p: &PackedView<'_>,
     xq: &QuantRows,
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,
@@ -282,7 +282,7 @@ pub(super) fn run_with(
 
 /// [`run_with`] preferring `sdot`.
 pub(super) fn run(
-    p: &PackedWeights,
+    p: &PackedView<'_>,
     xq: &QuantRows,
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,

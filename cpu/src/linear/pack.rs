@@ -23,8 +23,13 @@
 //! one `i32` lane per row), so decode stays memory-bound (`examples/linear_bw.rs cache`).
 
 use super::{Data, Weights};
-use foxedge_core::quant::{BLOCK, Q4_BYTES, Q8_BYTES, WeightFormat};
+use foxedge_core::quant::{BLOCK, Q4_BYTES, Q8_BYTES, WeightFormat, encode_row};
 use foxedge_core::{Error, Result};
+use half::f16;
+
+/// The name of this layout where it is stored (a model file's metadata): a file that names
+/// another layout must not be read as this one.
+pub const PACKED_LAYOUT: &str = "packed16";
 
 /// Rows interleaved in one group.
 pub(crate) const GROUP: usize = 16;
@@ -57,52 +62,187 @@ pub struct PackedWeights {
     start: usize,
 }
 
+/// Packed Q8 or Q4 tiles borrowed from anywhere (an owned [`PackedWeights`], or a
+/// memory-mapped file that stores this layout): what the kernels read.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedView<'a> {
+    format: WeightFormat,
+    out: usize,
+    inp: usize,
+    pairs: usize,
+    tiles: &'a [u8],
+}
+
+/// Row groups and tile pairs of an `out x inp` matrix in `format` (a block format).
+fn dims(format: WeightFormat, out: usize, inp: usize) -> Result<(usize, usize, usize)> {
+    if !format.is_block() {
+        return Err(Error::BadArgument("only Q8 and Q4 weights are packed"));
+    }
+    if out == 0 || inp == 0 {
+        return Err(Error::BadShape("weight matrix sizes must be > 0"));
+    }
+    let (groups, pairs) = (out.div_ceil(GROUP), inp.div_ceil(2 * BLOCK));
+    let bytes = groups
+        .checked_mul(pairs)
+        .and_then(|n| n.checked_mul(tile_bytes(format)))
+        .ok_or(Error::BadShape("packed matrix byte size overflows usize"))?;
+    Ok((groups, pairs, bytes))
+}
+
+/// A zeroed buffer of `bytes` bytes starting at a 64-byte boundary: `(buf, start)`.
+///
+/// Errors: [`Error::Capacity`] (capacity = the bytes asked for) when it cannot be
+/// allocated.
+fn aligned_zeroed(bytes: usize) -> Result<(Vec<u8>, usize)> {
+    let n = bytes.saturating_add(63);
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(n).map_err(|_| Error::Capacity {
+        what: "packed weight bytes",
+        capacity: n,
+    })?;
+    buf.resize(n, 0u8);
+    let start = buf.as_ptr().align_offset(64).min(63);
+    Ok((buf, start))
+}
+
 impl PackedWeights {
+    /// Bytes of the packed tiles of an `out x inp` matrix in `format`: the canonical size
+    /// (34 or 18 bytes per 32 weights) with rows padded to 16 and blocks to pairs.
+    ///
+    /// Errors: [`Error::BadArgument`] for a float format, [`Error::BadShape`] for a zero
+    /// size or an overflow.
+    pub fn packed_bytes(format: WeightFormat, out: usize, inp: usize) -> Result<usize> {
+        Ok(dims(format, out, inp)?.2)
+    }
+
     /// Repacks Q8 or Q4 weights, splitting the row groups over `threads` tasks.
     ///
-    /// Errors: [`Error::BadArgument`] for a float format (those are used as stored).
+    /// Errors: [`Error::BadArgument`] for a float format (those are used as stored),
+    /// [`Error::Capacity`] when the tiles cannot be allocated.
     pub fn pack(w: &Weights<'_>, threads: usize) -> Result<Self> {
         let Data::Blocks(format, src) = w.data else {
             return Err(Error::BadArgument("only Q8 and Q4 weights are packed"));
         };
-        let pairs = w.inp.div_ceil(2 * BLOCK);
-        let groups = w.out.div_ceil(GROUP);
-        let group_bytes = pairs * tile_bytes(format);
-        let mut buf = vec![0u8; groups * group_bytes + 63];
-        let start = buf.as_ptr().align_offset(64).min(63);
         let row_bytes = format.row_bytes(w.inp).unwrap_or(0);
+        Self::build(
+            format,
+            w.out,
+            w.inp,
+            threads,
+            |r0, rows, canon: &mut [u8]| {
+                canon[..rows * row_bytes]
+                    .copy_from_slice(&src[r0 * row_bytes..(r0 + rows) * row_bytes]);
+                Ok::<(), Error>(())
+            },
+        )
+    }
+
+    /// Quantizes an `out x inp` matrix to Q8 or Q4 and packs it, one group of 16 rows at a
+    /// time (no canonical copy of the whole matrix): `row(r, buf)` writes row `r`'s `inp`
+    /// weights into `buf`; each row is encoded by `foxedge_core::quant::encode_row`. The
+    /// groups are split over `threads` tasks on the current rayon pool.
+    ///
+    /// Errors: the first error of `row`; converted into `E`: [`Error::BadArgument`] for a
+    /// float format or a weight that does not encode (NaN, infinite, too large),
+    /// [`Error::Capacity`] when the tiles cannot be allocated.
+    pub fn quantize<E, F>(
+        format: WeightFormat,
+        out: usize,
+        inp: usize,
+        threads: usize,
+        row: F,
+    ) -> core::result::Result<Self, E>
+    where
+        E: From<Error> + Send,
+        F: Fn(usize, &mut [f32]) -> core::result::Result<(), E> + Sync,
+    {
+        let row_bytes = format
+            .row_bytes(inp)
+            .ok_or(Error::BadShape("row byte size overflows usize"))?;
+        Self::build(format, out, inp, threads, |r0, rows, canon: &mut [u8]| {
+            let mut w = vec![0.0f32; inp];
+            for (i, dst) in canon.chunks_exact_mut(row_bytes).take(rows).enumerate() {
+                row(r0 + i, &mut w)?;
+                encode_row(format, &w, dst)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Fills every group from `fill(r0, rows, canonical)`, which writes the canonical
+    /// blocks of rows `r0..r0 + rows` (at most 16) into `canonical`.
+    fn build<E, F>(
+        format: WeightFormat,
+        out: usize,
+        inp: usize,
+        threads: usize,
+        fill: F,
+    ) -> core::result::Result<Self, E>
+    where
+        E: From<Error> + Send,
+        F: Fn(usize, usize, &mut [u8]) -> core::result::Result<(), E> + Sync,
+    {
+        let (groups, pairs, bytes) = dims(format, out, inp)?;
+        let row_bytes = format.row_bytes(inp).unwrap_or(0);
+        let group_bytes = pairs * tile_bytes(format);
+        let (mut buf, start) = aligned_zeroed(bytes)?;
         let per = groups.div_ceil(threads.max(1)).max(1);
-        let body = &mut buf[start..start + groups * group_bytes];
-        let fill = |(c, dst): (usize, &mut [u8])| {
+        let body = &mut buf[start..start + bytes];
+        let task = |(c, dst): (usize, &mut [u8])| -> core::result::Result<(), E> {
+            let mut canon = vec![0u8; GROUP * row_bytes];
             for (gi, g) in dst.chunks_exact_mut(group_bytes).enumerate() {
                 let r0 = (c * per + gi) * GROUP;
-                let rows = w.out.saturating_sub(r0).min(GROUP);
-                pack_group(
-                    format,
-                    &src[r0 * row_bytes..(r0 + rows) * row_bytes],
-                    row_bytes,
-                    g,
-                );
+                let rows = out.saturating_sub(r0).min(GROUP);
+                fill(r0, rows, &mut canon)?;
+                pack_group(format, &canon[..rows * row_bytes], row_bytes, g);
             }
+            Ok(())
         };
         if threads > 1 {
             use rayon::prelude::*;
             body.par_chunks_mut(per * group_bytes)
                 .enumerate()
-                .for_each(fill);
+                .try_for_each(task)?;
         } else {
             body.chunks_mut(per * group_bytes)
                 .enumerate()
-                .for_each(fill);
+                .try_for_each(task)?;
         }
         Ok(Self {
             format,
-            out: w.out,
-            inp: w.inp,
+            out,
+            inp,
             pairs,
             buf,
             start,
         })
+    }
+
+    /// An owned, 64-byte aligned copy of `view`'s tiles.
+    ///
+    /// Errors: [`Error::Capacity`] when the copy cannot be allocated.
+    pub fn copy_of(view: &PackedView<'_>) -> Result<Self> {
+        let (mut buf, start) = aligned_zeroed(view.tiles.len())?;
+        buf[start..start + view.tiles.len()].copy_from_slice(view.tiles);
+        Ok(Self {
+            format: view.format,
+            out: view.out,
+            inp: view.inp,
+            pairs: view.pairs,
+            buf,
+            start,
+        })
+    }
+
+    /// The tiles, borrowed.
+    pub fn view(&self) -> PackedView<'_> {
+        PackedView {
+            format: self.format,
+            out: self.out,
+            inp: self.inp,
+            pairs: self.pairs,
+            tiles: &self.buf[self.start..],
+        }
     }
 
     /// Q8 or Q4.
@@ -124,6 +264,53 @@ impl PackedWeights {
     pub fn bytes(&self) -> usize {
         self.buf.len()
     }
+}
+
+impl<'a> PackedView<'a> {
+    /// Tiles of an `out x inp` matrix in `format` stored in this layout (e.g. in a file),
+    /// exactly [`PackedWeights::packed_bytes`] bytes. Any alignment is read correctly; a
+    /// 64-byte aligned start reads fastest. Every byte pattern is a matrix (a non-finite
+    /// scale gives non-finite outputs: see [`PackedView::first_bad_scale`]).
+    ///
+    /// Errors: [`Error::BadArgument`] for a float format, [`Error::BadShape`] for a zero
+    /// size, [`Error::BadLength`] for a wrong byte count.
+    pub fn new(format: WeightFormat, tiles: &'a [u8], out: usize, inp: usize) -> Result<Self> {
+        let (_, pairs, bytes) = dims(format, out, inp)?;
+        if tiles.len() != bytes {
+            return Err(Error::BadLength {
+                what: "packed weight bytes",
+                expected: bytes,
+                got: tiles.len(),
+            });
+        }
+        Ok(Self {
+            format,
+            out,
+            inp,
+            pairs,
+            tiles,
+        })
+    }
+
+    /// The stored bytes (what [`PackedView::new`] takes back).
+    pub fn tiles(&self) -> &'a [u8] {
+        &self.tiles[..self.out.div_ceil(GROUP) * self.pairs * tile_bytes(self.format)]
+    }
+
+    /// Q8 or Q4.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Output features (rows of `W`).
+    pub fn out(&self) -> usize {
+        self.out
+    }
+
+    /// Input features (columns of `W`).
+    pub fn inp(&self) -> usize {
+        self.inp
+    }
 
     /// Blocks per row including the padding to whole tiles.
     pub(crate) fn padded_blocks(&self) -> usize {
@@ -137,9 +324,65 @@ impl PackedWeights {
 
     /// The tiles of row group `g`.
     #[inline(always)]
-    pub(crate) fn group(&self, g: usize) -> &[u8] {
+    pub(crate) fn group(&self, g: usize) -> &'a [u8] {
         let n = self.pairs * tile_bytes(self.format);
-        &self.buf[self.start + g * n..self.start + (g + 1) * n]
+        &self.tiles[g * n..(g + 1) * n]
+    }
+
+    /// `(row, block)` of the first scale (padding included) that is NaN or infinite, if
+    /// any: such a scale makes every product with its row, or with every row of its group
+    /// when it pads, non-finite.
+    pub fn first_bad_scale(&self) -> Option<(usize, usize)> {
+        let tb = tile_bytes(self.format);
+        for (g, group) in self.tiles().chunks_exact(self.pairs * tb).enumerate() {
+            for (p, tile) in group.chunks_exact(tb).enumerate() {
+                for (i, s) in tile[..HEAD].chunks_exact(2).enumerate() {
+                    if !f16::from_le_bytes([s[0], s[1]]).is_finite() {
+                        return Some((g * GROUP + i % GROUP, 2 * p + i / GROUP));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Dequantizes row `r` into `out` (`inp` values): `w = d q` (Q8) or
+    /// `d Q4_LEVELS[index]` (Q4), as `foxedge_core::quant::decode_row` of the canonical row.
+    ///
+    /// Errors: [`Error::BadArgument`] for `r >= out`, [`Error::BadLength`] for a wrong
+    /// `out` length.
+    pub fn row(&self, r: usize, out: &mut [f32]) -> Result<()> {
+        if r >= self.out {
+            return Err(Error::BadArgument("packed row index out of range"));
+        }
+        if out.len() != self.inp {
+            return Err(Error::BadLength {
+                what: "decoded packed row",
+                expected: self.inp,
+                got: out.len(),
+            });
+        }
+        let (g, j) = (r / GROUP, r % GROUP);
+        let (tiles, f) = (self.group(g), self.format);
+        for (k, o) in out.chunks_mut(BLOCK).enumerate() {
+            let (p, b) = (k / 2, k % 2);
+            let tile = &tiles[p * tile_bytes(f)..(p + 1) * tile_bytes(f)];
+            let d = f16::from_le_bytes([tile[32 * b + 2 * j], tile[32 * b + 2 * j + 1]]).to_f32();
+            let q = &tile[HEAD + b * block_bytes(f)..HEAD + (b + 1) * block_bytes(f)];
+            for (i, v) in o.iter_mut().enumerate() {
+                let level = match f {
+                    WeightFormat::Q8 => q[64 * (i / 4) + 4 * j + i % 4] as i8,
+                    _ => {
+                        let (c, t) = ((i % 16) / 4, i % 4);
+                        let byte = q[64 * c + 4 * j + t];
+                        let idx = if i < 16 { byte & 15 } else { byte >> 4 };
+                        foxedge_core::quant::Q4_LEVELS[usize::from(idx)]
+                    }
+                };
+                *v = d * f32::from(level);
+            }
+        }
+        Ok(())
     }
 }
 

@@ -153,11 +153,11 @@ fn check_blocks(
     }
     #[cfg(target_arch = "aarch64")]
     for sdot in [true, false] {
-        let xq = QuantRows::new(Isa::Portable, x, rows, inp, packed.padded_blocks());
+        let xq = QuantRows::new(Isa::Portable, x, rows, inp, packed.view().padded_blocks());
         let mut y = vec![f32::NAN; rows * out];
         neon::run_with(
             sdot,
-            &packed,
+            &packed.view(),
             &xq,
             0..out,
             &mut Out {
@@ -363,6 +363,101 @@ fn bad_input_is_a_clear_error() {
         PackedWeights::pack(&ok, 1),
         Err(Error::BadArgument(_))
     ));
+}
+
+/// Quantizing group by group gives the tiles of encode-then-pack; a view of stored tiles
+/// (any alignment), and an owned copy of it, multiply as the packed original; each row
+/// reads back as `decode_row` of the canonical row.
+fn check_packed_forms(f: WeightFormat, out: usize, inp: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let w = randn(&mut rng, out * inp, 0.5);
+    let canon = encode(f, &w, out, inp);
+    let packed =
+        PackedWeights::pack(&Weights::from_bytes(f, &canon, out, inp).unwrap(), 1).unwrap();
+    for threads in [1, 3] {
+        let q = PackedWeights::quantize(f, out, inp, threads, |r, buf: &mut [f32]| {
+            buf.copy_from_slice(&w[r * inp..(r + 1) * inp]);
+            Ok::<(), Error>(())
+        })
+        .unwrap();
+        assert_eq!(q.view().tiles(), packed.view().tiles(), "{f} {out}x{inp}");
+    }
+    let bytes = packed.view().tiles();
+    assert_eq!(
+        bytes.len(),
+        PackedWeights::packed_bytes(f, out, inp).unwrap()
+    );
+    // The tiles one byte past an aligned start, read in place and copied.
+    let mut odd = vec![0u8; bytes.len() + 1];
+    odd[1..].copy_from_slice(bytes);
+    let view = PackedView::new(f, &odd[1..], out, inp).unwrap();
+    let copy = PackedWeights::copy_of(&view).unwrap();
+    assert!(copy.view().tiles().as_ptr().align_offset(64) == 0);
+    let rows = 3;
+    let x = randn(&mut rng, rows * inp, 1.0);
+    let mut want = vec![0.0f32; rows * out];
+    linear(&packed, &x, rows, &mut want, false, 1).unwrap();
+    for m in [Matrix::from(view), Matrix::from(&copy)] {
+        let mut y = vec![0.0f32; rows * out];
+        linear(m, &x, rows, &mut y, false, 2).unwrap();
+        assert!(same(&y, &want), "{f} {out}x{inp}");
+    }
+    let rb = f.row_bytes(inp).unwrap();
+    let (mut got, mut exp) = (vec![0.0f32; inp], vec![0.0f32; inp]);
+    for r in 0..out {
+        view.row(r, &mut got).unwrap();
+        foxedge_core::quant::decode_row(f, &canon[r * rb..(r + 1) * rb], &mut exp).unwrap();
+        assert!(same(&got, &exp), "{f} row {r}");
+    }
+    assert!(view.first_bad_scale().is_none());
+}
+
+#[test]
+fn packed_forms_agree() {
+    for (i, &(out, inp)) in [(1, 1), (16, 64), (17, 65), (40, 300), (5, 32)]
+        .iter()
+        .enumerate()
+    {
+        for f in [WeightFormat::Q8, WeightFormat::Q4] {
+            check_packed_forms(f, out, inp, i as u64);
+        }
+    }
+}
+
+#[test]
+fn packed_views_reject_bad_input() {
+    let n = PackedWeights::packed_bytes(WeightFormat::Q8, 20, 40).unwrap();
+    assert_eq!(n, 2 * 1088, "two groups of one tile");
+    let buf = vec![0u8; n + 1];
+    assert!(matches!(
+        PackedView::new(WeightFormat::Q8, &buf, 20, 40),
+        Err(Error::BadLength { .. })
+    ));
+    assert!(matches!(
+        PackedView::new(WeightFormat::F16, &buf[..n], 20, 40),
+        Err(Error::BadArgument(_))
+    ));
+    assert!(matches!(
+        PackedView::new(WeightFormat::Q4, &buf[..0], 0, 40),
+        Err(Error::BadShape(_))
+    ));
+    assert!(PackedWeights::packed_bytes(WeightFormat::Q4, usize::MAX, usize::MAX).is_err());
+    let v = PackedView::new(WeightFormat::Q8, &buf[..n], 20, 40).unwrap();
+    let mut row = vec![0.0f32; 40];
+    assert!(v.row(20, &mut row).is_err());
+    assert!(v.row(0, &mut row[..39]).is_err());
+    // A NaN scale in a padding row (row 31 of group 1, block 1) is found.
+    let mut bad = buf[..n].to_vec();
+    let at = 1088 + 32 + 2 * 15;
+    bad[at..at + 2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+    let v = PackedView::new(WeightFormat::Q8, &bad, 20, 40).unwrap();
+    assert_eq!(v.first_bad_scale(), Some((31, 1)));
+    // A row that fails to quantize is the quantizer's error.
+    let e = PackedWeights::quantize(WeightFormat::Q4, 3, 8, 1, |r, buf: &mut [f32]| {
+        buf.fill(if r == 2 { f32::NAN } else { 1.0 });
+        Ok::<(), Error>(())
+    });
+    assert!(matches!(e, Err(Error::BadArgument(_))));
 }
 
 proptest! {

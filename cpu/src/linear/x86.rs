@@ -10,7 +10,7 @@
 use super::Out;
 use super::act::{QuantBlock, QuantRows, inverse, rows_with};
 use super::int8::{GroupKernel, drive};
-use super::pack::{GROUP, HEAD, PackedWeights, block_bytes, tile_bytes};
+use super::pack::{GROUP, HEAD, PackedView, block_bytes, tile_bytes};
 use core::arch::x86_64::*;
 use foxedge_core::quant::{Q4_LEVELS, WeightFormat};
 
@@ -33,7 +33,7 @@ pub(crate) fn has_avx2() -> bool {
 /// [`drive`] with the VNNI kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) fn vnni(
-    p: &PackedWeights,
+    p: &PackedView<'_>,
     xq: &QuantRows,
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,
@@ -44,7 +44,7 @@ pub(super) fn vnni(
 /// [`drive`] with the AVX2 kernel.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn avx2(
-    p: &PackedWeights,
+    p: &PackedView<'_>,
     xq: &QuantRows,
     range: core::ops::Range<usize>,
     y: &mut Out<'_>,
