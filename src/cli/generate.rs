@@ -2,9 +2,7 @@
 
 use super::{AcpArgs, ModelArg, progress};
 use clap::Args;
-use foxedge::{
-    BackendKind, Budget, Error, Model, Result, Rng, Session, SessionOptions, SessionStats,
-};
+use foxedge::{BackendKind, Budget, Error, Result, Rng, Session, SessionOptions, SessionStats};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
@@ -81,7 +79,7 @@ fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let dir = a.model.dir()?;
-    let model = Arc::new(Model::open(&dir)?);
+    let model = Arc::new(a.model.open(!a.verbose || a.json)?);
     let info = model.info();
     if info.vocab != 256 {
         return Err(Error::Unsupported(format!(
