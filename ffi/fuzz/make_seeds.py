@@ -7,7 +7,10 @@ same with its config.json inline (mode byte 1).
 attention_desc: a few descriptors (the target reads bytes front to back).
 tokenizer_files: each of the target's tiny tokenizer files (mode bytes 0-5), and a tiny
 byte-level BPE tokenizer.json.
-weight_blocks: Q8 / Q4 matrices of valid blocks and one f16 matrix, with activations."""
+weight_blocks: Q8 / Q4 matrices of valid blocks and one f16 matrix, with activations.
+quantized_model: one input per base (Q8, Q4) and damage mode; the target builds the valid
+quantized files itself, so the seeds only steer it (no edits, one edit, a header, a
+metadata entry)."""
 import json, os, random, struct, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -135,4 +138,16 @@ for fmt, out, inp in [(3, 17, 64), (4, 17, 96), (3, 5, 40), (4, 33, 256)]:
     write("weight_blocks", "q%d_%dx%d" % (8 if fmt == 3 else 4, out, inp), head + blocks(fmt, out, inp) + act)
 head = bytes([1, 9]) + struct.pack("<H", 40) + bytes([2, 2])
 write("weight_blocks", "f16_9x40", head + bytes(rng.randrange(256) for _ in range(9 * 40 * 2 + 80)))
+# quantized_model: byte 0 = base (bit 0) | damage mode (bits 1-2); byte 1 = options.
+for base in (0, 1):
+    name = "q8" if base == 0 else "q4"
+    write("quantized_model", name + "_intact", bytes([base]))
+    write("quantized_model", name + "_edit", bytes([base]) + struct.pack("<IB", 300, 0x40))
+    write("quantized_model", name + "_cut", bytes([base]) + struct.pack("<I", 1000))
+    entry = json.dumps({"format": name, "layout": "packed16", "shape": [16, 16]}).encode()
+    write("quantized_model", name + "_entry", bytes([base | 4, 3]) + entry)
+    write("quantized_model", name + "_as_q4", bytes([base, 5]))
+write("quantized_model", "header", bytes([2]) + json.dumps(
+    {"__metadata__": {"x": json.dumps({"format": "q8", "layout": "packed16", "shape": [16, 16]})},
+     "x": {"dtype": "U8", "shape": [1088], "data_offsets": [0, 1088]}}).encode())
 print("seeds written under", os.path.join(here, "corpus"))
