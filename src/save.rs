@@ -43,10 +43,21 @@ pub struct SaveReport {
     pub copied: Vec<String>,
 }
 
-/// One tensor to write.
+/// One tensor's bytes to write.
 enum Item<'a> {
     Matrix(&'a WeightMatrix),
     Raw(&'a [u8]),
+}
+
+/// One tensor of the written file: its header entry and its bytes.
+struct Planned<'a> {
+    /// [`group_of`] its dtype.
+    group: u8,
+    name: &'a str,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+    item: Item<'a>,
 }
 
 /// Order of the written groups: packed tiles, then 4-byte, then 2-byte elements.
@@ -80,8 +91,7 @@ impl Model {
         }
         let by_name: HashMap<&str, &WeightMatrix> =
             self.matrices().map(|m| (m.name(), m)).collect();
-        // (group, name, dtype, shape, bytes, item)
-        let mut items: Vec<(u8, &str, Dtype, Vec<usize>, usize, Item<'_>)> = Vec::new();
+        let mut items: Vec<Planned<'_>> = Vec::new();
         let mut meta: HashMap<String, String> = HashMap::new();
         for (name, dtype, shape, bytes) in self.file.raw_tensors() {
             let (dtype, shape, len, item) = match by_name.get(name) {
@@ -107,20 +117,27 @@ impl Model {
                 }
                 None => (dtype, shape.to_vec(), bytes.len(), Item::Raw(bytes)),
             };
-            items.push((group_of(dtype), name, dtype, shape, len, item));
+            items.push(Planned {
+                group: group_of(dtype),
+                name,
+                dtype,
+                shape,
+                len,
+                item,
+            });
         }
-        items.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        items.sort_by(|a, b| (a.group, a.name).cmp(&(b.group, b.name)));
 
         let mut header: BTreeMap<String, serde_json::Value> = BTreeMap::new();
         let mut offset = 0usize;
-        for (_, name, dtype, shape, len, _) in &items {
+        for p in &items {
             let info = TensorInfo {
-                dtype: *dtype,
-                shape: shape.clone(),
-                data_offsets: (offset, offset + len),
+                dtype: p.dtype,
+                shape: p.shape.clone(),
+                data_offsets: (offset, offset + p.len),
             };
-            header.insert(name.to_string(), to_json(&info)?);
-            offset += len;
+            header.insert(p.name.to_string(), to_json(&info)?);
+            offset += p.len;
         }
         if !meta.is_empty() {
             header.insert("__metadata__".into(), to_json(&meta)?);
@@ -140,13 +157,13 @@ impl Model {
                 .map_err(io)?;
             w.write_all(&text).map_err(io)?;
             let mut done = 0u64;
-            for (_, _, _, _, len, item) in &items {
-                match item {
+            for p in &items {
+                match p.item {
                     Item::Matrix(m) => m.write_to(&mut w),
                     Item::Raw(b) => w.write_all(b),
                 }
                 .map_err(io)?;
-                done += *len as u64;
+                done += p.len as u64;
                 progress(done, offset as u64);
             }
             let f = w.into_inner().map_err(|e| io(e.into_error()))?;

@@ -276,12 +276,28 @@ struct fx_attention_stats {
   size_t heads_len;
 };
 
-// Options of `fx_model_open` (none yet besides the version field).
+// The `int32_t` C passes where the header says `fx_weight_format`.
+typedef int32_t fx_weight_format_raw;
+
+// Options of `fx_model_open`. Create with `fx_model_options_default()`.
+//
+// Version 1 held `struct_size` and `flags` only; a caller built against it passes its
+// smaller `struct_size` and gets the defaults for the later fields.
 struct fx_model_options {
   // `sizeof(fx_model_options)`.
   size_t struct_size;
   // Must be 0 (room for future flags).
   uint64_t flags;
+  // An `fx_weight_format` for the dense layers (q/k/v/o, output gate, MLP), converted
+  // once at load; FX_WEIGHTS_DEFAULT keeps the file's formats (a quantized file then
+  // loads without a copy). Default FX_WEIGHTS_DEFAULT.
+  fx_weight_format_raw weights;
+  // An `fx_weight_format` for the embeddings and the LM head; FX_WEIGHTS_DEFAULT
+  // follows `weights`. Default FX_WEIGHTS_DEFAULT.
+  fx_weight_format_raw vocab_weights;
+  // Tasks the dense products (and the conversions at load) are split into on the
+  // library's thread pool; 0 = one per thread of the pool. Default 0.
+  size_t threads;
 };
 
 // Options of `fx_session_new`. Create with `fx_session_options_default()`.
@@ -399,7 +415,8 @@ fx_status fx_attention_forward(const struct fx_attention_desc *desc,
                                void *out,
                                struct fx_attention_stats *stats);
 
-// Returns the default model options (`struct_size` set, no flags).
+// Returns the default model options (`struct_size` set, no flags, weights as stored,
+// threads from the pool).
 struct fx_model_options fx_model_options_default(void);
 
 // Returns the default session options: CPU backend, ACP and certified eviction on with
@@ -407,7 +424,8 @@ struct fx_model_options fx_model_options_default(void);
 struct fx_session_options fx_session_options_default(void);
 
 // Opens a model: a directory holding `config.json` and `model.safetensors` (or that
-// `model.safetensors` file). `opts` may be NULL (defaults). On success `*out` receives a
+// `model.safetensors` file), its weights held as `opts` says (converted or quantized once
+// at load where that differs from the file). `opts` may be NULL (defaults). On success `*out` receives a
 // handle to free with `fx_model_free`; on failure `*out` is set to NULL.
 //
 // # Safety
