@@ -193,6 +193,30 @@ typedef int32_t fx_budget_kind;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A weight storage format (`fx_model_options.weights`, `.vocab_weights`).
+enum fx_weight_format
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // As stored in the file (`weights`), or the same as `weights` (`vocab_weights`).
+  FX_WEIGHTS_DEFAULT = 0,
+  FX_WEIGHTS_F32 = 1,
+  FX_WEIGHTS_F16 = 2,
+  FX_WEIGHTS_BF16 = 3,
+  // 8-bit blocks: 32 weights and an f16 scale (8.5 bits per weight).
+  FX_WEIGHTS_Q8 = 4,
+  // 4-bit blocks of 16 levels: 32 weights and an f16 scale (4.5 bits per weight).
+  FX_WEIGHTS_Q4 = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fx_weight_format fx_weight_format;
+#else
+typedef int32_t fx_weight_format;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A loaded model (opaque). Immutable: share it freely across threads.
 struct fx_model;
 
@@ -276,9 +300,6 @@ struct fx_attention_stats {
   size_t heads_len;
 };
 
-// The `int32_t` C passes where the header says `fx_weight_format`.
-typedef int32_t fx_weight_format_raw;
-
 // Options of `fx_model_open`. Create with `fx_model_options_default()`.
 //
 // Version 1 held `struct_size` and `flags` only; a caller built against it passes its
@@ -291,10 +312,10 @@ struct fx_model_options {
   // An `fx_weight_format` for the dense layers (q/k/v/o, output gate, MLP), converted
   // once at load; FX_WEIGHTS_DEFAULT keeps the file's formats (a quantized file then
   // loads without a copy). Default FX_WEIGHTS_DEFAULT.
-  fx_weight_format_raw weights;
+  fx_weight_format weights;
   // An `fx_weight_format` for the embeddings and the LM head; FX_WEIGHTS_DEFAULT
   // follows `weights`. Default FX_WEIGHTS_DEFAULT.
-  fx_weight_format_raw vocab_weights;
+  fx_weight_format vocab_weights;
   // Tasks the dense products (and the conversions at load) are split into on the
   // library's thread pool; 0 = one per thread of the pool. Default 0.
   size_t threads;
