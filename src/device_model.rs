@@ -20,7 +20,7 @@
 use super::*;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
-    ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan, Weights,
+    ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan,
 };
 use std::sync::{Mutex, OnceLock, Weak};
 
@@ -77,8 +77,11 @@ fn device_model(model: &Arc<Model>, vk: &foxedge_vulkan::Vulkan) -> Result<Arc<D
     {
         return Ok(m.clone());
     }
+    let weights = weights_of(model).ok_or_else(|| {
+        Error::Unsupported("the device model runs f32, f16 and bf16 weights, not Q8 / Q4".into())
+    })?;
     let dm = vk
-        .load_model(shape_of(model), &weights_of(model), budget_from_env()?)
+        .load_model(shape_of(model), &weights, budget_from_env()?)
         .map_err(device_error)?;
     let dm = Arc::new(dm);
     g.push((Arc::downgrade(model), dm.clone()));
@@ -206,37 +209,46 @@ fn shape_of(model: &Model) -> ModelShape {
     }
 }
 
-/// The model's tensors as the device takes them (the facade holds them as f32).
-fn weights_of(model: &Model) -> ModelWeights<'_> {
-    let w = |t| Weights::F32(model.w(t));
-    let layers = model
-        .layers
-        .iter()
-        .map(|l| vm::LayerWeights {
-            attn_norm: model.w(&l.attn_norm),
-            q: w(&l.q_proj),
-            k: w(l.k_proj.linear()),
-            v: w(l.v_proj.linear()),
-            k_shift: l.k_proj.shift().map(w),
-            v_shift: l.v_proj.shift().map(w),
-            fgate: w(&l.fgate_w),
-            fgate_bias: model.w(&l.fgate_b),
-            ogate: l.ogate.as_ref().map(w),
-            output_norm: l.output_norm.as_ref().map(|t| model.w(t)),
-            q_norm: l.qk_norm.as_ref().map(|(q, _)| model.w(q)),
-            k_norm: l.qk_norm.as_ref().map(|(_, k)| model.w(k)),
-            o: w(&l.o_proj),
-            mlp_norm: model.w(&l.mlp_norm),
-            gate_up: w(&l.gate_up),
-            down: w(&l.down),
-        })
-        .collect();
-    ModelWeights {
-        embeddings: w(&model.embeddings),
-        layers,
-        norm: model.w(&model.norm),
-        lm_head: Weights::F32(model.lm_head()),
+/// The model's tensors as the device takes them: its f32 / f16 / bf16 matrices as held;
+/// None when a matrix is in a block format (Q8 / Q4), which then stays on the CPU.
+fn weights_of(model: &Model) -> Option<ModelWeights<'_>> {
+    let w = crate::matrix::WeightMatrix::device_weights;
+    let mut layers = Vec::with_capacity(model.layers.len());
+    for l in &model.layers {
+        layers.push(vm::LayerWeights {
+            attn_norm: &l.attn_norm,
+            q: w(&l.q_proj)?,
+            k: w(l.k_proj.linear())?,
+            v: w(l.v_proj.linear())?,
+            k_shift: match l.k_proj.shift() {
+                Some(m) => Some(w(m)?),
+                None => None,
+            },
+            v_shift: match l.v_proj.shift() {
+                Some(m) => Some(w(m)?),
+                None => None,
+            },
+            fgate: w(&l.fgate_w)?,
+            fgate_bias: &l.fgate_b,
+            ogate: match &l.ogate {
+                Some(m) => Some(w(m)?),
+                None => None,
+            },
+            output_norm: l.output_norm.as_deref(),
+            q_norm: l.qk_norm.as_ref().map(|(q, _)| &q[..]),
+            k_norm: l.qk_norm.as_ref().map(|(_, k)| &k[..]),
+            o: w(&l.o_proj)?,
+            mlp_norm: &l.mlp_norm,
+            gate_up: w(&l.gate_up)?,
+            down: w(&l.down)?,
+        });
     }
+    Some(ModelWeights {
+        embeddings: w(&model.embeddings)?,
+        layers,
+        norm: &model.norm,
+        lm_head: w(model.lm_head())?,
+    })
 }
 
 /// One layer's bookkeeping of a device run, as `Session::attention` keeps it.
@@ -533,10 +545,7 @@ impl Session {
         let info = model.info();
         let (t, d) = (ids.len(), info.hidden);
         let mut h = vec![0.0f32; t * d];
-        let emb = model.w(&model.embeddings);
-        for (row, &id) in h.chunks_exact_mut(d).zip(ids) {
-            row.copy_from_slice(&emb[id as usize * d..(id as usize + 1) * d]);
-        }
+        model.embed(ids, &mut h)?;
         let mut s = Scratch::new(t, &info);
         let pos0 = self.stats.tokens;
         for (l, shift) in shift_before.iter().enumerate().take(info.layers) {
@@ -554,8 +563,8 @@ impl Session {
                 (1, &h[(t - 1) * d..])
             };
             let mut x = vec![0.0f32; rows * d];
-            ops::rmsnorm(hs, model.w(&model.norm), model.config.norm_eps, &mut x);
-            ops::linear(&x, rows, model.lm_head(), info.vocab, d, out, false);
+            ops::rmsnorm(hs, &model.norm, model.config.norm_eps, &mut x);
+            model.linear(model.lm_head(), &x, rows, out, false)?;
         }
         Ok(())
     }
@@ -577,16 +586,15 @@ impl Session {
         let info = model.info();
         let (d, nh, hd) = (info.hidden, info.heads, info.head_dim);
         let lw: &LayerWeights = &model.layers[l];
-        let w = |x| model.w(x);
-        ops::rmsnorm(h, w(&lw.attn_norm), cfg.norm_eps, &mut s.x);
-        ops::linear(&s.x, t, w(&lw.q_proj), d, d, &mut s.q, false);
+        ops::rmsnorm(h, &lw.attn_norm, cfg.norm_eps, &mut s.x);
+        model.linear(&lw.q_proj, &s.x, t, &mut s.q, false)?;
         for (proj, out, st) in [
             (&lw.k_proj, &mut s.k, &shift.0),
             (&lw.v_proj, &mut s.v, &shift.1),
         ] {
-            ops::linear(&s.x, t, w(proj.linear()), d, d, out, false);
+            model.linear(proj.linear(), &s.x, t, out, false)?;
             if let Some(ws) = proj.shift() {
-                ops::linear(&s.x, t, w(ws), nh, d, &mut s.alpha, false);
+                model.linear(ws, &s.x, t, &mut s.alpha, false)?;
                 for r in (0..t).rev() {
                     for hh in 0..nh {
                         let a = ops::sigmoid(s.alpha[r * nh + hh]);
@@ -599,11 +607,11 @@ impl Session {
             }
         }
         if let Some((qn, kn)) = &lw.qk_norm {
-            ops::group_rmsnorm_inplace(&mut s.q, w(qn), hd, QK_EPS);
-            ops::group_rmsnorm_inplace(&mut s.k, w(kn), hd, QK_EPS);
+            ops::group_rmsnorm_inplace(&mut s.q, qn, hd, QK_EPS);
+            ops::group_rmsnorm_inplace(&mut s.k, kn, hd, QK_EPS);
         }
-        ops::linear(&s.x, t, w(&lw.fgate_w), nh, d, &mut s.log_f, false);
-        let bias = w(&lw.fgate_b);
+        model.linear(&lw.fgate_w, &s.x, t, &mut s.log_f, false)?;
+        let bias = &lw.fgate_b;
         for (i, z) in s.log_f.iter_mut().enumerate() {
             *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
         }
@@ -661,10 +669,10 @@ impl Session {
             self.stats.total_pairs += st.total_pairs();
         }
         if let Some(on) = &lw.output_norm {
-            ops::group_rmsnorm_inplace(&mut s.o, w(on), hd, cfg.norm_eps);
+            ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
         }
         if let Some(og) = &lw.ogate {
-            ops::linear(&s.x, t, w(og), d, d, &mut s.g, false);
+            model.linear(og, &s.x, t, &mut s.g, false)?;
             for (o, &g) in s.o.iter_mut().zip(&s.g) {
                 *o *= match cfg.ogate_act {
                     OgateAct::Sigmoid => ops::sigmoid(g),
@@ -672,10 +680,10 @@ impl Session {
                 };
             }
         }
-        ops::linear(&s.o, t, w(&lw.o_proj), d, d, h, true);
+        model.linear(&lw.o_proj, &s.o, t, h, true)?;
         let i = info.intermediate;
-        ops::rmsnorm(h, w(&lw.mlp_norm), cfg.norm_eps, &mut s.x);
-        ops::linear(&s.x, t, w(&lw.gate_up), 2 * i, d, &mut s.gu, false);
+        ops::rmsnorm(h, &lw.mlp_norm, cfg.norm_eps, &mut s.x);
+        model.linear(&lw.gate_up, &s.x, t, &mut s.gu, false)?;
         for r in 0..t {
             let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
             for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
@@ -685,7 +693,7 @@ impl Session {
                 } * u;
             }
         }
-        ops::linear(&s.act, t, w(&lw.down), d, i, h, true);
+        model.linear(&lw.down, &s.act, t, h, true)?;
         Ok(())
     }
 

@@ -2,8 +2,10 @@
 
 use crate::config::{Config, QK_NORM_EPS};
 use crate::error::{Error, Result};
+use crate::matrix::WeightMatrix;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{Tensor, WeightFile};
+use crate::weights::WeightFile;
+use foxedge_core::quant::WeightFormat;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -24,25 +26,52 @@ pub struct ModelInfo {
     pub params: usize,
 }
 
+/// How [`Model::open_with`] holds the weights.
+///
+/// The dense layers are the q / k / v / o, output-gate and MLP matrices of every block;
+/// the vocabulary matrices are the token embeddings and the LM head (one matrix when
+/// tied). The small per-head projections (forget gate, k / v token shift) stay in their
+/// stored float format and vectors (norm weights, biases) are widened to f32 whatever
+/// the options.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// Format of the dense layers' weights; `None` = as stored (a quantized file loads
+    /// zero-copy). Another format is converted once at load.
+    pub weights: Option<WeightFormat>,
+    /// Format of the embeddings and the LM head; `None` = [`ModelOptions::weights`]'s
+    /// format, or as stored when that is `None` too.
+    pub vocab_weights: Option<WeightFormat>,
+    /// Tasks a product's outputs (and a conversion's rows) are split into on the current
+    /// rayon pool; 0 = the pool's thread count.
+    pub threads: usize,
+}
+
+impl ModelOptions {
+    /// The format the embeddings and the LM head are held in (None: as stored).
+    pub fn vocab_format(&self) -> Option<WeightFormat> {
+        self.vocab_weights.or(self.weights)
+    }
+}
+
 /// Key or value projection: plain, or with the data-dependent token shift (spec §3.3).
 #[derive(Debug)]
 pub(crate) enum KvProj {
-    Plain(Tensor),
+    Plain(WeightMatrix),
     /// `linear` `[D, D]`, `shift` `[H, D]`.
     Shift {
-        linear: Tensor,
-        shift: Tensor,
+        linear: WeightMatrix,
+        shift: WeightMatrix,
     },
 }
 
 impl KvProj {
-    pub(crate) fn linear(&self) -> &Tensor {
+    pub(crate) fn linear(&self) -> &WeightMatrix {
         match self {
             KvProj::Plain(t) => t,
             KvProj::Shift { linear, .. } => linear,
         }
     }
-    pub(crate) fn shift(&self) -> Option<&Tensor> {
+    pub(crate) fn shift(&self) -> Option<&WeightMatrix> {
         match self {
             KvProj::Plain(_) => None,
             KvProj::Shift { shift, .. } => Some(shift),
@@ -53,55 +82,102 @@ impl KvProj {
 /// The weights of one block (spec §2).
 #[derive(Debug)]
 pub(crate) struct LayerWeights {
-    pub attn_norm: Tensor,
-    pub q_proj: Tensor,
+    pub attn_norm: Vec<f32>,
+    pub q_proj: WeightMatrix,
     pub k_proj: KvProj,
     pub v_proj: KvProj,
-    pub o_proj: Tensor,
-    pub fgate_w: Tensor,
-    pub fgate_b: Tensor,
-    pub ogate: Option<Tensor>,
-    pub output_norm: Option<Tensor>,
+    pub o_proj: WeightMatrix,
+    pub fgate_w: WeightMatrix,
+    pub fgate_b: Vec<f32>,
+    pub ogate: Option<WeightMatrix>,
+    pub output_norm: Option<Vec<f32>>,
     /// (q_norm, k_norm), each `[D]` or `[hd]` when shared across heads.
-    pub qk_norm: Option<(Tensor, Tensor)>,
-    pub mlp_norm: Tensor,
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub mlp_norm: Vec<f32>,
     /// `[2I, D]`: rows `0..I` gate, `I..2I` up.
-    pub gate_up: Tensor,
-    pub down: Tensor,
+    pub gate_up: WeightMatrix,
+    pub down: WeightMatrix,
     /// ACP logit bound per head from the QK-norm scales, `U_h = max|γq_h|·max|γk_h|·sqrt(hd)`
     /// (None without QK-norm: then a session uses the observed norms).
     pub u_bound: Option<Vec<f64>>,
 }
 
-/// Takes a named tensor of a given shape from the weight file (and counts it).
-type TakeFn<'a> = dyn FnMut(&mut WeightFile, String, &[usize]) -> Result<Tensor> + 'a;
+impl LayerWeights {
+    /// Every matrix of the block.
+    fn matrices(&self) -> impl Iterator<Item = &WeightMatrix> {
+        fn kv(p: &KvProj) -> [Option<&WeightMatrix>; 2] {
+            [Some(p.linear()), p.shift()]
+        }
+        [Some(&self.q_proj)]
+            .into_iter()
+            .chain(kv(&self.k_proj))
+            .chain(kv(&self.v_proj))
+            .chain([
+                Some(&self.o_proj),
+                Some(&self.fgate_w),
+                self.ogate.as_ref(),
+                Some(&self.gate_up),
+                Some(&self.down),
+            ])
+            .flatten()
+    }
+}
 
-/// A FoX model: config plus memory-mapped weights. Immutable once opened, `Send + Sync`;
-/// share it between sessions and threads with `Arc<Model>`.
+/// Below this many multiply-adds a product runs on the calling thread: 2^17 weights of
+/// one row are at most 512 KiB, ~20 µs at DRAM speed, well above rayon's fork cost.
+const PAR_MIN_MACS: usize = 1 << 17;
+
+/// Progress of a load, called after each weight matrix with (parameters done, total).
+pub type LoadProgress<'a> = &'a dyn Fn(u64, u64);
+
+/// A FoX model: config plus weights (memory-mapped where they are used as stored).
+/// Immutable once opened, `Send + Sync`; share it between sessions and threads with
+/// `Arc<Model>`.
 #[derive(Debug)]
 pub struct Model {
     pub(crate) config: Config,
     pub(crate) file: WeightFile,
-    pub(crate) embeddings: Tensor,
+    pub(crate) embeddings: WeightMatrix,
     pub(crate) layers: Vec<LayerWeights>,
-    pub(crate) norm: Tensor,
+    pub(crate) norm: Vec<f32>,
     /// None when `tie_word_embeddings` (then the embedding matrix is the output matrix).
-    pub(crate) lm_head: Option<Tensor>,
+    pub(crate) lm_head: Option<WeightMatrix>,
     dir: PathBuf,
     params: usize,
-    owned_bytes: usize,
     /// The directory's tokenizer, read on first use.
     tokenizer: OnceLock<Tokenizer>,
+    /// Threads of a large product (resolved: >= 1).
+    threads: usize,
+    options: ModelOptions,
 }
 
 impl Model {
     /// Opens a checkpoint directory holding `config.json` and `model.safetensors` (or the
-    /// `model.safetensors` file itself, with `config.json` beside it).
+    /// `model.safetensors` file itself, with `config.json` beside it), weights as stored.
     ///
     /// Errors: [`Error::Io`] when a file cannot be read, [`Error::BadModel`] naming the field
     /// or tensor at fault (missing, extra, wrong shape, truncated, corrupt), and
     /// [`Error::Unsupported`] for valid configurations this engine does not run.
     pub fn open(path: impl AsRef<Path>) -> Result<Model> {
+        Self::open_with(path, &ModelOptions::default())
+    }
+
+    /// [`Model::open`] with the weights held as `opts` says (converted or quantized at
+    /// load where that differs from the file).
+    ///
+    /// Errors: as [`Model::open`]; also [`Error::BadModel`] for a weight outside the range
+    /// of the requested format, [`Error::OutOfMemory`] for a converted copy that cannot be
+    /// allocated.
+    pub fn open_with(path: impl AsRef<Path>, opts: &ModelOptions) -> Result<Model> {
+        Self::open_with_progress(path, opts, &|_, _| {})
+    }
+
+    /// [`Model::open_with`] reporting progress after each weight matrix.
+    pub fn open_with_progress(
+        path: impl AsRef<Path>,
+        opts: &ModelOptions,
+        progress: LoadProgress<'_>,
+    ) -> Result<Model> {
         let path = path.as_ref();
         let dir = if path.is_file() {
             path.parent().unwrap_or(Path::new(".")).to_path_buf()
@@ -117,10 +193,16 @@ impl Model {
             dir.join("model.safetensors")
         };
         let file = WeightFile::open(&st)?;
-        Self::from_parts(config, file, dir)
+        Self::from_parts(config, file, dir, *opts, progress)
     }
 
-    fn from_parts(config: Config, mut file: WeightFile, dir: PathBuf) -> Result<Model> {
+    fn from_parts(
+        config: Config,
+        mut file: WeightFile,
+        dir: PathBuf,
+        options: ModelOptions,
+        progress: LoadProgress<'_>,
+    ) -> Result<Model> {
         let c = &config;
         let (v, d, h, hd, i) = (
             c.vocab_size,
@@ -129,50 +211,65 @@ impl Model {
             c.head_dim(),
             c.intermediate_size,
         );
-        let mut params = 0usize;
-        let mut owned = 0usize;
-        let mut take = |f: &mut WeightFile, name: String, shape: &[usize]| -> Result<Tensor> {
-            let t = f.take(&name, shape)?;
-            params += shape.iter().product::<usize>();
-            owned += WeightFile::owned_bytes(&t);
-            Ok(t)
+        let threads = match options.threads {
+            0 => rayon::current_num_threads().max(1),
+            n => n,
         };
-        let embeddings = take(&mut file, "model.embeddings.weight".into(), &[v, d])?;
+        let total = file.total_params();
+        let mut params = 0usize;
+        // Vectors: widened to f32.
+        let mut vector = |f: &mut WeightFile, name: String, shape: &[usize]| -> Result<Vec<f32>> {
+            params += shape.iter().product::<usize>();
+            f.take_vector(&name, shape)
+        };
+        let mut done = 0u64;
+        // Matrices: in the format `target` (None: as stored).
+        let mut matrix = |f: &mut WeightFile,
+                          name: String,
+                          shape: (usize, usize),
+                          target: Option<WeightFormat>|
+         -> Result<WeightMatrix> {
+            let m = f.take_matrix(&name, shape, target, threads)?;
+            done += (shape.0 * shape.1) as u64;
+            progress(done.min(total), total);
+            Ok(m)
+        };
+        let dense = options.weights;
+        let vocab = options.vocab_format();
+        let embeddings = matrix(&mut file, "model.embeddings.weight".into(), (v, d), vocab)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
-            let kv = |f: &mut WeightFile,
-                      take: &mut TakeFn<'_>,
-                      which: &str,
-                      shift: bool|
-             -> Result<KvProj> {
+            let attn_norm = vector(&mut file, p("attn_norm.weight"), &[d])?;
+            let q_proj = matrix(&mut file, p("attn.q_proj.weight"), (d, d), dense)?;
+            let mut kv = |f: &mut WeightFile, which: &str, shift: bool| -> Result<KvProj> {
+                let name = |s: &str| p(&format!("attn.{which}.{s}"));
                 if shift {
                     Ok(KvProj::Shift {
-                        linear: take(f, p(&format!("attn.{which}.linear.weight")), &[d, d])?,
-                        shift: take(f, p(&format!("attn.{which}.shift_proj.weight")), &[h, d])?,
+                        linear: matrix(f, name("linear.weight"), (d, d), dense)?,
+                        shift: matrix(f, name("shift_proj.weight"), (h, d), None)?,
                     })
                 } else {
-                    Ok(KvProj::Plain(take(
-                        f,
-                        p(&format!("attn.{which}.weight")),
-                        &[d, d],
-                    )?))
+                    Ok(KvProj::Plain(matrix(f, name("weight"), (d, d), dense)?))
                 }
             };
-            let attn_norm = take(&mut file, p("attn_norm.weight"), &[d])?;
-            let q_proj = take(&mut file, p("attn.q_proj.weight"), &[d, d])?;
-            let k_proj = kv(&mut file, &mut take, "k_proj", c.use_k_shift)?;
-            let v_proj = kv(&mut file, &mut take, "v_proj", c.use_v_shift)?;
-            let o_proj = take(&mut file, p("attn.o_proj.weight"), &[d, d])?;
-            let fgate_w = take(&mut file, p("attn.fgate_proj.weight"), &[h, d])?;
-            let fgate_b = take(&mut file, p("attn.fgate_proj.bias"), &[h])?;
+            let k_proj = kv(&mut file, "k_proj", c.use_k_shift)?;
+            let v_proj = kv(&mut file, "v_proj", c.use_v_shift)?;
+            let o_proj = matrix(&mut file, p("attn.o_proj.weight"), (d, d), dense)?;
+            let fgate_w = matrix(&mut file, p("attn.fgate_proj.weight"), (h, d), None)?;
+            let fgate_b = vector(&mut file, p("attn.fgate_proj.bias"), &[h])?;
             let ogate = if c.use_output_gate {
-                Some(take(&mut file, p("attn.ogate_proj.weight"), &[d, d])?)
+                Some(matrix(
+                    &mut file,
+                    p("attn.ogate_proj.weight"),
+                    (d, d),
+                    dense,
+                )?)
             } else {
                 None
             };
             let output_norm = if c.use_output_norm {
-                Some(take(&mut file, p("attn.output_norm.weight"), &[d])?)
+                Some(vector(&mut file, p("attn.output_norm.weight"), &[d])?)
             } else {
                 None
             };
@@ -183,15 +280,15 @@ impl Model {
                     d
                 };
                 Some((
-                    take(&mut file, p("attn.q_norm.weight"), &[w])?,
-                    take(&mut file, p("attn.k_norm.weight"), &[w])?,
+                    vector(&mut file, p("attn.q_norm.weight"), &[w])?,
+                    vector(&mut file, p("attn.k_norm.weight"), &[w])?,
                 ))
             } else {
                 None
             };
-            let mlp_norm = take(&mut file, p("mlp_norm.weight"), &[d])?;
-            let gate_up = take(&mut file, p("mlp.gate_proj.weight"), &[2 * i, d])?;
-            let down = take(&mut file, p("mlp.down_proj.weight"), &[d, i])?;
+            let mlp_norm = vector(&mut file, p("mlp_norm.weight"), &[d])?;
+            let gate_up = matrix(&mut file, p("mlp.gate_proj.weight"), (2 * i, d), dense)?;
+            let down = matrix(&mut file, p("mlp.down_proj.weight"), (d, i), dense)?;
             layers.push(LayerWeights {
                 attn_norm,
                 q_proj,
@@ -209,11 +306,11 @@ impl Model {
                 u_bound: None,
             });
         }
-        let norm = take(&mut file, "model.norm.weight".into(), &[d])?;
+        let norm = vector(&mut file, "model.norm.weight".into(), &[d])?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(take(&mut file, "lm_head.weight".into(), &[v, d])?)
+            Some(matrix(&mut file, "lm_head.weight".into(), (v, d), vocab)?)
         };
         file.check_no_extra()?;
         let mut model = Model {
@@ -224,10 +321,16 @@ impl Model {
             norm,
             lm_head,
             dir,
-            params,
-            owned_bytes: owned,
+            params: 0,
+            threads,
+            options,
             tokenizer: OnceLock::new(),
         };
+        model.params = params
+            + model
+                .matrices()
+                .map(|m| m.shape().0 * m.shape().1)
+                .sum::<usize>();
         model.compute_bounds()?;
         Ok(model)
     }
@@ -235,17 +338,14 @@ impl Model {
     /// Per-head QK-norm logit bounds (spec §5), through foxedge-core.
     fn compute_bounds(&mut self) -> Result<()> {
         let (h, hd) = (self.config.num_heads, self.config.head_dim());
-        let mut bounds = Vec::with_capacity(self.layers.len());
-        for lw in &self.layers {
-            let Some((qn, kn)) = &lw.qk_norm else {
-                bounds.push(None);
+        for lw in &mut self.layers {
+            let Some((gq, gk)) = &lw.qk_norm else {
                 continue;
             };
-            let (gq, gk) = (self.file.get(qn), self.file.get(kn));
             let mut u = Vec::with_capacity(h);
             for head in 0..h {
                 let (sq, sk) = if gq.len() == hd {
-                    (gq, gk)
+                    (&gq[..], &gk[..])
                 } else {
                     (
                         &gq[head * hd..(head + 1) * hd],
@@ -254,10 +354,7 @@ impl Model {
                 };
                 u.push(foxedge_core::threshold::bound_from_qk_norm(sq, sk, hd)?);
             }
-            bounds.push(Some(u));
-        }
-        for (lw, b) in self.layers.iter_mut().zip(bounds) {
-            lw.u_bound = b;
+            lw.u_bound = Some(u);
         }
         Ok(())
     }
@@ -303,10 +400,50 @@ impl Model {
         Ok(self.tokenizer.get_or_init(|| t))
     }
 
-    /// Bytes of weights converted to owned f32 at load (0 for an all-f32 aligned file,
-    /// whose weights are used in place from the memory map).
+    /// Tasks a large product is split into (resolved from [`ModelOptions::threads`]).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    /// Every weight matrix: the embeddings, each block's, the LM head if untied.
+    pub(crate) fn matrices(&self) -> impl Iterator<Item = &WeightMatrix> {
+        std::iter::once(&self.embeddings)
+            .chain(self.layers.iter().flat_map(LayerWeights::matrices))
+            .chain(self.lm_head.as_ref())
+    }
+
+    /// Bytes of the weight matrices in the formats they run in, plus the f32 vectors.
+    pub fn weight_bytes(&self) -> usize {
+        let vectors = self.params
+            - self
+                .matrices()
+                .map(|m| m.shape().0 * m.shape().1)
+                .sum::<usize>();
+        self.matrices().map(WeightMatrix::bytes).sum::<usize>() + 4 * vectors
+    }
+
+    /// Bytes of weight matrices held in memory of their own (converted or copied at
+    /// load), not read in place from the model file's map.
     pub fn converted_weight_bytes(&self) -> usize {
-        self.owned_bytes
+        self.matrices()
+            .filter(|m| !m.is_mapped())
+            .map(WeightMatrix::bytes)
+            .sum()
+    }
+
+    /// The format of the dense layers' weights (the first block's q projection), and of
+    /// the LM head.
+    pub fn weight_formats(&self) -> (WeightFormat, WeightFormat) {
+        let dense = self
+            .layers
+            .first()
+            .map_or(self.embeddings.format(), |l| l.q_proj.format());
+        (dense, self.lm_head().format())
     }
 
     /// The ACP logit bound `U_h` of each head of `layer` from its QK-norm scales, or None
@@ -315,14 +452,37 @@ impl Model {
         self.layers.get(layer)?.u_bound.as_deref()
     }
 
-    #[inline]
-    pub(crate) fn w<'a>(&'a self, t: &'a Tensor) -> &'a [f32] {
-        self.file.get(t)
+    /// `y (+)= x Wᵀ` for `rows` rows of `x` with matrix `m` of this model, on one thread
+    /// for small products and on the model's threads otherwise.
+    pub(crate) fn linear(
+        &self,
+        m: &WeightMatrix,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        accumulate: bool,
+    ) -> Result<()> {
+        let (out, inp) = m.shape();
+        let threads = if rows.saturating_mul(out).saturating_mul(inp) < PAR_MIN_MACS {
+            1
+        } else {
+            self.threads
+        };
+        m.apply(x, rows, y, accumulate, threads)
+    }
+
+    /// The embedding rows of `ids` into `h` (`[ids.len(), D]`).
+    pub(crate) fn embed(&self, ids: &[u32], h: &mut [f32]) -> Result<()> {
+        let d = self.config.hidden_size;
+        for (row, &id) in h.chunks_exact_mut(d).zip(ids) {
+            self.embeddings.row(id as usize, row)?;
+        }
+        Ok(())
     }
 
     /// The output matrix `[V, D]`.
-    pub(crate) fn lm_head(&self) -> &[f32] {
-        self.w(self.lm_head.as_ref().unwrap_or(&self.embeddings))
+    pub(crate) fn lm_head(&self) -> &WeightMatrix {
+        self.lm_head.as_ref().unwrap_or(&self.embeddings)
     }
 }
 
@@ -338,5 +498,55 @@ mod tests {
     #[test]
     fn model_is_send_sync() {
         assert_send_sync::<Model>();
+    }
+
+    /// Relative RMS error of each matrix of the bundled model converted to each format,
+    /// row by row against the f32 file (the figures `tests/weight_formats.rs` derives its
+    /// logit tolerances from), and the formats and byte counts the options ask for.
+    #[test]
+    fn conversion_errors_per_format() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(crate::BUNDLED_MODEL);
+        let base = Model::open(&dir).unwrap();
+        assert_eq!(base.converted_weight_bytes(), 0);
+        assert_eq!(base.weight_bytes(), 4 * base.info().params);
+        for (f, bound) in [
+            (WeightFormat::F32, 0.0),
+            (WeightFormat::Bf16, 3e-3),
+            (WeightFormat::F16, 5e-4),
+            (WeightFormat::Q8, 1e-2),
+            (WeightFormat::Q4, 0.1),
+        ] {
+            let opts = ModelOptions {
+                weights: Some(f),
+                ..ModelOptions::default()
+            };
+            let q = Model::open_with(&dir, &opts).unwrap();
+            assert_eq!(q.weight_formats(), (f, f));
+            let mut worst = 0.0f64;
+            for (a, b) in base.matrices().zip(q.matrices()) {
+                assert_eq!(a.name(), b.name());
+                let (out, inp) = a.shape();
+                let (mut x, mut y) = (vec![0.0f32; inp], vec![0.0f32; inp]);
+                let (mut num, mut den) = (0.0f64, 0.0f64);
+                for r in 0..out {
+                    a.row(r, &mut x).unwrap();
+                    b.row(r, &mut y).unwrap();
+                    for (&u, &v) in x.iter().zip(&y) {
+                        num += (f64::from(u) - f64::from(v)).powi(2);
+                        den += f64::from(u).powi(2);
+                    }
+                }
+                let e = (num / den).sqrt();
+                let small = a.name().contains("fgate") || a.name().contains("shift");
+                if small {
+                    assert_eq!(e, 0.0, "{}: small projections stay as stored", a.name());
+                }
+                worst = worst.max(e);
+            }
+            eprintln!("{f}: worst matrix relative RMS error {worst:.3e}");
+            assert!(worst <= bound, "{f}: {worst}");
+            let bytes = q.weight_bytes() as f64 / base.weight_bytes() as f64;
+            eprintln!("{f}: {:.3} of the f32 bytes", bytes);
+        }
     }
 }

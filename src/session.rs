@@ -774,10 +774,7 @@ impl Session {
         let info = model.info();
         let (t, d) = (ids.len(), info.hidden);
         let mut h = vec![0.0f32; t * d];
-        let emb = model.w(&model.embeddings);
-        for (row, &id) in h.chunks_exact_mut(d).zip(ids) {
-            row.copy_from_slice(&emb[id as usize * d..(id as usize + 1) * d]);
-        }
+        model.embed(ids, &mut h)?;
         let mut s = Scratch::new(t, &info);
         let pos0 = self.stats.tokens;
         for l in 0..info.layers {
@@ -797,8 +794,8 @@ impl Session {
                 (1, &h[(t - 1) * d..])
             };
             let mut x = vec![0.0f32; rows * d];
-            ops::rmsnorm(hs, model.w(&model.norm), model.config.norm_eps, &mut x);
-            ops::linear(&x, rows, model.lm_head(), info.vocab, d, out, false);
+            ops::rmsnorm(hs, &model.norm, model.config.norm_eps, &mut x);
+            model.linear(model.lm_head(), &x, rows, out, false)?;
         }
         Ok(())
     }
@@ -819,10 +816,9 @@ impl Session {
         let info = model.info();
         let (d, nh, hd) = (info.hidden, info.heads, info.head_dim);
         let lw: &LayerWeights = &model.layers[l];
-        let w = |x| model.w(x);
 
-        ops::rmsnorm(h, w(&lw.attn_norm), cfg.norm_eps, &mut s.x);
-        ops::linear(&s.x, t, w(&lw.q_proj), d, d, &mut s.q, false);
+        ops::rmsnorm(h, &lw.attn_norm, cfg.norm_eps, &mut s.x);
+        model.linear(&lw.q_proj, &s.x, t, &mut s.q, false)?;
         let state = &mut self.layers[l];
         for (proj, out, st, last) in [
             (
@@ -838,10 +834,10 @@ impl Session {
                 &mut s.kv_raw_last.1,
             ),
         ] {
-            ops::linear(&s.x, t, w(proj.linear()), d, d, out, false);
+            model.linear(proj.linear(), &s.x, t, out, false)?;
             if let Some(ws) = proj.shift() {
                 // α = sigmoid(x·Wsᵀ) weights the previous token's raw projection.
-                ops::linear(&s.x, t, w(ws), nh, d, &mut s.alpha, false);
+                model.linear(ws, &s.x, t, &mut s.alpha, false)?;
                 last.copy_from_slice(&out[(t - 1) * d..t * d]);
                 for r in (0..t).rev() {
                     for hh in 0..nh {
@@ -856,11 +852,11 @@ impl Session {
             }
         }
         if let Some((qn, kn)) = &lw.qk_norm {
-            ops::group_rmsnorm_inplace(&mut s.q, w(qn), hd, QK_EPS);
-            ops::group_rmsnorm_inplace(&mut s.k, w(kn), hd, QK_EPS);
+            ops::group_rmsnorm_inplace(&mut s.q, qn, hd, QK_EPS);
+            ops::group_rmsnorm_inplace(&mut s.k, kn, hd, QK_EPS);
         }
-        ops::linear(&s.x, t, w(&lw.fgate_w), nh, d, &mut s.log_f, false);
-        let bias = w(&lw.fgate_b);
+        model.linear(&lw.fgate_w, &s.x, t, &mut s.log_f, false)?;
+        let bias = &lw.fgate_b;
         for (i, z) in s.log_f.iter_mut().enumerate() {
             *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
         }
@@ -869,10 +865,10 @@ impl Session {
 
         // Output norm / gate (spec §3.7), then o_proj into the residual.
         if let Some(on) = &lw.output_norm {
-            ops::group_rmsnorm_inplace(&mut s.o, w(on), hd, cfg.norm_eps);
+            ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
         }
         if let Some(og) = &lw.ogate {
-            ops::linear(&s.x, t, w(og), d, d, &mut s.g, false);
+            model.linear(og, &s.x, t, &mut s.g, false)?;
             for (o, &g) in s.o.iter_mut().zip(&s.g) {
                 let a = match cfg.ogate_act {
                     OgateAct::Sigmoid => ops::sigmoid(g),
@@ -881,12 +877,12 @@ impl Session {
                 *o *= a;
             }
         }
-        ops::linear(&s.o, t, w(&lw.o_proj), d, d, h, true);
+        model.linear(&lw.o_proj, &s.o, t, h, true)?;
 
         // MLP: h += (act(g) ⊙ u)·Wdᵀ with [g | u] = RMSNorm(h)·Wguᵀ.
         let i = info.intermediate;
-        ops::rmsnorm(h, w(&lw.mlp_norm), cfg.norm_eps, &mut s.x);
-        ops::linear(&s.x, t, w(&lw.gate_up), 2 * i, d, &mut s.gu, false);
+        ops::rmsnorm(h, &lw.mlp_norm, cfg.norm_eps, &mut s.x);
+        model.linear(&lw.gate_up, &s.x, t, &mut s.gu, false)?;
         for r in 0..t {
             let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
             for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
@@ -896,7 +892,7 @@ impl Session {
                 } * u;
             }
         }
-        ops::linear(&s.act, t, w(&lw.down), d, i, h, true);
+        model.linear(&lw.down, &s.act, t, h, true)?;
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! The `foxedge` binary: `generate` with no arguments, options, errors, `logits`
-//! reproducing the golden logits through .npy files, and text in and out (`tokenize`,
-//! `detokenize`, `generate`) on a directory laid out like the official checkpoints.
+//! reproducing the golden logits through .npy files, text in and out (`tokenize`,
+//! `detokenize`, `generate`) on a directory laid out like the official checkpoints,
+//! `quantize` and `bench --model`.
 
 mod common;
 
@@ -130,6 +131,24 @@ fn bad_arguments_fail_cleanly() {
         (vec!["nosuch"], 1),
         (vec!["bench", "--lengths", "1"], 1),
         (vec!["bench", "--pool", "a.json", "--full"], 1),
+        (vec!["generate", "--weights", "q5"], 1),
+        (vec!["quantize", "--to", "q8", "--out", "/tmp/x"], 1),
+        (
+            vec![
+                "quantize",
+                "--model",
+                "/nonexistent",
+                "--to",
+                "q8",
+                "--out",
+                "/tmp/x",
+            ],
+            1,
+        ),
+        (
+            vec!["bench", "--model", "models/fox-tiny-pro", "--reps", "0"],
+            1,
+        ),
         (
             vec!["inspect", "--text", "/nonexistent", "--plot", "x.png"],
             1,
@@ -168,6 +187,7 @@ fn help_and_version() {
         vec!["logits"],
         vec!["bench"],
         vec!["inspect"],
+        vec!["quantize"],
     ] {
         for flag in ["--help", "-h"] {
             let out = foxedge().args(&sub).arg(flag).output().unwrap();
@@ -485,4 +505,90 @@ fn bundled_model_tokenize_and_detokenize() {
         .unwrap();
     assert_succeeded(&out);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hi");
+}
+
+/// `foxedge quantize` writes a directory that `logits` opens as stored (Q8 tiles read in
+/// place), giving the logits of `--weights q8` on the original; `bench --model` on it
+/// reports every row in JSON.
+#[test]
+fn quantize_then_bench_the_model() {
+    let dir = synth::temp_dir("cli-quantize");
+    let q8 = dir.join("q8");
+    let out = foxedge()
+        .args(["quantize", "--quiet", "--model"])
+        .arg(model_dir())
+        .args(["--to", "q8", "--out"])
+        .arg(&q8)
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("dense layers q8"), "{err}");
+    for f in ["config.json", "model.safetensors"] {
+        assert!(q8.join(f).is_file(), "{f}");
+    }
+    let input = dir.join("ids.npy");
+    let ids: Vec<i32> = input_ids()[..64].iter().map(|&x| x as i32).collect();
+    write_npy(&input, &[ids.len()], &ids);
+    let logits = |model: &std::path::Path, extra: &[&str], tag: &str| {
+        let output = dir.join(format!("{tag}.npy"));
+        let out = foxedge()
+            .args(["logits", "--quiet", "--no-acp", "--model"])
+            .arg(model)
+            .args(extra)
+            .arg("--input")
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        read_npy::<f32>(&output).1
+    };
+    let stored = logits(&q8, &[], "stored");
+    let at_load = logits(&model_dir(), &["--weights", "q8"], "at-load");
+    assert_eq!(
+        stored, at_load,
+        "the saved tiles are the ones quantized at load"
+    );
+    let f32 = logits(&model_dir(), &[], "f32");
+    let (_, rel) = errors(&stored, &f32);
+    assert!(rel > 0.0 && rel < 0.02, "q8 against f32: rel L2 {rel}");
+
+    let out = foxedge()
+        .args(["bench", "--model"])
+        .arg(&q8)
+        .args([
+            "--prompt", "16", "--gen", "4", "--depth", "0,32", "--reps", "2", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    assert_eq!(r["dense_weights"], "q8");
+    assert_eq!(r["converted_bytes"], 0);
+    let rows = r["rows"].as_array().unwrap();
+    let tests: Vec<(&str, u64)> = rows
+        .iter()
+        .map(|row| {
+            (
+                row["test"].as_str().unwrap(),
+                row["depth"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        tests,
+        [
+            ("prefill", 0),
+            ("decode", 16),
+            ("continuation", 32),
+            ("decode", 48)
+        ]
+    );
+    for row in rows {
+        assert_eq!(row["samples"].as_array().unwrap().len(), 2);
+        assert!(row["median_tps"].as_f64().unwrap() > 0.0);
+    }
+    std::fs::remove_dir_all(dir).ok();
 }

@@ -10,6 +10,8 @@
 //! - [`boundary`]: Algorithm 1 of the ACP paper (first key block per query block), the
 //!   token-level first kept key, and kept/total pair counts.
 //! - [`eviction`]: the certificate `B_t = exp(2U + c_t + logsumexp_{evicted}(-c_j))`.
+//! - [`quant`]: weight storage formats (f32, f16, bf16, 8-bit and 4-bit blocks), their
+//!   byte layouts and the scalar quantize / dequantize references.
 //! - [`retention`]: the per-layer cache policy (sinks, window, budgets, swap-delete moves).
 //! - [`contract`]: the kernel call contract (arguments, options, statistics) and the ACP
 //!   decisions every backend makes with it.
@@ -45,6 +47,7 @@ pub mod contract;
 pub mod error;
 pub mod eviction;
 pub mod gate;
+pub mod quant;
 pub mod retention;
 pub mod shape;
 pub mod threshold;

@@ -9,8 +9,10 @@
 //! - [`decode`]: a few new queries per head against an unordered cache whose entries carry
 //!   their `c_j`; split over the cache length (flash-decoding) with an exact merge of the
 //!   partial softmaxes.
+//! - [`linear`]: dense layers `y = x Wᵀ` with `W` in f32, f16, bf16 or the 8-bit and 4-bit
+//!   block formats of `foxedge_core::quant` (integer dot products), one row or many.
 //!
-//! Storage is f32, f16 or bf16 ([`Storage`]); compute and accumulation are f32. `c` stays
+//! Attention storage is f32, f16 or bf16 ([`Storage`]); compute and accumulation are f32. `c` stays
 //! f64 until a tile converts it to f32 relative to the tile's first query row, so `D` near
 //! the diagonal is exact even when `|c|` is large.
 //!
@@ -19,6 +21,7 @@
 
 mod decode;
 pub mod limits;
+pub mod linear;
 mod prefill;
 pub mod reference;
 pub mod simd;

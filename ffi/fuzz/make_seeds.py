@@ -6,7 +6,11 @@ model_open: a valid tiny FoX checkpoint (the target's TINY_CONFIG: vocab 16, hid
 same with its config.json inline (mode byte 1).
 attention_desc: a few descriptors (the target reads bytes front to back).
 tokenizer_files: each of the target's tiny tokenizer files (mode bytes 0-5), and a tiny
-byte-level BPE tokenizer.json."""
+byte-level BPE tokenizer.json.
+weight_blocks: Q8 / Q4 matrices of valid blocks and one f16 matrix, with activations.
+quantized_model: one input per base (Q8, Q4) and damage mode; the target builds the valid
+quantized files itself, so the seeds only steer it (no edits, one edit, a header, a
+metadata entry)."""
 import json, os, random, struct, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -122,4 +126,28 @@ write("tokenizer_files", "config", b"\x03" + tok_config.encode())
 write("tokenizer_files", "special_map", b"\x04" + json.dumps({"bos_token": "<|end|>"}).encode())
 write("tokenizer_files", "vocab_and_merges",
       b"\x05" + struct.pack("<H", len(vj)) + vj + tok_merges.encode())
+# weight_blocks: format (0 f32 .. 3 q8, 4 q4), out, inp (u16), rows, flags, then weight
+# bytes and activations. Q8 / Q4 seeds hold valid blocks (f16 scale 0x2c00 = 1/16).
+def blocks(fmt, out, inp):
+    unit, n = (34, 32) if fmt == 3 else (18, 16)
+    blk = struct.pack("<H", 0x2C00) + bytes(rng.randrange(256) for _ in range(n))
+    return blk * (out * -(-inp // 32))
+for fmt, out, inp in [(3, 17, 64), (4, 17, 96), (3, 5, 40), (4, 33, 256)]:
+    head = bytes([fmt, out]) + struct.pack("<H", inp) + bytes([3, 2])
+    act = bytes(rng.randrange(224) for _ in range(3 * inp))
+    write("weight_blocks", "q%d_%dx%d" % (8 if fmt == 3 else 4, out, inp), head + blocks(fmt, out, inp) + act)
+head = bytes([1, 9]) + struct.pack("<H", 40) + bytes([2, 2])
+write("weight_blocks", "f16_9x40", head + bytes(rng.randrange(256) for _ in range(9 * 40 * 2 + 80)))
+# quantized_model: byte 0 = base (bit 0) | damage mode (bits 1-2); byte 1 = options.
+for base in (0, 1):
+    name = "q8" if base == 0 else "q4"
+    write("quantized_model", name + "_intact", bytes([base]))
+    write("quantized_model", name + "_edit", bytes([base]) + struct.pack("<IB", 300, 0x40))
+    write("quantized_model", name + "_cut", bytes([base]) + struct.pack("<I", 1000))
+    entry = json.dumps({"format": name, "layout": "packed16", "shape": [16, 16]}).encode()
+    write("quantized_model", name + "_entry", bytes([base | 4, 3]) + entry)
+    write("quantized_model", name + "_as_q4", bytes([base, 5]))
+write("quantized_model", "header", bytes([2]) + json.dumps(
+    {"__metadata__": {"x": json.dumps({"format": "q8", "layout": "packed16", "shape": [16, 16]})},
+     "x": {"dtype": "U8", "shape": [1088], "data_offsets": [0, 1088]}}).encode())
 print("seeds written under", os.path.join(here, "corpus"))

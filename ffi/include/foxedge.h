@@ -229,6 +229,30 @@ typedef int32_t fx_stop_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A weight storage format (`fx_model_options.weights`, `.vocab_weights`).
+enum fx_weight_format
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // As stored in the file (`weights`), or the same as `weights` (`vocab_weights`).
+  FX_WEIGHTS_DEFAULT = 0,
+  FX_WEIGHTS_F32 = 1,
+  FX_WEIGHTS_F16 = 2,
+  FX_WEIGHTS_BF16 = 3,
+  // 8-bit blocks: 32 weights and an f16 scale (8.5 bits per weight).
+  FX_WEIGHTS_Q8 = 4,
+  // 4-bit blocks of 16 levels: 32 weights and an f16 scale (4.5 bits per weight).
+  FX_WEIGHTS_Q4 = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fx_weight_format fx_weight_format;
+#else
+typedef int32_t fx_weight_format;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A loaded model (opaque). Immutable: share it freely across threads.
 struct fx_model;
 
@@ -342,12 +366,25 @@ struct fx_sampler_params {
   uint64_t seed;
 };
 
-// Options of `fx_model_open` (none yet besides the version field).
+// Options of `fx_model_open`. Create with `fx_model_options_default()`.
+//
+// Version 1 held `struct_size` and `flags` only; a caller built against it passes its
+// smaller `struct_size` and gets the defaults for the later fields.
 struct fx_model_options {
   // `sizeof(fx_model_options)`.
   size_t struct_size;
   // Must be 0 (room for future flags).
   uint64_t flags;
+  // An `fx_weight_format` for the dense layers (q/k/v/o, output gate, MLP), converted
+  // once at load; FX_WEIGHTS_DEFAULT keeps the file's formats (a quantized file then
+  // loads without a copy). Default FX_WEIGHTS_DEFAULT.
+  fx_weight_format weights;
+  // An `fx_weight_format` for the embeddings and the LM head; FX_WEIGHTS_DEFAULT
+  // follows `weights`. Default FX_WEIGHTS_DEFAULT.
+  fx_weight_format vocab_weights;
+  // Tasks the dense products (and the conversions at load) are split into on the
+  // library's thread pool; 0 = one per thread of the pool. Default 0.
+  size_t threads;
 };
 
 // Options of `fx_session_new`. Create with `fx_session_options_default()`.
@@ -572,7 +609,8 @@ fx_status fx_sampler_reset(struct fx_sampler *s);
 // `s` must be NULL or a handle from `fx_sampler_new` not yet freed, used by no other thread.
 void fx_sampler_free(struct fx_sampler *s);
 
-// Returns the default model options (`struct_size` set, no flags).
+// Returns the default model options (`struct_size` set, no flags, weights as stored,
+// threads from the pool).
 struct fx_model_options fx_model_options_default(void);
 
 // Returns the default session options: CPU backend, ACP and certified eviction on with
@@ -580,7 +618,8 @@ struct fx_model_options fx_model_options_default(void);
 struct fx_session_options fx_session_options_default(void);
 
 // Opens a model: a directory holding `config.json` and `model.safetensors` (or that
-// `model.safetensors` file). `opts` may be NULL (defaults). On success `*out` receives a
+// `model.safetensors` file), its weights held as `opts` says (converted or quantized once
+// at load where that differs from the file). `opts` may be NULL (defaults). On success `*out` receives a
 // handle to free with `fx_model_free`; on failure `*out` is set to NULL.
 //
 // # Safety

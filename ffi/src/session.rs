@@ -5,7 +5,7 @@ use std::mem::size_of;
 use std::ptr;
 use std::sync::Arc;
 
-use facade::{Budget, Model, Session, SessionOptions};
+use facade::{Budget, Model, ModelOptions, Session, SessionOptions, WeightFormat};
 
 use crate::abi::{Versioned, check_buf, check_out, read_opt, write_out};
 use crate::attention::{backend_of, fx_backend, fx_backend_raw};
@@ -36,7 +36,28 @@ const _: () = {
     movable::<Session>();
 };
 
-/// Options of `fx_model_open` (none yet besides the version field).
+/// A weight storage format (`fx_model_options.weights`, `.vocab_weights`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum fx_weight_format {
+    /// As stored in the file (`weights`), or the same as `weights` (`vocab_weights`).
+    FX_WEIGHTS_DEFAULT = 0,
+    FX_WEIGHTS_F32 = 1,
+    FX_WEIGHTS_F16 = 2,
+    FX_WEIGHTS_BF16 = 3,
+    /// 8-bit blocks: 32 weights and an f16 scale (8.5 bits per weight).
+    FX_WEIGHTS_Q8 = 4,
+    /// 4-bit blocks of 16 levels: 32 weights and an f16 scale (4.5 bits per weight).
+    FX_WEIGHTS_Q4 = 5,
+}
+
+/// The `int32_t` C passes where the header says `fx_weight_format`.
+pub type fx_weight_format_raw = i32;
+
+/// Options of `fx_model_open`. Create with `fx_model_options_default()`.
+///
+/// Version 1 held `struct_size` and `flags` only; a caller built against it passes its
+/// smaller `struct_size` and gets the defaults for the later fields.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fx_model_options {
@@ -44,6 +65,16 @@ pub struct fx_model_options {
     pub struct_size: usize,
     /// Must be 0 (room for future flags).
     pub flags: u64,
+    /// An `fx_weight_format` for the dense layers (q/k/v/o, output gate, MLP), converted
+    /// once at load; FX_WEIGHTS_DEFAULT keeps the file's formats (a quantized file then
+    /// loads without a copy). Default FX_WEIGHTS_DEFAULT.
+    pub weights: fx_weight_format_raw,
+    /// An `fx_weight_format` for the embeddings and the LM head; FX_WEIGHTS_DEFAULT
+    /// follows `weights`. Default FX_WEIGHTS_DEFAULT.
+    pub vocab_weights: fx_weight_format_raw,
+    /// Tasks the dense products (and the conversions at load) are split into on the
+    /// library's thread pool; 0 = one per thread of the pool. Default 0.
+    pub threads: usize,
 }
 
 /// Sizes of a loaded model.
@@ -154,6 +185,8 @@ pub struct fx_session_stats {
 // SAFETY: repr(C), first field usize, only integer fields.
 unsafe impl Versioned for fx_model_options {
     const NAME: &'static str = "fx_model_options";
+    /// Version 1: `struct_size` and `flags`.
+    const MIN_SIZE: usize = 16;
     fn default_value() -> Self {
         fx_model_options_default()
     }
@@ -212,13 +245,49 @@ unsafe impl Versioned for fx_session_stats {
     }
 }
 
-/// Returns the default model options (`struct_size` set, no flags).
+/// Returns the default model options (`struct_size` set, no flags, weights as stored,
+/// threads from the pool).
 #[unsafe(no_mangle)]
 pub extern "C" fn fx_model_options_default() -> fx_model_options {
     fx_model_options {
         struct_size: size_of::<fx_model_options>(),
         flags: 0,
+        weights: fx_weight_format::FX_WEIGHTS_DEFAULT as i32,
+        vocab_weights: fx_weight_format::FX_WEIGHTS_DEFAULT as i32,
+        threads: 0,
     }
+}
+
+/// An `fx_weight_format` value as a format (None: the default).
+fn weight_format(v: i32, field: &str) -> FxResult<Option<WeightFormat>> {
+    Ok(Some(match v {
+        0 => return Ok(None),
+        1 => WeightFormat::F32,
+        2 => WeightFormat::F16,
+        3 => WeightFormat::Bf16,
+        4 => WeightFormat::Q8,
+        5 => WeightFormat::Q4,
+        _ => {
+            return Err(invalid(format!(
+                "fx_model_options.{field} is {v}; expected an fx_weight_format (0 to 5)"
+            )));
+        }
+    }))
+}
+
+/// Translates the C model options to the facade's.
+fn model_options(o: &fx_model_options) -> FxResult<ModelOptions> {
+    if o.flags != 0 {
+        return Err(invalid(format!(
+            "fx_model_options.flags is {}; must be 0",
+            o.flags
+        )));
+    }
+    Ok(ModelOptions {
+        weights: weight_format(o.weights, "weights")?,
+        vocab_weights: weight_format(o.vocab_weights, "vocab_weights")?,
+        threads: o.threads,
+    })
 }
 
 /// Returns the default session options: CPU backend, ACP and certified eviction on with
@@ -297,7 +366,8 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
 }
 
 /// Opens a model: a directory holding `config.json` and `model.safetensors` (or that
-/// `model.safetensors` file). `opts` may be NULL (defaults). On success `*out` receives a
+/// `model.safetensors` file), its weights held as `opts` says (converted or quantized once
+/// at load where that differs from the file). `opts` may be NULL (defaults). On success `*out` receives a
 /// handle to free with `fx_model_free`; on failure `*out` is set to NULL.
 ///
 /// # Safety
@@ -317,12 +387,7 @@ pub unsafe extern "C" fn fx_model_open(
         }
         // SAFETY: C contract: opts is NULL or a readable fx_model_options prefix.
         let o = unsafe { read_opt(opts) }?.unwrap_or_else(|| fx_model_options_default());
-        if o.flags != 0 {
-            return Err(invalid(format!(
-                "fx_model_options.flags is {}; must be 0",
-                o.flags
-            )));
-        }
+        let mo = model_options(&o)?;
         // SAFETY: non-null, and the C contract says path is NUL-terminated.
         let path = unsafe { CStr::from_ptr(path) };
         let path = path
@@ -331,7 +396,7 @@ pub unsafe extern "C" fn fx_model_open(
         if path.is_empty() {
             return Err(invalid("path is empty"));
         }
-        let model = Model::open(path).map_err(map_facade)?;
+        let model = Model::open_with(path, &mo).map_err(map_facade)?;
         let handle = Box::new(fx_model {
             model: Arc::new(model),
         });

@@ -263,6 +263,50 @@ fn one_model_serves_sessions_on_several_threads() {
     unsafe { fx_model_free(m.0) };
 }
 
+/// `fx_model_options.weights` takes effect: a model opened with Q8 dense layers and
+/// bf16 vocabulary matrices gives logits near the as-stored (f32) model's but not the same
+/// bits; a version-1 struct (no weight fields) opens as stored.
+#[test]
+fn model_options_choose_the_weight_format() {
+    let dir = model_dir();
+    let open = |o: &fx_model_options| {
+        let mut m = ptr::null_mut();
+        // SAFETY: valid path, options and out pointer.
+        let st = unsafe { fx_model_open(dir.as_ptr(), o, &mut m) };
+        assert_eq!(st, fx_status::FX_OK, "{}", last_error());
+        Model(m)
+    };
+    let prompt: Vec<i32> = std::iter::once(0)
+        .chain("def main():".bytes().map(i32::from))
+        .collect();
+    let base = open(&fx_model_options_default());
+    let want = run_session(&base, &prompt, 0);
+    let mut o = fx_model_options_default();
+    o.weights = fx_weight_format::FX_WEIGHTS_Q8 as i32;
+    o.vocab_weights = fx_weight_format::FX_WEIGHTS_BF16 as i32;
+    o.threads = 2;
+    let q8 = open(&o);
+    let got = run_session(&q8, &prompt, 0);
+    let (num, den) = got
+        .iter()
+        .zip(&want)
+        .fold((0.0f64, 0.0f64), |(n, d), (&a, &b)| {
+            (n + f64::from(a - b).powi(2), d + f64::from(b).powi(2))
+        });
+    let rel = (num / den).sqrt();
+    // Q8 weights and activations (~0.5% per product) carried through 4 blocks.
+    assert!(rel > 0.0 && rel < 0.05, "q8 logits rel L2 {rel}");
+    o.struct_size = 16;
+    let v1 = open(&o);
+    assert_eq!(run_session(&v1, &prompt, 0), want);
+    // SAFETY: no session is alive; each model freed once.
+    unsafe {
+        fx_model_free(base.0);
+        fx_model_free(q8.0);
+        fx_model_free(v1.0);
+    }
+}
+
 /// Whether a missing Vulkan device fails a test: `CI` is set, and not to "", "0" or "false".
 /// Without `CI` such a test prints why it skips and passes.
 #[cfg(feature = "vulkan")]

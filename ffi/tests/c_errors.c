@@ -407,6 +407,27 @@ static fx_model *test_models(const char *model_dir) {
   mo = fx_model_options_default();
   mo.flags = 1;
   expect(fx_model_open(model_dir, &mo, &m), FX_ERR_INVALID_ARGUMENT, "model: unknown flags");
+  mo = fx_model_options_default();
+  mo.weights = 6;
+  expect(fx_model_open(model_dir, &mo, &m), FX_ERR_INVALID_ARGUMENT,
+         "model: weights not an fx_weight_format");
+  mo = fx_model_options_default();
+  mo.vocab_weights = -1;
+  expect(fx_model_open(model_dir, &mo, &m), FX_ERR_INVALID_ARGUMENT,
+         "model: vocab_weights not an fx_weight_format");
+  /* Version 1 of the struct (struct_size and flags only) still opens, as stored. */
+  mo = fx_model_options_default();
+  mo.struct_size = 16;
+  mo.weights = FX_WEIGHTS_Q4;
+  expect_ok(fx_model_open(model_dir, &mo, &m), "model: version-1 options");
+  fx_model_free(m);
+  mo = fx_model_options_default();
+  mo.weights = FX_WEIGHTS_Q8;
+  mo.vocab_weights = FX_WEIGHTS_BF16;
+  mo.threads = 2;
+  expect_ok(fx_model_open(model_dir, &mo, &m), "model: q8 weights, bf16 vocabulary");
+  fx_model_free(m);
+  m = (fx_model *)&passed;
 
   snprintf(path, sizeof path, "%s/model.safetensors", model_dir);
   size = file_size(path);

@@ -6,12 +6,14 @@
 //! the kept fraction, and speedups: against the CPU (same op, length and pruning) and of
 //! ACP against dense (same backend).
 
+mod model;
+
 use super::plot::{PALETTE, Series, line_chart};
 use super::pool::{cell_label, sample_mean};
 use super::{ModelArg, progress};
 use clap::{Args, ValueEnum};
 use foxedge::attention::{AcpMode, AttentionStats, Engine};
-use foxedge::{BackendKind, Error, Model, Result};
+use foxedge::{BackendKind, Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -107,9 +109,15 @@ struct Method {
     min_rounds: usize,
 }
 
-/// Time attention prefill and decode per backend, dense and with ACP
+/// Time attention per backend, or (with --model) the whole model
 ///
-/// Runs on the model's real q/k/v/gates (all layers' heads in one call). Per cell: median,
+/// With --model DIR: the whole model, like llama-bench: at each --depth, --prompt tokens
+/// in one call (prefill at depth 0, continuation after it) and --gen tokens decoded one at
+/// a time; median, min and max tokens/s over --reps runs, weight bytes, resident memory
+/// (after load and peak) and the cache's peak bytes; --weights picks the weight format.
+///
+/// Without --model: attention prefill and decode per backend, dense and with ACP, on the
+/// bundled model's real q/k/v/gates (all layers' heads in one call). Per cell: median,
 /// min and IQR time, kept GFLOP/s, % of the measured fp32 FMA peak, kept fraction, speedups,
 /// and auto against the best single backend. Each cell: --warm untimed calls per backend,
 /// then up to --reps rounds with the backends interleaved (a random order each round), each
@@ -135,7 +143,8 @@ pub struct BenchArgs {
     /// The long grid: lengths 1k to 64k, more rounds and a longer budget per cell
     #[arg(long)]
     full: bool,
-    /// Rounds of interleaved samples per cell, at most [default: 15; with --full 80]
+    /// Rounds of interleaved samples per cell, at most [default: 15; with --full 80];
+    /// with --model: runs per depth [default: 5]
     #[arg(long, value_name = "N")]
     reps: Option<usize>,
     /// Untimed calls per backend before each cell's rounds
@@ -182,6 +191,19 @@ pub struct BenchArgs {
         "control", "device", "log_eps", "model", "ids", "out", "plot",
     ])]
     pool: Option<String>,
+    /// Model bench (--model given): tokens fed in one timed call at each depth
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    prompt: usize,
+    /// Model bench: tokens decoded one at a time after the prompt
+    #[arg(long = "gen", value_name = "N", default_value_t = 64)]
+    gen_tokens: usize,
+    /// Model bench: tokens in the cache before the prompt, comma-separated, k = 1024
+    /// (e.g. 0,4k) [default: 0]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_depth)]
+    depth: Vec<usize>,
+    /// Model bench: ACP off (dense attention)
+    #[arg(long)]
+    dense: bool,
     /// No progress bar on stderr (also hidden with --json or when stderr is not a terminal)
     #[arg(short, long)]
     quiet: bool,
@@ -204,6 +226,9 @@ fn backend_or_all(s: &str) -> Result<Option<BackendKind>> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.model.model.is_some() && a.pool.is_none() {
+        return model::run(&a);
+    }
     let json = a.json;
     if let Some(list) = a.pool {
         let s = super::pool::pool_files(&list)?;
@@ -284,7 +309,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(p) => p,
         None => fixture_ids(&dir)?,
     };
-    let model = Arc::new(Model::open(&dir)?);
+    let model = Arc::new(a.model.open(a.quiet || json)?);
     let t = super::npy::read_token_ids(&ids_path)?;
     let rows: Vec<Vec<u32>> = t.ids.chunks(t.row_len()).map(<[u32]>::to_vec).collect();
     let max_len = lens.iter().copied().max().unwrap_or(1024);
@@ -899,6 +924,14 @@ fn choice_words(c: &Cell) -> String {
 }
 
 /// `1024`, `4k`, `64K` → tokens (>= 2).
+/// A depth: N or Nk tokens, 0 allowed.
+fn parse_depth(s: &str) -> std::result::Result<usize, String> {
+    match s.trim() {
+        "0" => Ok(0),
+        t => parse_len(t),
+    }
+}
+
 fn parse_len(s: &str) -> std::result::Result<usize, String> {
     let s = s.trim();
     let (num, mul) = match s.strip_suffix(['k', 'K']) {

@@ -4,7 +4,7 @@ use super::{AcpArgs, ModelArg, progress};
 use clap::Args;
 use foxedge::generate::{GenerateOptions, TextGenerator, feed_prompt};
 use foxedge::{
-    BackendKind, Budget, Error, Model, Result, Sampler, SamplerConfig, Session, SessionOptions,
+    BackendKind, Budget, Error, Result, Sampler, SamplerConfig, Session, SessionOptions,
     SessionStats,
 };
 use std::io::Write;
@@ -135,8 +135,7 @@ fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
-    let dir = a.model.dir()?;
-    let model = Arc::new(Model::open(&dir)?);
+    let model = Arc::new(a.model.open(!a.verbose || a.json)?);
     let tokenizer = model.tokenizer()?.clone();
     let vocab = model.info().vocab;
     let mut sampler = Sampler::new(a.sampler.config())?;

@@ -58,7 +58,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "--clip must be finite and < 0".into(),
         ));
     }
-    let model = Arc::new(Model::open(a.model.dir()?)?);
+    let model = Arc::new(a.model.open(a.quiet)?);
     let info = model.info();
     let text = &a.text;
     let bytes = std::fs::read(text).map_err(|e| Error::Io {

@@ -2,7 +2,7 @@
 
 use super::{AcpArgs, ModelArg, npy, progress};
 use clap::Args;
-use foxedge::{BackendKind, Error, Model, Result, Session, SessionOptions};
+use foxedge::{BackendKind, Error, Result, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -31,7 +31,7 @@ pub struct LogitsArgs {
 }
 
 pub fn run(a: LogitsArgs) -> Result<()> {
-    let model = Arc::new(Model::open(a.model.dir()?)?);
+    let model = Arc::new(a.model.open(a.quiet)?);
     let vocab = model.info().vocab;
     let ids = npy::read_token_ids(&a.input)?;
     let (batch, t) = (ids.rows(), ids.row_len());

@@ -9,10 +9,11 @@ pub mod npy;
 pub mod plot;
 pub mod pool;
 pub mod progress;
+pub mod quantize;
 pub mod tokenize;
 
 use clap::{Args, Parser, Subcommand};
-use foxedge::{Error, Result};
+use foxedge::{Error, Model, ModelOptions, Result, WeightFormat};
 use std::path::{Path, PathBuf};
 
 /// Forgetting Attention (FoX) inference with ACP and a certified retention cache
@@ -34,15 +35,24 @@ enum Command {
     Logits(logits::LogitsArgs),
     Bench(bench::BenchArgs),
     Inspect(inspect::InspectArgs),
+    Quantize(quantize::QuantizeArgs),
 }
 
-/// `--model DIR`, shared by the subcommands that load a model.
+/// `--model DIR`, `--weights FMT` and `--vocab-weights FMT`, shared by the subcommands
+/// that load a model.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArg {
     /// Model directory (config.json + model.safetensors) [default: the bundled
     /// models/fox-tiny-pro, searched from the current directory and the executable]
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Format of the dense layers' weights: f32, f16, bf16, q8 (8.5 bits/weight) or q4
+    /// (4.5 bits/weight), converted once at load [default: as stored]
+    #[arg(long, value_name = "FMT")]
+    pub weights: Option<WeightFormat>,
+    /// Format of the embeddings and the LM head [default: that of --weights]
+    #[arg(long, value_name = "FMT")]
+    pub vocab_weights: Option<WeightFormat>,
 }
 
 impl ModelArg {
@@ -52,6 +62,33 @@ impl ModelArg {
             Some(m) => Ok(m.clone()),
             None => default_model_dir(),
         }
+    }
+
+    /// The model options these flags ask for.
+    pub fn options(&self) -> ModelOptions {
+        ModelOptions {
+            weights: self.weights,
+            vocab_weights: self.vocab_weights,
+            ..ModelOptions::default()
+        }
+    }
+
+    /// Opens the model, with a progress bar over the weights when they are converted
+    /// (hidden with `quiet` or when stderr is not a terminal).
+    pub fn open(&self, quiet: bool) -> Result<Model> {
+        let dir = self.dir()?;
+        let opts = self.options();
+        if opts.weights.is_none() && opts.vocab_weights.is_none() {
+            return Model::open_with(&dir, &opts);
+        }
+        let bar = progress::bar(0, "weights", quiet);
+        bar.set_message(format!("converting {}", dir.display()));
+        let model = Model::open_with_progress(&dir, &opts, &|done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        });
+        bar.finish_and_clear();
+        model
     }
 }
 
@@ -122,6 +159,7 @@ pub fn run(argv: Vec<String>) -> i32 {
         Command::Logits(a) => logits::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Quantize(a) => quantize::run(a),
     };
     match result {
         Ok(()) => 0,
