@@ -9,6 +9,9 @@
 //! - [`decode`]: a few new queries per head against an unordered cache whose entries carry
 //!   their `c_j`; split over the cache length (flash-decoding) with an exact merge of the
 //!   partial softmaxes.
+//! - [`prefill_continue`]: a chunk of new tokens against the retained cache (unordered,
+//!   with each entry's `c_j` and the query where it stops being seen) and, causally, its
+//!   own keys, in query x key tiles with ACP per tile.
 //!
 //! Storage is f32, f16 or bf16 ([`Storage`]); compute and accumulation are f32. `c` stays
 //! f64 until a tile converts it to f32 relative to the tile's first query row, so `D` near
@@ -17,17 +20,20 @@
 //! Core decides, kernels compute: the call's types and its ACP decisions (thresholds and
 //! boundaries) come from `foxedge_core::contract`.
 
+mod continuation;
 mod decode;
 pub mod limits;
 mod prefill;
 pub mod reference;
 pub mod simd;
 
+pub use continuation::{prefill_continue, prefill_continue_with_isa};
 pub use decode::{decode, decode_with_isa};
 /// The kernel contract (`foxedge_core::contract`), re-exported at this crate's root.
 pub use foxedge_core::contract::{
-    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
-    PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage, check_decisions, selected_slabs,
+    Acp, AttentionStats, CacheHead, ContinueArgs, ContinueOptions, DType, Decisions, DecodeArgs,
+    DecodeOptions, HeadStats, PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage,
+    check_decisions, selected_slabs,
 };
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};
 pub use prefill::{prefill, prefill_with_isa};
