@@ -97,8 +97,8 @@ mod snapshot;
 mod tests;
 
 pub use slots::{Eviction, EvictionKind, HeadState, Slot};
-pub use snapshot::{EntryRecord, EntryZone, HeadRecord};
 use slots::{NONE, Zone, evict, heap_push, list_push_back, oldest_evictable};
+pub use snapshot::{EntryRecord, EntryZone, HeadRecord};
 
 /// How a budget chooses what to evict once the certificate allows nothing more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
