@@ -21,20 +21,22 @@
 
 use crate::aligned::AlignedF32;
 use crate::backend::{
-    AttentionBackend, BackendKind, CacheSync, CpuBackend, DecodeCall, PrefillCall, WriteJournal,
+    AttentionBackend, BackendKind, CpuBackend, DecodeCall, PrefillCall, WriteJournal,
     fresh_cache_ids,
 };
-use crate::decisions::{BLOCK, prefill_decisions};
+use crate::decisions::prefill_decisions;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::select::Opened;
 use crate::session::{Session, SessionOptions};
+use foxedge_core::contract::{Acp, CacheHead, DecodeArgs, HeadSync, acp};
 use foxedge_core::gate;
-use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
 use std::sync::{Arc, Mutex};
 
-pub use crate::placement::{Calibration, Line, PlanCounts, Split};
-pub use foxedge_cpu::{AttentionStats, HeadStats};
+pub use crate::calibration::{Calibration, Line};
+pub use crate::decisions::Boundary;
+pub use crate::placement::{PlanCounts, Split};
+pub use foxedge_core::contract::{AttentionStats, HeadStats};
 
 /// How a call is pruned.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -75,23 +77,6 @@ pub struct PrefillInputs {
     pub u: Vec<f64>,
 }
 
-/// The ACP boundary of a [`PrefillInputs`] (what every backend skips), per head.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Boundary {
-    /// Tokens per block (query and key).
-    pub block: usize,
-    /// Query blocks per head.
-    pub q_blocks: usize,
-    /// `[heads, q_blocks]`: key blocks `< start` are pruned for that query block.
-    pub start_blocks: Vec<u32>,
-    pub kept_pairs: Vec<u64>,
-    pub total_pairs: Vec<u64>,
-    /// The threshold of each head (None: dense).
-    pub delta: Vec<Option<f64>>,
-    /// `[heads, t]` cumulative log gates `c_i = sum_{l <= i} log f_l` (f64).
-    pub c: Vec<f64>,
-}
-
 impl PrefillInputs {
     /// Checks sizes, gates (finite, `<= 0`) and bounds (finite, `>= 0`).
     pub fn validate(&self) -> Result<()> {
@@ -126,32 +111,15 @@ impl PrefillInputs {
     }
 
     fn call(&self, acp: AcpMode) -> PrefillCall<'_> {
-        PrefillCall {
-            t: self.t,
-            heads: self.heads,
-            head_dim: self.head_dim,
-            q: &self.q,
-            k: &self.k,
-            v: &self.v,
-            log_f: &self.log_f,
-            acp: acp.acp(&self.u),
-            only: None,
-        }
+        let (q, k, v) = (&self.q, &self.k, &self.v);
+        PrefillCall::new(self.t, self.heads, self.head_dim, q, k, v, &self.log_f)
+            .with_acp(acp.acp(&self.u))
     }
 
     /// The pruning boundary every backend uses for these inputs under `acp`.
     pub fn boundary(&self, acp: AcpMode) -> Result<Boundary> {
         self.validate()?;
-        let b = prefill_decisions(&self.call(acp))?;
-        Ok(Boundary {
-            block: BLOCK,
-            q_blocks: b.q_blocks,
-            start_blocks: b.start_blocks,
-            kept_pairs: b.kept_pairs,
-            total_pairs: b.total_pairs,
-            delta: b.delta,
-            c: b.c,
-        })
+        prefill_decisions(&self.call(acp))
     }
 
     /// The first `t` tokens.
@@ -348,8 +316,8 @@ impl StepSync {
         self.journal.wrote(row, self.version, n as usize);
     }
 
-    fn sync(&self, head: usize) -> CacheSync<'_> {
-        CacheSync {
+    fn sync(&self, head: usize) -> HeadSync<'_> {
+        HeadSync {
             id: self.base + head as u64,
             version: self.version,
             row_version: &self.row_version,
@@ -565,7 +533,7 @@ impl Engine {
                 pos: None,
             })
             .collect();
-        let sync: Vec<CacheSync<'_>> = (0..p.heads).map(|h| steps.sync(h)).collect();
+        let sync: Vec<HeadSync<'_>> = (0..p.heads).map(|h| steps.sync(h)).collect();
         let call = DecodeCall {
             args: DecodeArgs::one_query(d, &p.q, &p.q_c, &heads),
             sync: &sync,
@@ -587,36 +555,25 @@ impl AttentionBackend for Recorder {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let (nh, d) = (call.heads, call.head_dim);
-        let u = match call.acp {
+        let (nh, d, a) = (call.heads(), call.head_dim(), call.args());
+        let u = match call.acp() {
             Acp::Bound { u, .. } => u.to_vec(),
-            // Observed norms: U from this call's q and k (Cauchy-Schwarz), per head.
+            // Observed norms: each head's U from this call's q and k, as the kernels take it.
             _ => {
-                let scale = 1.0 / (d as f64).sqrt();
-                let max_norm = |x: &[f32], h: usize| {
-                    (0..call.t)
-                        .map(|r| {
-                            let row = &x[(r * nh + h) * d..][..d];
-                            row.iter()
-                                .map(|v| f64::from(*v).powi(2))
-                                .sum::<f64>()
-                                .sqrt()
-                        })
-                        .fold(0.0f64, f64::max)
-                };
+                let scale = 1.0 / (d as f32).sqrt();
                 (0..nh)
-                    .map(|h| scale * max_norm(call.q, h) * max_norm(call.k, h))
-                    .collect()
+                    .map(|h| acp::observed_bound(a, scale, h, 0).map_err(core_err))
+                    .collect::<Result<_>>()?
             }
         };
         let inputs = PrefillInputs {
-            t: call.t,
+            t: call.t(),
             heads: nh,
             head_dim: d,
-            q: call.q.to_vec(),
-            k: call.k.to_vec(),
-            v: call.v.to_vec(),
-            log_f: call.log_f.to_vec(),
+            q: a.q.to_vec(),
+            k: a.k.to_vec(),
+            v: a.v.to_vec(),
+            log_f: a.log_fgate.to_vec(),
             u,
         };
         self.calls
@@ -629,6 +586,39 @@ impl AttentionBackend for Recorder {
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
         CpuBackend.decode(call, out)
     }
+}
+
+/// The attention of every layer of `model` on real text, as one call of `layers * heads`
+/// heads (heads are independent, so the layers' calls stack side by side) and `len`
+/// tokens. Up to one row's length it is the model run over the start of row 0; beyond,
+/// the model runs over whole rows 0, 1, ... and their inputs are joined in time (real
+/// gates of consecutive documents; `c` keeps falling across the joins).
+///
+/// Errors: `len == 0`, rows shorter than 2 tokens or too few rows for `len`
+/// ([`Error::InvalidArgument`]); those of [`capture_prefill`].
+pub fn capture_text(model: &Arc<Model>, rows: &[Vec<u32>], len: usize) -> Result<PrefillInputs> {
+    let row_len = rows.first().map_or(0, Vec::len);
+    if len == 0 || row_len < 2 {
+        return Err(Error::InvalidArgument(
+            "real gate inputs: need len > 0 and rows of >= 2 tokens".into(),
+        ));
+    }
+    if len <= row_len {
+        let layers = capture_prefill(model, &rows[0][..len.max(2)])?;
+        return PrefillInputs::concat_heads(&layers)?.prefix(len);
+    }
+    let need = len.div_ceil(row_len);
+    if need > rows.len() {
+        return Err(Error::InvalidArgument(format!(
+            "real gate inputs: {len} tokens need {need} rows of {row_len}, have {}",
+            rows.len()
+        )));
+    }
+    let parts = rows[..need]
+        .iter()
+        .map(|r| PrefillInputs::concat_heads(&capture_prefill(model, r)?))
+        .collect::<Result<Vec<_>>>()?;
+    PrefillInputs::concat_time(&parts)?.prefix(len)
 }
 
 /// Runs `model` over `tokens` (one prefill chunk, a fresh session) and returns the

@@ -2,44 +2,25 @@
 //!
 //! The model runner does the dense layer math itself and calls a backend only for
 //! forgetting attention (prefill and decode), through the `AttentionBackend` trait. Its
-//! calls carry the kernels' own argument, pruning and statistics types (foxedge-cpu's,
-//! which foxedge-vulkan shares) plus what the facade adds: the heads a call computes (one
-//! side of a CPU/GPU split) and change tracking of cache heads for a device-resident
-//! mirror (`CacheSync`).
+//! calls carry the kernel contract's own argument, option and statistics types
+//! (`foxedge_core::contract`, which both kernel crates take), plus what only the facade
+//! has: the one shape of prefill it makes ([`PrefillCall`]) and the change tracking of
+//! each cache head it owns ([`HeadSync`], for a backend that mirrors the cache on a
+//! device).
 
 use crate::error::{Error, Result};
-use foxedge_cpu::{
-    Acp, AttentionStats, CacheHead, DecodeArgs, HeadStats, PrefillArgs, PrefillOptions,
+use foxedge_core::contract::{
+    Acp, AttentionStats, CacheHead, DecodeArgs, HeadStats, HeadSync, Journal, PrefillArgs,
+    PrefillOptions,
 };
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Identity and row versions of one cache head, so a device-side mirror uploads only the
-/// rows written since it last synced (appends, swap-delete moves, re-based `c`).
-/// Invariant: `row_version[j] <= version` for every row `j < n`, and a row whose contents
-/// change (k, v or c) gets a version greater than every earlier one of this `id`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CacheSync<'a> {
-    /// Unique per cache head for the life of the process ([`fresh_cache_ids`]).
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
-    pub id: u64,
-    /// The newest row version of this head.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
-    pub version: u64,
-    /// `[n]` the version at which each row was last written (read by the Vulkan mirror).
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
-    pub row_version: &'a [u64],
-    /// The latest writes, `(since, rows)` as [`WriteJournal::view`] gives them: a mirror
-    /// at a version `>= since` reads its changed rows here instead of scanning
-    /// `row_version`.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
-    pub journal: Option<(u64, &'a [u32])>,
-}
-
 /// `count` consecutive cache ids never handed out before in this process: the first is
 /// returned. Every owner of a cache head (a session, a benchmark's decode inputs, a
-/// calibration) takes its ids here, so a device mirror keyed by id never mixes two heads.
+/// calibration) takes its [`HeadSync::id`]s here, so a device mirror keyed by id never
+/// mixes two heads.
 pub(crate) fn fresh_cache_ids(count: usize) -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(count as u64, Ordering::Relaxed)
@@ -48,8 +29,9 @@ pub(crate) fn fresh_cache_ids(count: usize) -> u64 {
 /// Fewest writes a [`WriteJournal`] keeps.
 const JOURNAL_MIN: usize = 16;
 
-/// The latest row writes of one cache head: write `i` (oldest first) is of row `rows[i]`
-/// at version `since + 1 + i`, every version after `since` being one row's write.
+/// The latest row writes of one cache head, kept by its owner for [`HeadSync::journal`]:
+/// write `i` (oldest first) is of row `rows[i]` at version `since + 1 + i`, every version
+/// after `since` being one row's write.
 ///
 /// Invariant: `since + rows.len()` is the head's version, and for a head of `n` entries
 /// the journal holds the latest `keep = max(16, n / 16)` writes at least (all of them
@@ -92,9 +74,12 @@ impl WriteJournal {
         self.since = version;
     }
 
-    /// `(since, rows)`.
-    pub fn view(&self) -> (u64, &[u32]) {
-        (self.since, &self.rows)
+    /// The writes kept, as a [`HeadSync`] carries them.
+    pub fn view(&self) -> Journal<'_> {
+        Journal {
+            since: self.since,
+            rows: &self.rows,
+        }
     }
 
     /// Reserves room for the writes a head of up to `live` entries keeps, so that
@@ -156,70 +141,116 @@ impl FromStr for BackendKind {
     }
 }
 
-/// Causal prefill of one sequence from an empty cache, `t` tokens, `heads` heads.
+/// A prefill as the facade makes it: one sequence of `t` tokens from an empty cache,
+/// seq-first (`q`, `k`, `v`, `out`: `[t, heads, head_dim]`, `log_f`: `[t, heads]`), f32,
+/// one kv head per query head, keys from position 0, the kernels' default scale and
+/// tiles.
 ///
-/// `q`, `k`, `v`, `out`: `[t, heads, head_dim]` (seq-first); `log_f`: `[t, heads]`.
+/// It holds the contract's arguments and options themselves; what it adds is that shape,
+/// which its constructor fixes and which the ACP decisions of the facade (one head per
+/// slab, [`crate::decisions::BLOCK`]-token tiles) and a split's sides rely on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PrefillCall<'a> {
-    pub t: usize,
-    pub heads: usize,
-    pub head_dim: usize,
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub log_f: &'a [f32],
-    /// `Off`, `Bound` (one `U` per head), `ObservedNorms`, or `Decided`: this call's
-    /// decisions on the kernels' default tile grid (foxedge-core's, as the kernels would
-    /// make them), made by a caller that planned the call from them.
-    pub acp: Acp<'a>,
-    /// The heads to compute (strictly increasing, each `< heads`); `None`: all. The other
-    /// heads' output rows are left as they are, and the statistics cover these heads
-    /// alone, in order (a split's two sides share one call's output this way). `acp`'s
-    /// bounds and decisions stay indexed by the call's heads.
-    pub only: Option<&'a [usize]>,
+    args: PrefillArgs<'a, f32>,
+    opts: PrefillOptions<'a>,
 }
 
-impl PrefillCall<'_> {
-    /// The kernels' arguments: one batch row, seq-first, keys from 0.
-    pub(crate) fn args(&self) -> PrefillArgs<'_, f32> {
-        PrefillArgs {
-            shape: foxedge_core::AttentionShape {
-                batch: 1,
-                heads_q: self.heads,
-                heads_kv: self.heads,
-                seq_q: self.t,
-                seq_k: self.t,
-                head_dim: self.head_dim,
-                layout: foxedge_core::Layout::SeqFirst,
+impl<'a> PrefillCall<'a> {
+    /// A dense call over every head; sizes are checked by the kernels.
+    pub(crate) fn new(
+        t: usize,
+        heads: usize,
+        head_dim: usize,
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        log_f: &'a [f32],
+    ) -> Self {
+        PrefillCall {
+            args: PrefillArgs {
+                shape: foxedge_core::AttentionShape {
+                    batch: 1,
+                    heads_q: heads,
+                    heads_kv: heads,
+                    seq_q: t,
+                    seq_k: t,
+                    head_dim,
+                    layout: foxedge_core::Layout::SeqFirst,
+                },
+                q,
+                k,
+                v,
+                log_fgate: log_f,
+                seq_start: None,
             },
-            q: self.q,
-            k: self.k,
-            v: self.v,
-            log_fgate: self.log_f,
-            seq_start: None,
+            opts: PrefillOptions::default(),
         }
     }
 
-    /// The kernels' options: this call's pruning and heads, default tiles.
-    pub(crate) fn options(&self) -> PrefillOptions<'_> {
-        PrefillOptions {
-            acp: self.acp,
-            heads: self.only,
-            ..Default::default()
+    /// This call pruned by `acp`: `Off`, `Bound` (one `U` per head), `ObservedNorms`,
+    /// `Threshold` (one `delta` per head) or `Decided` (this call's decisions, made with
+    /// foxedge-core on the default tile grid by a caller that planned the call from them).
+    pub(crate) fn with_acp(self, acp: Acp<'a>) -> Self {
+        PrefillCall {
+            opts: PrefillOptions { acp, ..self.opts },
+            ..self
         }
+    }
+
+    /// This call computing only the heads `only` (strictly increasing, each `< heads`;
+    /// `None`: all). The other heads' output rows are left as they are and the statistics
+    /// cover these heads alone, in order (a split's two sides share one call's output this
+    /// way); `acp`'s bounds and decisions stay indexed by the call's heads.
+    pub(crate) fn with_heads(self, only: Option<&'a [usize]>) -> Self {
+        PrefillCall {
+            opts: PrefillOptions {
+                heads: only,
+                ..self.opts
+            },
+            ..self
+        }
+    }
+
+    /// The kernels' arguments.
+    pub(crate) fn args(&self) -> &PrefillArgs<'a, f32> {
+        &self.args
+    }
+
+    /// The kernels' options.
+    pub(crate) fn options(&self) -> &PrefillOptions<'a> {
+        &self.opts
+    }
+
+    /// Tokens.
+    pub(crate) fn t(&self) -> usize {
+        self.args.shape.seq_q
+    }
+
+    pub(crate) fn heads(&self) -> usize {
+        self.args.shape.heads_q
+    }
+
+    pub(crate) fn head_dim(&self) -> usize {
+        self.args.shape.head_dim
+    }
+
+    pub(crate) fn acp(&self) -> Acp<'a> {
+        self.opts.acp
     }
 }
 
 /// Queries of one step against the retained cache (which already holds their own keys).
 ///
 /// `args` is the kernels' call: `q`, `out`: `[heads, n_queries, head_dim]`. `acp` is `Off`,
-/// `Bound` (one `U` per head) or `Threshold` (one `delta` per head).
+/// `Bound` (one `U` per head) or `Threshold` (one `delta` per head); the other decode
+/// options (tiles, the flash-decoding split) are each backend's. What the contract's
+/// arguments lack is `sync`: the owner's change tracking of each head.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DecodeCall<'a> {
     pub args: DecodeArgs<'a, f32, f32>,
     /// One per head of `args`, or empty: the heads carry no change tracking (a backend
     /// that mirrors caches must then treat every row as new).
-    pub sync: &'a [CacheSync<'a>],
+    pub sync: &'a [HeadSync<'a>],
     pub acp: Acp<'a>,
 }
 
@@ -230,7 +261,7 @@ pub(crate) struct DecodePart<'c> {
     q_c: Vec<f64>,
     q_pos: Option<Vec<u64>>,
     heads: Vec<CacheHead<'c, f32>>,
-    sync: Vec<CacheSync<'c>>,
+    sync: Vec<HeadSync<'c>>,
     /// The heads' bounds or thresholds, where the call's `acp` has them.
     per_head: Vec<f64>,
 }
@@ -371,17 +402,17 @@ pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
         on_packed: &mut dyn FnMut(),
     ) -> Result<Box<dyn PrefillRun + '_>> {
         on_packed();
-        let mut full = vec![0.0f32; call.t * call.heads * call.head_dim];
+        let mut full = vec![0.0f32; call.t() * call.heads() * call.head_dim()];
         let stats = self.prefill(call, &mut full)?;
         Ok(Box::new(Computed {
             full,
-            heads: call.heads,
-            head_dim: call.head_dim,
-            only: call.only.map(<[usize]>::to_vec),
+            heads: call.heads(),
+            head_dim: call.head_dim(),
+            only: call.options().heads.map(<[usize]>::to_vec),
             stats,
         }))
     }
-    /// The cache heads with these [`CacheSync::id`]s are gone (their session was reset or
+    /// The cache heads with these [`HeadSync::id`]s are gone (their session was reset or
     /// dropped): a backend that mirrors them may free the mirrors. Default: nothing kept.
     fn release_cache(&self, _ids: &[u64]) {}
 }
@@ -396,11 +427,11 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        foxedge_cpu::prefill(&call.args(), &call.options(), out, None).map_err(kernel_error)
+        foxedge_cpu::prefill(call.args(), call.options(), out, None).map_err(kernel_error)
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let opts = foxedge_cpu::DecodeOptions {
+        let opts = foxedge_core::contract::DecodeOptions {
             acp: call.acp,
             ..Default::default()
         };
@@ -454,7 +485,7 @@ mod tests {
                     let written = (version - since_all) as usize;
                     prop_assert!(j.rows.len() >= keep.min(written));
                 }
-                let (since, rows) = j.view();
+                let Journal { since, rows } = j.view();
                 prop_assert_eq!(since + rows.len() as u64, version);
                 let tail: Vec<u32> = all
                     .iter()
@@ -471,11 +502,12 @@ mod tests {
         let mut j = WriteJournal::default();
         j.wrote(3, 1, 10);
         j.wrote(4, 2, 10);
-        assert_eq!(j.view(), (0, &[3u32, 4][..]));
+        let at = |j: &WriteJournal| (j.view().since, j.view().rows.to_vec());
+        assert_eq!(at(&j), (0, vec![3u32, 4]));
         j.wrote(5, 7, 10);
-        assert_eq!(j.view(), (7, &[][..]));
+        assert_eq!(at(&j), (7, vec![]));
         j.wrote(usize::MAX, 8, 10);
-        assert_eq!(j.view(), (8, &[][..]));
+        assert_eq!(at(&j), (8, vec![]));
         j.try_reserve(4096).unwrap();
         assert!(j.rows.capacity() > 2 * 4096 / 16);
     }

@@ -1,26 +1,30 @@
 //! A call's ACP decisions before any kernel runs: which key blocks each head of a prefill
 //! visits, and how many query-key pairs each head of a call keeps.
 //!
-//! The decisions are foxedge-core's (threshold from the bound, paper section 3, then
-//! `start_blocks` and `count_pairs` over [`BLOCK`]-token blocks), exactly as the kernels
-//! make them: a placement that splits heads by their kept pairs hands these decisions to
-//! both sides (`Acp::Decided`), so no kernel decides again.
+//! The decisions are the kernel contract's (`foxedge_core::contract::acp`: the threshold
+//! from the bound, paper section 3, then the start blocks and pair counts over
+//! [`BLOCK`]-token blocks), made exactly as the kernels make them: a placement that splits
+//! heads by their kept pairs hands these decisions to both sides (`Acp::Decided`), so no
+//! kernel decides again.
 
 use crate::backend::{DecodeCall, PrefillCall};
 use crate::error::{Error, Result};
-use foxedge_core::boundary::{self, BlockGrid};
-use foxedge_core::{gate, threshold};
-use foxedge_cpu::{Acp, Decisions};
+use foxedge_core::boundary::BlockGrid;
+use foxedge_core::contract::{Acp, Decisions, acp};
+use foxedge_core::gate;
 
 /// ACP block size (tokens) of both backends' kernels (their default options).
 pub(crate) const BLOCK: usize = 64;
 
-/// The ACP decisions of one prefill call, per head.
+/// The ACP boundary of one prefill call (what every backend skips), per head: the
+/// decisions of [`prefill_decisions`].
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct PrefillDecisions {
-    /// Query blocks per head (of [`BLOCK`] tokens).
+pub struct Boundary {
+    /// Tokens per block (query and key): [`BLOCK`].
+    pub block: usize,
+    /// Query blocks per head.
     pub q_blocks: usize,
-    /// `[heads, q_blocks]`: first visited key block of each query block.
+    /// `[heads, q_blocks]`: key blocks `< start` are pruned for that query block.
     pub start_blocks: Vec<u32>,
     pub kept_pairs: Vec<u64>,
     pub total_pairs: Vec<u64>,
@@ -30,7 +34,7 @@ pub(crate) struct PrefillDecisions {
     pub c: Vec<f64>,
 }
 
-impl PrefillDecisions {
+impl Boundary {
     /// These decisions as the kernels' pruning mode.
     pub(crate) fn acp(&self) -> Acp<'_> {
         Acp::Decided(Decisions {
@@ -46,18 +50,26 @@ fn core_err(e: foxedge_core::Error) -> Error {
 }
 
 /// The decisions of `call` under its `acp` (`Off`, `Bound`, `ObservedNorms` or
-/// `Threshold`). Small calls are decided on this thread, every head's `c` in one pass
-/// over the gate rows; large ones head by head on the rayon pool
-/// (`foxedge_cpu::SERIAL_DECISIONS`).
-pub(crate) fn prefill_decisions(call: &PrefillCall<'_>) -> Result<PrefillDecisions> {
+/// `Threshold`): per head [`acp::decide_slab`] on `c` from 0. Small calls are decided on
+/// this thread, every head's `c` in one pass over the gate rows; large ones head by head
+/// on the rayon pool ([`acp::SERIAL_DECISIONS`]).
+pub(crate) fn prefill_decisions(call: &PrefillCall<'_>) -> Result<Boundary> {
     use rayon::prelude::*;
-    let (t, nh) = (call.t, call.heads);
-    if call.log_f.len() != t * nh {
+    let (t, nh) = (call.t(), call.heads());
+    let (args, mode) = (call.args(), call.acp());
+    if matches!(mode, Acp::Decided(_)) {
+        return Err(Error::Internal(
+            "prefill decisions asked of a decided call".into(),
+        ));
+    }
+    let log_f = args.log_fgate;
+    if log_f.len() != t * nh {
         return Err(Error::invalid("prefill: log_f holds [t, heads] values"));
     }
     let grid = BlockGrid::new(BLOCK, BLOCK, t, t).map_err(core_err)?;
     let nqb = grid.q_blocks();
-    let mut pd = PrefillDecisions {
+    let mut pd = Boundary {
+        block: BLOCK,
         q_blocks: nqb,
         start_blocks: vec![0; nh * nqb],
         kept_pairs: vec![0; nh],
@@ -65,20 +77,19 @@ pub(crate) fn prefill_decisions(call: &PrefillCall<'_>) -> Result<PrefillDecisio
         delta: vec![None; nh],
         c: vec![0.0; nh * t],
     };
-    let heavy = matches!(call.acp, Acp::ObservedNorms { .. });
-    let serial = !heavy && t * nh <= foxedge_cpu::SERIAL_DECISIONS;
+    let heavy = matches!(mode, Acp::ObservedNorms { .. });
+    let serial = !heavy && t * nh <= acp::SERIAL_DECISIONS;
     if serial {
-        gate::cumsum_rows(call.log_f, nh, 0.0, &mut pd.c).map_err(core_err)?;
+        gate::cumsum_rows(log_f, nh, 0.0, &mut pd.c).map_err(core_err)?;
     } else {
-        gate::validate_log_gates(call.log_f).map_err(core_err)?;
+        gate::validate_log_gates(log_f).map_err(core_err)?;
     }
+    let scale = 1.0 / (call.head_dim() as f32).sqrt();
     let one = |(h, (c, st)): (usize, (&mut [f64], &mut [u32]))| {
         if !serial {
-            gate::cumsum_strided(&call.log_f[h..], nh, 0.0, c).map_err(core_err)?;
+            gate::cumsum_strided(&log_f[h..], nh, 0.0, c).map_err(core_err)?;
         }
-        let delta = head_threshold(call, h)?;
-        boundary::start_blocks(&grid, c, delta, 0, st).map_err(core_err)?;
-        Ok::<_, Error>((delta, boundary::count_pairs(&grid, st, 0)))
+        acp::decide_slab(args, &mode, scale, &grid, h, 0, c, st).map_err(core_err)
     };
     let heads: Vec<_> = if serial {
         let parts =
@@ -90,98 +101,30 @@ pub(crate) fn prefill_decisions(call: &PrefillCall<'_>) -> Result<PrefillDecisio
         parts.enumerate().map(one).collect()
     };
     for (h, r) in heads.into_iter().enumerate() {
-        let (delta, pc) = r?;
-        (pd.delta[h], pd.kept_pairs[h], pd.total_pairs[h]) = (delta, pc.kept_pairs, pc.total_pairs);
+        let hs = r?;
+        (pd.delta[h], pd.kept_pairs[h], pd.total_pairs[h]) =
+            (hs.delta, hs.kept_pairs, hs.total_pairs);
     }
     Ok(pd)
 }
 
-/// Head `h`'s threshold `delta = -2 U_h - ln t + ln eps` (None: dense).
-fn head_threshold(call: &PrefillCall<'_>, h: usize) -> Result<Option<f64>> {
-    let (t, nh, d) = (call.t, call.heads, call.head_dim);
-    let one_per_head = |x: &[f64]| {
-        x.get(h)
-            .copied()
-            .ok_or_else(|| Error::invalid("ACP: one bound or threshold per head"))
-    };
-    Ok(match call.acp {
-        Acp::Off => None,
-        Acp::Threshold(delta) => Some(one_per_head(delta)?),
-        Acp::Bound { u, ln_eps } => {
-            Some(threshold::threshold(one_per_head(u)?, t, ln_eps).map_err(core_err)?)
-        }
-        Acp::ObservedNorms { ln_eps } => {
-            // U from this call's largest q and k norms of the head (Cauchy-Schwarz).
-            let max_norm = |x: &[f32]| {
-                (0..t)
-                    .map(|r| {
-                        let row = &x[(r * nh + h) * d..][..d];
-                        row.iter()
-                            .map(|v| f64::from(*v) * f64::from(*v))
-                            .sum::<f64>()
-                            .sqrt()
-                    })
-                    .fold(0.0f64, f64::max)
-            };
-            let scale = 1.0 / (d as f64).sqrt();
-            let u = threshold::bound_from_norms(max_norm(call.q), max_norm(call.k), scale)
-                .map_err(core_err)?;
-            Some(threshold::threshold(u, t, ln_eps).map_err(core_err)?)
-        }
-        Acp::Decided(_) => {
-            return Err(Error::Internal(
-                "prefill decisions asked of a decided call".into(),
-            ));
-        }
-    })
-}
-
-/// Kept (query, entry) pairs of head `h` of a decode call: entries in [`BLOCK`]-entry
-/// blocks (slot order, as the kernels split them) where some query has
-/// `c_t - c_j >= delta`, times the queries.
+/// Kept (query, entry) pairs of head `h` of a decode call: the head's entries that
+/// [`acp::decode_kept_entries`] keeps in [`BLOCK`]-entry blocks under the threshold
+/// [`acp::decode_delta`], times the queries.
 pub(crate) fn decode_kept(call: &DecodeCall<'_>, h: usize) -> Result<u64> {
     let nq = call.args.n_queries;
-    let head = call
-        .args
-        .heads
+    let heads = call.args.heads;
+    let head = heads
         .get(h)
         .ok_or_else(|| Error::Internal("decode_kept: no such head".into()))?;
-    let n = head.c.len();
     let qc = call
         .args
         .q_c
         .get(h * nq..(h + 1) * nq)
         .ok_or_else(|| Error::invalid("decode: q_c holds [heads, n_queries] values"))?;
-    let one = |x: &[f64]| {
-        x.get(h)
-            .copied()
-            .ok_or_else(|| Error::invalid("ACP: one bound or threshold per head"))
-    };
-    let delta = match call.acp {
-        _ if n == 0 => None,
-        Acp::Off => None,
-        Acp::Bound { u, ln_eps } => {
-            Some(threshold::threshold(one(u)?, n, ln_eps).map_err(core_err)?)
-        }
-        Acp::Threshold(d) => Some(one(d)?),
-        Acp::ObservedNorms { .. } | Acp::Decided(_) => {
-            return Err(Error::invalid("decode: ACP is off, a bound or a threshold"));
-        }
-    };
-    let kept = match delta {
-        None => n,
-        Some(delta) => {
-            let cmax = qc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            head.c
-                .chunks(BLOCK)
-                .filter(|blk| {
-                    let cmin = blk.iter().copied().fold(f64::INFINITY, f64::min);
-                    cmax - cmin >= delta
-                })
-                .map(<[f64]>::len)
-                .sum()
-        }
-    };
+    acp::check_decode_acp(&call.acp, heads.len()).map_err(core_err)?;
+    let delta = acp::decode_delta(&call.acp, h, head.c.len()).map_err(core_err)?;
+    let kept = acp::decode_kept_entries(head.c, qc, delta, BLOCK).map_err(core_err)?;
     Ok(kept as u64 * nq as u64)
 }
 
@@ -192,7 +135,7 @@ pub(crate) mod tests {
     //! tests share.
     use super::*;
     use crate::backend::{AttentionBackend, CpuBackend};
-    use foxedge_cpu::{CacheHead, DecodeArgs};
+    use foxedge_core::contract::{CacheHead, DecodeArgs, DecodeOptions, PrefillOptions};
 
     /// Prefill inputs: q, k, v uniform in [-1, 1) from a seed; head `h`'s log gates
     /// `-0.001 (1 + 50 h)` (from nearly global to local heads); `U = sqrt(d)`.
@@ -259,17 +202,16 @@ pub(crate) mod tests {
         }
 
         pub(crate) fn call<'a>(&'a self, acp: Acp<'a>) -> PrefillCall<'a> {
-            PrefillCall {
-                t: self.t,
-                heads: self.heads,
-                head_dim: self.d,
-                q: &self.q,
-                k: &self.k,
-                v: &self.v,
-                log_f: &self.log_f,
-                acp,
-                only: None,
-            }
+            PrefillCall::new(
+                self.t,
+                self.heads,
+                self.d,
+                &self.q,
+                &self.k,
+                &self.v,
+                &self.log_f,
+            )
+            .with_acp(acp)
         }
 
         pub(crate) fn step(&self, n: usize) -> Step {
@@ -334,31 +276,36 @@ pub(crate) mod tests {
 
     #[test]
     fn block_is_both_kernels_default_tile() {
-        assert_eq!(BLOCK, foxedge_cpu::PrefillOptions::default().block_q);
-        assert_eq!(BLOCK, foxedge_cpu::PrefillOptions::default().block_k);
-        assert_eq!(BLOCK, foxedge_cpu::DecodeOptions::default().block_k);
+        assert_eq!(BLOCK, PrefillOptions::default().block_q);
+        assert_eq!(BLOCK, PrefillOptions::default().block_k);
+        assert_eq!(BLOCK, DecodeOptions::default().block_k);
     }
 
     #[test]
     fn decisions_equal_each_heads_own_serially_and_on_the_pool() {
-        // 700 x 5 gate entries are decided on this thread; 4200 x 16 on the pool.
+        // 700 x 5 gate entries are decided on this thread; 4200 x 16 on the pool. Each
+        // head against its own decision by foxedge-core (itself tested against the
+        // paper's definitions there).
         for (t, nh) in [(700, 5), (4200, 16)] {
             let p = Inputs::new(t, nh, 8, 3);
-            let b = prefill_decisions(&p.call(p.bound())).unwrap();
+            let call = p.call(p.bound());
+            let b = prefill_decisions(&call).unwrap();
             let grid = BlockGrid::new(BLOCK, BLOCK, t, t).unwrap();
             let nqb = grid.q_blocks();
             let (mut c, mut st) = (vec![0.0; t], vec![0u32; nqb]);
+            let scale = 1.0 / (p.d as f32).sqrt();
             for h in 0..nh {
                 gate::cumsum_strided(&p.log_f[h..], nh, 0.0, &mut c).unwrap();
-                let delta = threshold::threshold(p.u[h], t, -10.0).unwrap();
-                boundary::start_blocks(&grid, &c, Some(delta), 0, &mut st).unwrap();
-                let pc = boundary::count_pairs(&grid, &st, 0);
+                let hs = acp::decide_slab(call.args(), &p.bound(), scale, &grid, h, 0, &c, &mut st)
+                    .unwrap();
+                let delta = acp::prefill_delta(call.args(), &p.bound(), scale, h, 0).unwrap();
                 assert_eq!(&b.c[h * t..][..t], &c[..]);
                 assert_eq!(&b.start_blocks[h * nqb..][..nqb], &st[..]);
-                assert_eq!(b.delta[h], Some(delta));
+                assert_eq!(b.delta[h], delta);
+                assert!(delta.is_some());
                 assert_eq!(
                     (b.kept_pairs[h], b.total_pairs[h]),
-                    (pc.kept_pairs, pc.total_pairs)
+                    (hs.kept_pairs, hs.total_pairs)
                 );
             }
             assert!(b.kept_pairs.iter().zip(&b.total_pairs).any(|(k, n)| k < n));

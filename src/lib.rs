@@ -15,6 +15,7 @@
 pub mod aligned;
 pub mod attention;
 pub mod backend;
+mod calibration;
 pub mod config;
 mod decisions;
 pub mod error;

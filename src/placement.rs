@@ -16,9 +16,9 @@
 //! other.
 //!
 //! # Auto
-//! A short calibration (once per process, device and (heads, head_dim)) fits
-//! `secs = a + b P` per side and kind of call on synthetic dense calls, `P` the call's
-//! dense query-key pairs. A call's size class is (prefill or decode, ACP or dense, heads,
+//! A short calibration ([`crate::calibration`], once per process, device and (heads,
+//! head_dim)) fits `secs = a + b P` per side and kind of call on synthetic dense calls,
+//! `P` the call's dense query-key pairs. A call's size class is (prefill or decode, ACP or dense, heads,
 //! `floor(log2 P)`). In its class a plan's estimate is the fit's seconds times the median
 //! of measured / fitted seconds over the plan's last [`WINDOW`] recorded calls (the fit
 //! alone before any; times [`SPLIT_PRIOR`] for a split). A call runs the plan of the
@@ -39,17 +39,14 @@ use crate::backend::{
     AttentionBackend, BackendKind, CpuBackend, DecodeCall, PrefillCall, is_device_failure,
     merge_stats,
 };
-use crate::decisions::{PrefillDecisions, decode_kept, prefill_decisions};
+use crate::calibration::{self, Calibration};
+use crate::decisions::{Boundary, decode_kept, prefill_decisions};
 use crate::error::{Error, Result};
-use foxedge_cpu::{Acp, AttentionStats};
+use foxedge_core::contract::{Acp, AttentionStats};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
-
-mod calibrate;
-pub use calibrate::{Calibration, Line};
-use calibrate::{calibrate, decode_secs, prefill_secs};
 
 /// Recorded calls per plan and class whose median is the plan's correction.
 const WINDOW: usize = 7;
@@ -270,32 +267,12 @@ impl Placement {
         self.costs(&mut *self.state()?, heads, d)
     }
 
-    /// This placement's costs for (heads, d): the process's for its device when some other
-    /// placement measured them (then the GPU runs each kind of call once, so that its
-    /// pipelines are built now, not in the middle of a stream), else measured now.
+    /// This placement's costs for (heads, d) ([`calibration::for_device`] at first use).
     fn costs(&self, st: &mut State, heads: usize, d: usize) -> Result<Calibration> {
         if let Some(c) = st.costs.get(&(heads, d)) {
             return Ok(*c);
         }
-        type Shared = Mutex<HashMap<(String, usize, usize), Calibration>>;
-        static SHARED: OnceLock<Shared> = OnceLock::new();
-        let shared = SHARED.get_or_init(Shared::default);
-        let key = (self.gpu.name.clone(), heads, d);
-        let known = shared.lock().ok().and_then(|m| m.get(&key).copied());
-        let cal = match known {
-            Some(c) => {
-                prefill_secs(self.gpu.backend.as_ref(), heads, d, 64)?;
-                decode_secs(self.gpu.backend.as_ref(), heads, d, 64)?;
-                c
-            }
-            None => {
-                let c = calibrate(self.gpu.backend.as_ref(), heads, d)?;
-                if let Ok(mut m) = shared.lock() {
-                    m.insert(key, c);
-                }
-                c
-            }
-        };
+        let cal = calibration::for_device(self.gpu.backend.as_ref(), &self.gpu.name, heads, d)?;
         st.costs.insert((heads, d), cal);
         Ok(cal)
     }
@@ -440,20 +417,16 @@ impl Placement {
         share: f64,
         out: &mut [f32],
     ) -> Result<(AttentionStats, Split)> {
-        let decided = match call.acp {
+        let decided = match call.acp() {
             Acp::Off => None,
             _ => Some(prefill_decisions(call)?),
         };
         let weights = decided
             .as_ref()
-            .map_or(vec![1; call.heads], |d| d.kept_pairs.clone());
+            .map_or(vec![1; call.heads()], |d| d.kept_pairs.clone());
         let split = Split::of(&weights, share);
-        let acp = decided.as_ref().map_or(call.acp, PrefillDecisions::acp);
-        let side = |heads| PrefillCall {
-            acp,
-            only: Some(heads),
-            ..*call
-        };
+        let acp = decided.as_ref().map_or(call.acp(), Boundary::acp);
+        let side = |heads| call.with_acp(acp).with_heads(Some(heads));
         let (g, c) = (side(&split.gpu_heads), side(&split.cpu_heads));
         let gpu = self.gpu.backend.as_ref();
         let (gran, cres) = self.beside(
@@ -465,7 +438,7 @@ impl Placement {
         let gs = self.or_cpu(gres, || CpuBackend.prefill(&g, out))?;
         Ok((
             merge_stats(
-                call.heads,
+                call.heads(),
                 [(&split.gpu_heads[..], gs), (&split.cpu_heads[..], cs)],
             ),
             split,
@@ -526,26 +499,27 @@ impl AttentionBackend for Placement {
     }
 
     fn prefill(&self, call: &PrefillCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        if out.len() != call.t * call.heads * call.head_dim {
+        let (t, heads) = (call.t(), call.heads());
+        if out.len() != t * heads * call.head_dim() {
             return Err(Error::invalid("prefill out: [t, heads, head_dim] values"));
         }
         if self.fell_back() {
             return CpuBackend.prefill(call, out);
         }
         let entered = Instant::now();
-        let pairs = (call.t * (call.t + 1) / 2 * call.heads) as u64;
-        let acp = !matches!(call.acp, Acp::Off);
-        let choice = self.choose(false, acp, (call.heads, call.head_dim), pairs)?;
+        let pairs = (t * (t + 1) / 2 * heads) as u64;
+        let acp = !matches!(call.acp(), Acp::Off);
+        let choice = self.choose(false, acp, (heads, call.head_dim()), pairs)?;
         let t0 = Instant::now();
         let r = match choice.plan {
             Plan::Cpu => CpuBackend
                 .prefill(call, out)
-                .map(|s| (s, Split::whole(call.heads, false))),
+                .map(|s| (s, Split::whole(heads, false))),
             Plan::Gpu => {
                 let r = self.gpu.backend.prefill(call, out);
                 let on_gpu = r.is_ok();
                 self.or_cpu(r, || CpuBackend.prefill(call, out))
-                    .map(|s| (s, Split::whole(call.heads, on_gpu)))
+                    .map(|s| (s, Split::whole(heads, on_gpu)))
             }
             Plan::Split => self.prefill_split(call, choice.share, out),
         };

@@ -3,18 +3,17 @@
 
 use crate::aligned::AlignedF32;
 use crate::backend::{
-    AttentionBackend, BackendKind, CacheSync, DecodeCall, PrefillCall, WriteJournal,
-    fresh_cache_ids,
+    AttentionBackend, BackendKind, DecodeCall, PrefillCall, WriteJournal, fresh_cache_ids,
 };
 use crate::config::{HiddenAct, OgateAct};
 use crate::error::{Error, Result};
 use crate::model::{LayerWeights, Model, QK_EPS};
 use crate::ops;
+use foxedge_core::contract::{Acp, CacheHead, DecodeArgs, HeadSync};
 use foxedge_core::gate::GateStream;
 use foxedge_core::retention::{
     Eviction, ForcedOrder, HeadState, PolicyConfig, RetentionPolicy, Slot,
 };
-use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -135,7 +134,7 @@ fn rate(n: u64, s: f64) -> f64 {
 
 /// One head's retained entries, dense in slot order (the policy's slot `i` is row `i`).
 ///
-/// Change tracking for device mirrors ([`CacheSync`]): `version` counts writes;
+/// Change tracking for device mirrors ([`HeadSync`]): `version` counts writes;
 /// every write of a row (append, swap-delete move, re-basing of every `c`) sets its
 /// `row_version` to a fresh `version`, so `row_version[j] <= version` always holds and a
 /// changed row is newer than anything a mirror synced before. The journal lists the latest
@@ -204,8 +203,8 @@ impl HeadCache {
     }
 
     /// Change tracking for a backend's device mirror.
-    fn sync(&self) -> CacheSync<'_> {
-        CacheSync {
+    fn sync(&self) -> HeadSync<'_> {
+        HeadSync {
             id: self.id,
             version: self.version,
             row_version: &self.row_version,
@@ -877,17 +876,7 @@ impl Session {
                 (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
                 (Some(ln_eps), false) => Acp::ObservedNorms { ln_eps },
             };
-            let call = PrefillCall {
-                t,
-                heads: nh,
-                head_dim: hd,
-                q: &s.q,
-                k: &s.k,
-                v: &s.v,
-                log_f: &s.log_f,
-                acp,
-                only: None,
-            };
+            let call = PrefillCall::new(t, nh, hd, &s.q, &s.k, &s.v, &s.log_f).with_acp(acp);
             let st = self.backend.prefill(&call, &mut s.o)?;
             kept += st.kept_pairs();
             total += st.total_pairs();
@@ -926,7 +915,7 @@ impl Session {
                         pos: None,
                     })
                     .collect();
-                let sync: Vec<CacheSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
+                let sync: Vec<HeadSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
                 let call = DecodeCall {
                     args: DecodeArgs::one_query(hd, q, &c_rows[r * nh..(r + 1) * nh], &heads),
                     sync: &sync,
@@ -1007,9 +996,9 @@ mod vulkan_tests {
     //! carried through 4 layers), the resident cache uploads O(1) rows per step, and a
     //! reset or dropped session frees its mirrors without disturbing another session's.
     use super::*;
-    use crate::vulkan_backend::{VulkanBackend, open};
     use crate::Model;
-    use foxedge_cpu::AttentionStats;
+    use crate::vulkan_backend::{VulkanBackend, open};
+    use foxedge_core::contract::AttentionStats;
 
     /// Lets several sessions share one backend (and its mirrors) in a test.
     #[derive(Debug)]

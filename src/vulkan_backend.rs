@@ -8,8 +8,8 @@
 //! remembers it); device memory exhausted → [`Error::OutOfMemory`]. [`CpuFallback`] turns
 //! either into a rerun on the CPU.
 //!
-//! Decode keeps each cache head that comes with a [`crate::backend::CacheSync`] resident on
-//! the device (`foxedge_vulkan::ResidentCache`, keyed by the sync id): a step uploads only
+//! Decode keeps each cache head that comes with a [`HeadSync`] resident on the device
+//! (`foxedge_vulkan::ResidentCache`, keyed by the sync id): a step uploads only
 //! the rows whose version is newer than the mirror's, so a session's step moves O(1) rows
 //! (the new token, swap-delete moves) instead of the whole cache. Heads without sync are
 //! uploaded whole for the call. Mirrors are freed when their session releases them, and the
@@ -20,7 +20,7 @@ use crate::backend::{
     is_device_failure,
 };
 use crate::error::{Error, Result};
-use foxedge_cpu::AttentionStats;
+use foxedge_core::contract::{AttentionStats, HeadSync};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -153,9 +153,9 @@ impl AttentionBackend for VulkanBackend {
         self.check_alive()?;
         let (args, opts) = (call.args(), call.options());
         if self.f16_prefill {
-            self.vk.prefill_f16_storage(&args, &opts, out, None)
+            self.vk.prefill_f16_storage(args, opts, out, None)
         } else {
-            self.vk.prefill(&args, &opts, out, None)
+            self.vk.prefill(args, opts, out, None)
         }
         .map_err(|e| self.map_err(e))
     }
@@ -169,7 +169,7 @@ impl AttentionBackend for VulkanBackend {
         let (args, opts) = (call.args(), call.options());
         let run = self
             .vk
-            .prefill_run(&args, &opts, self.f16_prefill, on_packed)
+            .prefill_run(args, opts, self.f16_prefill, on_packed)
             .map_err(|e| self.map_err(e))?;
         Ok(Box::new(Ran { backend: self, run }))
     }
@@ -189,20 +189,7 @@ impl AttentionBackend for VulkanBackend {
                 .decode(args, &opts, out, None)
                 .map_err(|e| self.map_err(e));
         }
-        let sync: Vec<Option<foxedge_vulkan::HeadSync<'_>>> = call
-            .sync
-            .iter()
-            .map(|s| {
-                Some(foxedge_vulkan::HeadSync {
-                    id: s.id,
-                    version: s.version,
-                    row_version: s.row_version,
-                    journal: s
-                        .journal
-                        .map(|(since, rows)| foxedge_vulkan::Journal { since, rows }),
-                })
-            })
-            .collect();
+        let sync: Vec<Option<HeadSync<'_>>> = call.sync.iter().copied().map(Some).collect();
         let mut r = self
             .resident
             .lock()
@@ -292,7 +279,7 @@ mod tests {
     //! one cannot be lost on demand). Sessions on a shared Vulkan backend are tested with
     //! the session.
     use super::*;
-    use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
+    use foxedge_core::contract::{Acp, CacheHead, DecodeArgs};
 
     /// The device this process would open, or None (saying why) when there is none and
     /// `CI` is unset.
@@ -399,20 +386,10 @@ mod tests {
         );
         let log_f: Vec<f32> = rnd(t * nh, 1.0).iter().map(|x| -0.3 * x.abs()).collect();
         let u = vec![2.0f64; nh];
-        let call = PrefillCall {
-            t,
-            heads: nh,
-            head_dim: d,
-            q: &q,
-            k: &k,
-            v: &v,
-            log_f: &log_f,
-            acp: Acp::Bound {
-                u: &u,
-                ln_eps: -10.0,
-            },
-            only: None,
-        };
+        let call = PrefillCall::new(t, nh, d, &q, &k, &v, &log_f).with_acp(Acp::Bound {
+            u: &u,
+            ln_eps: -10.0,
+        });
         let mut want = vec![0.0f32; q.len()];
         let st_want = CpuBackend.prefill(&call, &mut want).unwrap();
         let rel = |x: &[f32]| {

@@ -12,8 +12,9 @@
 
 mod common;
 
-use common::workload::{read_token_rows, real_gate_inputs};
+use common::workload::read_token_rows;
 use common::{fixture, input_ids, or_skip, tiny};
+use foxedge::attention::capture_text;
 use foxedge::attention::{AcpMode, Engine, PrefillInputs};
 use foxedge::{BackendKind, ErrorKind, Model, Session, SessionOptions};
 use std::sync::{Arc, OnceLock};
@@ -31,8 +32,8 @@ fn model() -> Arc<Model> {
 
 /// The model's 16 real heads (4 layers x 4) over the first `len` tokens of the long fixture.
 fn real(len: usize) -> PrefillInputs {
-    let rows = read_token_rows(&fixture("long_input_ids.npy")).unwrap();
-    real_gate_inputs(&model(), &rows, len).unwrap()
+    let rows = read_token_rows(&fixture("long_input_ids.npy"));
+    capture_text(&model(), &rows, len).unwrap()
 }
 
 /// A random problem with per-head gate strengths from nearly 0 (global) to strong (local).

@@ -51,6 +51,6 @@ pub fn workload(max_len: usize) -> Result<PrefillInputs> {
     let root = root();
     let model = Arc::new(Model::open(root.join("models/fox-tiny-pro"))?);
     let rows =
-        workload::read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"))?;
-    workload::real_gate_inputs(&model, &rows, max_len)
+        workload::read_token_rows(&root.join("tests/fixtures/fox-tiny-pro/long_input_ids.npy"));
+    foxedge::attention::capture_text(&model, &rows, max_len)
 }

@@ -16,7 +16,7 @@ fn synthetic_steps_write_as_many_rows_as_steps() {
         assert_eq!(newer, k.min(n as u64), "after {k} steps");
         assert_eq!(st.sync(0).version - v0, k);
         assert!(st.row_version.iter().all(|&v| v <= st.version));
-        let (since, rows) = st.journal.view();
+        let foxedge_core::contract::Journal { since, rows } = st.journal.view();
         assert_eq!(
             since + rows.len() as u64,
             st.version,

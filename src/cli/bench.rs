@@ -6,8 +6,6 @@
 //! the kept fraction, and speedups: against the CPU (same op, length and pruning) and of
 //! ACP against dense (same backend).
 
-mod workload;
-
 use super::plot::{PALETTE, Series, line_chart};
 use super::pool::{cell_label, sample_mean};
 use super::{ModelArg, progress};
@@ -17,7 +15,6 @@ use foxedge::{BackendKind, Error, Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use workload::{read_token_rows, real_gate_inputs};
 
 /// One measured cell.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -288,7 +285,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         None => fixture_ids(&dir)?,
     };
     let model = Arc::new(Model::open(&dir)?);
-    let rows = read_token_rows(&ids_path)?;
+    let t = super::npy::read_token_ids(&ids_path)?;
+    let rows: Vec<Vec<u32>> = t.ids.chunks(t.row_len()).map(<[u32]>::to_vec).collect();
     let max_len = lens.iter().copied().max().unwrap_or(1024);
     eprintln!(
         "[bench] running the model over {max_len} tokens of {} for real gates",
@@ -296,7 +294,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     let t0 = Instant::now();
     let spinner = progress::spinner("capturing real gates".into(), a.quiet || json);
-    let big = real_gate_inputs(&model, &rows, max_len);
+    let big = foxedge::attention::capture_text(&model, &rows, max_len);
     spinner.finish_and_clear();
     let big = big?;
     eprintln!(

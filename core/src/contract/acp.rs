@@ -14,8 +14,9 @@
 //!   `max D = c_t - min_J c_j`, and the block is skipped iff that is below `delta` for
 //!   every query ([`decode_block_pruned`]).
 //!
-//! Nothing here reads tensor memory except [`prefill_delta`] under [`Acp::ObservedNorms`],
-//! which bounds the logits by the norms of the call's q and k (Cauchy-Schwarz).
+//! Nothing here reads tensor memory except [`observed_bound`] ([`prefill_delta`] under
+//! [`Acp::ObservedNorms`]), which bounds the logits by the norms of the call's q and k
+//! (Cauchy-Schwarz).
 
 use super::types::{Acp, Decisions, HeadStats, PrefillArgs, Storage};
 use crate::boundary::{self, BlockGrid};
@@ -68,7 +69,7 @@ pub fn prefill_delta<T: Storage>(
             "prefill_delta: key_start must be < seq_k",
         ));
     }
-    let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+    let h = bh % sh.heads_q;
     let n_keys = sh.seq_k - key_start;
     match *acp {
         Acp::Off => Ok(None),
@@ -105,11 +106,41 @@ pub fn prefill_delta<T: Storage>(
             threshold::threshold(uh, n_keys, ln_eps).map(Some)
         }
         Acp::ObservedNorms { ln_eps } => {
-            let (qn, kn) = observed_norms(args, b, h, key_start)?;
-            let u = threshold::bound_from_norms(qn, kn, f64::from(scale.abs()))?;
+            let u = observed_bound(args, scale, bh, key_start)?;
             threshold::threshold(u, n_keys, ln_eps).map(Some)
         }
     }
+}
+
+/// The logit bound [`Acp::ObservedNorms`] gives prefill slab `bh = b * heads_q + h`:
+/// `U = |scale| max_t ||q_t|| max_j ||k_j||` (Cauchy-Schwarz, f64 norms) over the slab's
+/// query rows at key positions `>= key_start` and its keys `key_start..seq_k` (its kv head
+/// for grouped queries). Valid for this call's q and k only.
+///
+/// Errors: an invalid shape ([`Error::BadShape`]); `bh >= batch * heads_q` or
+/// `key_start >= seq_k` ([`Error::BadArgument`]); q or k too short for the shape
+/// ([`Error::BadLength`]); those of [`threshold::bound_from_norms`].
+pub fn observed_bound<T: Storage>(
+    args: &PrefillArgs<'_, T>,
+    scale: f32,
+    bh: usize,
+    key_start: usize,
+) -> Result<f64> {
+    let sh = &args.shape;
+    sh.validate()?;
+    if bh >= sh.batch * sh.heads_q {
+        return Err(Error::BadArgument(
+            "observed_bound: slab index >= batch * heads_q",
+        ));
+    }
+    if key_start >= sh.seq_k {
+        return Err(Error::BadArgument(
+            "observed_bound: key_start must be < seq_k",
+        ));
+    }
+    let (b, h) = (bh / sh.heads_q, bh % sh.heads_q);
+    let (qn, kn) = observed_norms(args, b, h, key_start)?;
+    threshold::bound_from_norms(qn, kn, f64::from(scale.abs()))
 }
 
 /// `(max_t ||q_t||, max_j ||k_j||)` of slab (b, h): query rows at key positions
@@ -330,6 +361,34 @@ pub fn continue_tile_pruned(q_c_first: f64, key_c_min: f64, delta: f64) -> bool 
     q_c_first - key_c_min < delta
 }
 
+/// The entries of one decode head that a step attends when every query may attend every
+/// entry (no positions): with `delta` (the head's [`decode_delta`]) the entries of the
+/// `block_k`-entry blocks of `c` (slot order, as the kernels tile it) that are not
+/// [`decode_block_pruned`] for the step's queries `q_c`; all of `c` without. The step's
+/// kept pairs are this times the queries.
+///
+/// Errors: `block_k == 0` ([`Error::BadArgument`]).
+pub fn decode_kept_entries(
+    c: &[f64],
+    q_c: &[f64],
+    delta: Option<f64>,
+    block_k: usize,
+) -> Result<usize> {
+    if block_k == 0 {
+        return Err(Error::BadArgument(
+            "decode_kept_entries: block_k must be > 0",
+        ));
+    }
+    Ok(match delta {
+        None => c.len(),
+        Some(delta) => c
+            .chunks(block_k)
+            .filter(|blk| !decode_block_pruned(q_c, block_min(blk), delta))
+            .map(<[f64]>::len)
+            .sum(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     //! Each decision against its definition, computed by brute force in f64: `delta =
@@ -520,6 +579,8 @@ mod tests {
                 let kn = (ks..sh.seq_k)
                     .map(|j| l2(&call.k[sh.kv_at(b, j, h / sh.group())..][..d]))
                     .fold(0.0, f64::max);
+                let u_obs = observed_bound(&args, -scale, bh, ks).unwrap();
+                prop_assert!(close(u_obs, f64::from(scale) * qn * kn), "{u_obs}");
                 let want = formula(f64::from(scale) * qn * kn, n, ln_eps);
                 let got = prefill_delta(&args, &Acp::ObservedNorms { ln_eps }, -scale, bh, ks)
                     .unwrap()
@@ -594,6 +655,28 @@ mod tests {
                 .flat_map(|&ct| c.iter().map(move |&cj| ct - cj))
                 .fold(f64::NEG_INFINITY, f64::max);
             prop_assert_eq!(decode_block_pruned(&q_c, c_min, delta), max_d < delta);
+        }
+
+        /// An entry is kept iff some (query t, entry j) of its block has `c_t - c_j >=
+        /// delta`; every entry is kept without a threshold.
+        #[test]
+        fn decode_kept_entries_are_the_unpruned_blocks(
+            c in proptest::collection::vec(-30.0f64..0.0, 0..200),
+            q_c in proptest::collection::vec(-5.0f64..0.0, 1..4),
+            delta in prop_oneof![1 => Just(None), 4 => (-30.0f64..0.0).prop_map(Some)],
+            block_k in 1usize..70,
+        ) {
+            let want: usize = match delta {
+                None => c.len(),
+                Some(dl) => (0..c.len())
+                    .filter(|&j| {
+                        let b0 = j / block_k * block_k;
+                        let blk = &c[b0..(b0 + block_k).min(c.len())];
+                        q_c.iter().any(|&ct| blk.iter().any(|&cj| ct - cj >= dl))
+                    })
+                    .count(),
+            };
+            prop_assert_eq!(decode_kept_entries(&c, &q_c, delta, block_k).unwrap(), want);
         }
 
         #[test]
@@ -740,6 +823,18 @@ mod tests {
             prefill_delta(&short, &Acp::ObservedNorms { ln_eps: -1.0 }, 1.0, 3, 0),
             Err(Error::BadLength { what: "q", .. })
         ));
+        assert!(matches!(
+            observed_bound(&args, 1.0, 4, 0),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            observed_bound(&args, 1.0, 0, 6),
+            Err(Error::BadArgument(_))
+        ));
+        assert!(matches!(
+            observed_bound(&short, 1.0, 3, 0),
+            Err(Error::BadLength { what: "q", .. })
+        ));
         // All-zero q and k: U = 0, delta = -ln N + ln eps.
         let d = prefill_delta(&args, &Acp::ObservedNorms { ln_eps: -1.0 }, 1.0, 3, 2).unwrap();
         assert!(close(d.unwrap(), formula(0.0, 4, -1.0)));
@@ -830,5 +925,9 @@ mod tests {
             .is_none()
         );
         assert!(decode_delta(&Acp::Bound { u: &u, ln_eps: 1.0 }, 0, 4).is_err());
+        assert!(matches!(
+            decode_kept_entries(&[0.0], &[0.0], None, 0),
+            Err(Error::BadArgument(_))
+        ));
     }
 }

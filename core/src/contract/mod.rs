@@ -27,7 +27,8 @@ pub mod types;
 
 pub use acp::{
     SERIAL_DECISIONS, block_min, check_decisions, check_decode_acp, continue_tile_pruned,
-    decide_slab, decode_block_pruned, decode_delta, head_stats, prefill_delta,
+    decide_slab, decode_block_pruned, decode_delta, decode_kept_entries, head_stats,
+    observed_bound, prefill_delta,
 };
 #[cfg(feature = "alloc")]
 pub use types::AttentionStats;

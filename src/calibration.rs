@@ -1,13 +1,15 @@
-//! `auto`'s and `hybrid`'s short calibration: `secs = a + b P` per side (CPU, GPU) and
-//! kind of call (prefill, decode), fitted through two synthetic dense calls each, `P` the
-//! call's query-key pairs (work is proportional to them: ACP paper, section 3).
+//! What a call costs on each side: `secs = a + b P` per side (the CPU kernels, a GPU
+//! backend) and kind of call (prefill, decode), fitted through two synthetic dense calls
+//! each, `P` the call's query-key pairs (work is proportional to them: ACP paper, section
+//! 3). [`crate::placement`] plans calls from these lines; they are measured once per
+//! process, device and (heads, head_dim) ([`for_device`]).
 
-use crate::backend::{
-    AttentionBackend, CacheSync, CpuBackend, DecodeCall, PrefillCall, fresh_cache_ids,
-};
+use crate::backend::{AttentionBackend, CpuBackend, DecodeCall, PrefillCall, fresh_cache_ids};
 use crate::error::{Error, Result};
-use foxedge_cpu::{Acp, CacheHead, DecodeArgs};
+use foxedge_core::contract::{CacheHead, DecodeArgs, HeadSync};
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 /// `secs = a + b pairs` of one side and kind of call.
@@ -27,7 +29,7 @@ impl Line {
 
     /// The line through two measurements `(pairs, secs)`, both terms clamped to `>= 0`
     /// (timer noise); a flat pair charges the larger call's time per pair.
-    pub(super) fn through((p1, s1): (u64, f64), (p2, s2): (u64, f64)) -> Line {
+    fn through((p1, s1): (u64, f64), (p2, s2): (u64, f64)) -> Line {
         let dp = p2.saturating_sub(p1) as f64;
         let b = if dp > 0.0 { (s2 - s1) / dp } else { 0.0 };
         let b = if b > 0.0 { b } else { s2 / p2.max(1) as f64 };
@@ -95,26 +97,11 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Seconds of a dense prefill of `t` synthetic tokens on `b` ([`time_min`]).
-pub(super) fn prefill_secs(
-    b: &dyn AttentionBackend,
-    heads: usize,
-    d: usize,
-    t: usize,
-) -> Result<f64> {
+fn prefill_secs(b: &dyn AttentionBackend, heads: usize, d: usize, t: usize) -> Result<f64> {
     let n = t * heads * d;
     let (q, k, v) = (random(n, 1), random(n, 2), random(n, 3));
     let log_f = vec![-0.01f32; t * heads];
-    let call = PrefillCall {
-        t,
-        heads,
-        head_dim: d,
-        q: &q,
-        k: &k,
-        v: &v,
-        log_f: &log_f,
-        acp: Acp::Off,
-        only: None,
-    };
+    let call = PrefillCall::new(t, heads, d, &q, &k, &v, &log_f);
     let mut out = vec![0.0f32; n];
     time_min(|| b.prefill(&call, &mut out).map(|_| ()))
 }
@@ -122,18 +109,13 @@ pub(super) fn prefill_secs(
 /// Seconds of a dense decode step over `n` synthetic entries per head on `b`, with change
 /// tracking that never changes: a backend that mirrors caches sends them on the untimed
 /// first step, then nothing, as a session's step sends one row a head.
-pub(super) fn decode_secs(
-    b: &dyn AttentionBackend,
-    heads: usize,
-    d: usize,
-    n: usize,
-) -> Result<f64> {
+fn decode_secs(b: &dyn AttentionBackend, heads: usize, d: usize, n: usize) -> Result<f64> {
     let (k, v, q) = (random(n * d, 4), random(n * d, 5), random(heads * d, 6));
     let c: Vec<f64> = (0..n).map(|j| -0.01 * (n - 1 - j) as f64).collect();
     let (q_c, rows) = (vec![0.0f64; heads], vec![1u64; n]);
     let id = fresh_cache_ids(heads);
-    let sync: Vec<CacheSync<'_>> = (0..heads as u64)
-        .map(|h| CacheSync {
+    let sync: Vec<HeadSync<'_>> = (0..heads as u64)
+        .map(|h| HeadSync {
             id: id + h,
             version: 1,
             row_version: &rows,
@@ -152,7 +134,7 @@ pub(super) fn decode_secs(
     let call = DecodeCall {
         args: DecodeArgs::one_query(d, &q, &q_c, &cache),
         sync: &sync,
-        acp: Acp::Off,
+        acp: foxedge_core::contract::Acp::Off,
     };
     let mut out = vec![0.0f32; heads * d];
     let secs = time_min(|| b.decode(&call, &mut out).map(|_| ()));
@@ -163,7 +145,7 @@ pub(super) fn decode_secs(
 /// Both sides' costs for calls of `heads` x `d`: prefill lines through the last two of
 /// 64, 256, 1024, 4096 tokens (stopping once one takes over 20 ms), decode lines through
 /// steps over 1024 and 8192 entries per head.
-pub(super) fn calibrate(gpu: &dyn AttentionBackend, heads: usize, d: usize) -> Result<Calibration> {
+fn calibrate(gpu: &dyn AttentionBackend, heads: usize, d: usize) -> Result<Calibration> {
     let t0 = Instant::now();
     let prefill = |b: &dyn AttentionBackend| -> Result<Line> {
         let mut pts: Vec<(u64, f64)> = Vec::new();
@@ -186,4 +168,47 @@ pub(super) fn calibrate(gpu: &dyn AttentionBackend, heads: usize, d: usize) -> R
         gpu: [prefill(gpu)?, decode(gpu)?],
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The costs of calls of `heads` x `d` on `gpu` (the device `name`) and the CPU: the
+/// process's, when some earlier placement measured them for this device (then `gpu` runs
+/// each kind of call once, so that its pipelines are built now, not in the middle of a
+/// stream), else measured now ([`calibrate`]) and kept for the process.
+pub(crate) fn for_device(
+    gpu: &dyn AttentionBackend,
+    name: &str,
+    heads: usize,
+    d: usize,
+) -> Result<Calibration> {
+    type Shared = Mutex<HashMap<(String, usize, usize), Calibration>>;
+    static SHARED: OnceLock<Shared> = OnceLock::new();
+    let shared = SHARED.get_or_init(Shared::default);
+    let key = (name.to_string(), heads, d);
+    if let Some(c) = shared.lock().ok().and_then(|m| m.get(&key).copied()) {
+        prefill_secs(gpu, heads, d, 64)?;
+        decode_secs(gpu, heads, d, 64)?;
+        return Ok(c);
+    }
+    let c = calibrate(gpu, heads, d)?;
+    if let Ok(mut m) = shared.lock() {
+        m.insert(key, c);
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A fitted line never charges negative time, whatever the timer read.
+        #[test]
+        fn a_fitted_line_is_finite_and_not_negative(
+            p1 in 1u64..1_000_000, dp in 0u64..1_000_000_000, s1 in 0.0f64..1.0, s2 in 0.0f64..1.0,
+        ) {
+            let l = Line::through((p1, s1), (p1 + dp, s2));
+            prop_assert!(l.a.is_finite() && l.a >= 0.0 && l.b.is_finite() && l.b >= 0.0);
+        }
+    }
 }
