@@ -72,6 +72,22 @@ impl Certificate {
         }
     }
 
+    /// A certificate from its state (a saved stream's): bound `u`, `lse =
+    /// logsumexp_{j in E}(-c_j)` and `|E| = evicted`.
+    ///
+    /// Errors ([`Error::BadArgument`]): `u` NaN, infinite or negative; `lse` NaN or
+    /// `+inf`; `lse = -inf` with `evicted > 0`, or finite with `evicted = 0`.
+    pub fn from_parts(u: f64, lse: f64, evicted: u64) -> Result<Self> {
+        check_u(u)?;
+        let empty = lse == f64::NEG_INFINITY;
+        if lse.is_nan() || lse == f64::INFINITY || empty != (evicted == 0) {
+            return Err(Error::BadArgument(
+                "Certificate::from_parts: lse must be -inf exactly when nothing was evicted",
+            ));
+        }
+        Ok(Self { u, lse, evicted })
+    }
+
     /// The logit bound `U` (nats).
     #[inline]
     pub fn u(&self) -> f64 {

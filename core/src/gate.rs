@@ -257,6 +257,19 @@ impl GateStream {
         }
     }
 
+    /// A stream in a saved state: `origin`, `c` relative to it, `count` gates pushed.
+    ///
+    /// Errors ([`Error::BadArgument`]): `origin` or `c` not finite, or `c > 0` (`c` starts
+    /// at 0, only decreases, and a re-basing moves it to 0 at most).
+    pub fn from_parts(origin: f64, c: f64, count: u64) -> Result<Self> {
+        if !(origin.is_finite() && c.is_finite() && c <= 0.0) {
+            return Err(Error::BadArgument(
+                "GateStream::from_parts: origin and c must be finite, c <= 0",
+            ));
+        }
+        Ok(Self { origin, c, count })
+    }
+
     /// Adds the next log gate and returns the new `c_t` relative to the current origin.
     ///
     /// Errors: [`Error::BadLogGate`] with `index` = the stream position of this gate
@@ -548,5 +561,25 @@ mod tests {
             s.push(g).unwrap();
         }
         assert_eq!(s.current(), c[3]);
+    }
+
+    #[test]
+    fn from_parts_restores_a_stream() {
+        let mut s = GateStream::new();
+        for g in [-0.5f32, -0.25, -2.0] {
+            s.push(g).unwrap();
+        }
+        s.rebase(-1.0);
+        let mut r = GateStream::from_parts(s.origin(), s.current(), s.len()).unwrap();
+        assert_eq!(r, s);
+        assert_eq!(r.push(-0.125).unwrap(), s.push(-0.125).unwrap());
+        for (o, c) in [
+            (f64::NAN, 0.0),
+            (0.0, f64::NEG_INFINITY),
+            (0.0, 1e-9),
+            (f64::INFINITY, -1.0),
+        ] {
+            assert!(GateStream::from_parts(o, c, 3).is_err());
+        }
     }
 }

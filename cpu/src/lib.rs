@@ -11,6 +11,9 @@
 //!   partial softmaxes.
 //! - [`linear`]: dense layers `y = x Wᵀ` with `W` in f32, f16, bf16 or the 8-bit and 4-bit
 //!   block formats of `foxedge_core::quant` (integer dot products), one row or many.
+//! - [`prefill_continue`]: a chunk of new tokens against the retained cache (unordered,
+//!   with each entry's `c_j` and the query where it stops being seen) and, causally, its
+//!   own keys, in query x key tiles with ACP per tile.
 //!
 //! Attention storage is f32, f16 or bf16 ([`Storage`]); compute and accumulation are f32. `c` stays
 //! f64 until a tile converts it to f32 relative to the tile's first query row, so `D` near
@@ -19,6 +22,7 @@
 //! Core decides, kernels compute: the call's types and its ACP decisions (thresholds and
 //! boundaries) come from `foxedge_core::contract`.
 
+mod continuation;
 mod decode;
 pub mod limits;
 pub mod linear;
@@ -26,11 +30,13 @@ mod prefill;
 pub mod reference;
 pub mod simd;
 
+pub use continuation::{prefill_continue, prefill_continue_with_isa};
 pub use decode::{decode, decode_with_isa};
 /// The kernel contract (`foxedge_core::contract`), re-exported at this crate's root.
 pub use foxedge_core::contract::{
-    Acp, AttentionStats, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats,
-    PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage, check_decisions, selected_slabs,
+    Acp, AttentionStats, CacheHead, ContinueArgs, ContinueOptions, DType, Decisions, DecodeArgs,
+    DecodeOptions, HeadStats, PrefillArgs, PrefillOptions, SERIAL_DECISIONS, Storage,
+    check_decisions, selected_slabs,
 };
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};
 pub use prefill::{prefill, prefill_with_isa};

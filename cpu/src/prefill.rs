@@ -215,37 +215,41 @@ impl<E> SharedMut<E> {
     }
 }
 
-/// Per-thread tile buffers (f32), reused across tasks.
+/// Per-thread tile buffers, reused across tasks (prefill and continuation).
 #[derive(Default)]
-struct Scratch {
-    qt: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    st: Vec<f32>,
-    acc: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    mx: Vec<f32>,
-    alpha: Vec<f32>,
-    cq: Vec<f32>,
-    cq_lo: Vec<f32>,
-    row: Vec<f32>,
+pub(crate) struct Scratch {
+    pub(crate) qt: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) st: Vec<f32>,
+    pub(crate) acc: Vec<f32>,
+    pub(crate) m: Vec<f32>,
+    pub(crate) l: Vec<f32>,
+    pub(crate) mx: Vec<f32>,
+    pub(crate) alpha: Vec<f32>,
+    pub(crate) cq: Vec<f32>,
+    pub(crate) cq_lo: Vec<f32>,
+    pub(crate) row: Vec<f32>,
+    /// Per-key column bounds of a continuation tile.
+    pub(crate) hi: Vec<u32>,
+    /// `c` of a continuation tile's new keys.
+    pub(crate) ck: Vec<f64>,
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    pub(crate) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+pub(crate) fn sized<E: Copy + Default>(v: &mut Vec<E>, n: usize) -> &mut [E] {
     if v.len() < n {
-        v.resize(n, 0.0);
+        v.resize(n, E::default());
     }
     &mut v[..n]
 }
 
 /// Stand-in for `-inf` as the initial running max: finite, so that `m_old - m_new` is
 /// never `-inf - -inf`; far below any real logit.
-const M_FLOOR: f32 = -1e30;
+pub(crate) const M_FLOOR: f32 = -1e30;
 
 struct Ctx<'a, 'b, T: Storage, O: Storage> {
     args: &'a PrefillArgs<'b, T>,
@@ -411,6 +415,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
                     lo,
                     // Row j masks query columns i < j0 + j - p0 (causal).
                     causal0,
+                    hi: None,
                     ck: &c[j0..j0 + nk],
                     c_ref,
                     cq,
@@ -551,7 +556,7 @@ fn bcast_mm<V: Vf32, const R: usize, const C: usize>(
 /// (AVX-512), 4 x 2 otherwise.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn tile_mm<V: Vf32>(
+pub(crate) fn tile_mm<V: Vf32>(
     out: &mut [f32],
     ldo: usize,
     a: &[f32],
@@ -581,7 +586,7 @@ fn tile_mm<V: Vf32>(
 /// key position minus first query position), so only keys `j < c1 - causal0` are needed;
 /// the keys are the output rows (`Rows`, for S = Q K^T) or the depth (`Depth`, for P V).
 #[derive(Clone, Copy)]
-enum KeyCut {
+pub(crate) enum KeyCut {
     Rows(isize),
     Depth(isize),
 }
@@ -599,33 +604,36 @@ impl KeyCut {
 }
 
 /// Inputs of [`softmax_block`] (transposed tile: rows are keys, vectors run over queries).
-struct SoftmaxArgs<'a> {
-    st: &'a mut [f32],
-    nqp: usize,
-    nk: usize,
+pub(crate) struct SoftmaxArgs<'a> {
+    pub(crate) st: &'a mut [f32],
+    pub(crate) nqp: usize,
+    pub(crate) nk: usize,
     /// Rows `j < lo` lie before `seq_start`: masked.
-    lo: usize,
+    pub(crate) lo: usize,
     /// Row `j` masks columns `i < causal0 + j` (key after the query).
-    causal0: isize,
+    pub(crate) causal0: isize,
+    /// Row `j` also masks columns `i >= hi[j]` (a key no longer seen by later queries);
+    /// `None`: no such mask.
+    pub(crate) hi: Option<&'a [u32]>,
     /// `c` of the block's keys (f64), and `c` of the tile's first row.
-    ck: &'a [f64],
-    c_ref: f64,
+    pub(crate) ck: &'a [f64],
+    pub(crate) c_ref: f64,
     /// `c_i - c_ref` of the tile's queries as an f32 pair `hi + lo` (see [`split_f64`]).
-    cq: &'a [f32],
-    cq_lo: &'a [f32],
-    m: &'a mut [f32],
-    l: &'a mut [f32],
-    mx: &'a mut [f32],
-    alpha: &'a mut [f32],
-    acc: &'a mut [f32],
-    d: usize,
+    pub(crate) cq: &'a [f32],
+    pub(crate) cq_lo: &'a [f32],
+    pub(crate) m: &'a mut [f32],
+    pub(crate) l: &'a mut [f32],
+    pub(crate) mx: &'a mut [f32],
+    pub(crate) alpha: &'a mut [f32],
+    pub(crate) acc: &'a mut [f32],
+    pub(crate) d: usize,
 }
 
 /// `x` as `hi + lo` with `hi = x as f32` and `lo` the f32 rounding of the remainder, so
 /// differences of two such pairs keep ~48 bits of `c` (f32 alone loses D = c_i - c_j once
 /// |c - c_ref| is large: at |c| ~ 1e4 its spacing is 1e-3, a 1e-3 relative weight error).
 #[inline(always)]
-fn split_f64(x: f64) -> (f32, f32) {
+pub(crate) fn split_f64(x: f64) -> (f32, f32) {
     let hi = x as f32;
     (hi, (x - f64::from(hi)) as f32)
 }
@@ -642,7 +650,7 @@ fn split_f64(x: f64) -> (f32, f32) {
 /// (`MM_COLS * LANES` wide) that lie wholly before `cut` are skipped and left stale:
 /// neither S = Q K^T nor P V of such a chunk reads key `j` ([`KeyCut`]).
 #[inline(always)]
-fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
+pub(crate) fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
     let (nqp, l) = (a.nqp, V::LANES);
     let w = V::MM_COLS * l;
     let skip_to = |cut: usize| cut / w * w;
@@ -658,6 +666,11 @@ fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
         let c0 = skip_to(cut);
         let row = &mut row[c0..];
         let cut = cut - c0;
+        // Columns from `hi` on (relative to c0) are masked too.
+        let hi =
+            a.hi.map_or(row.len(), |h| (h[j] as usize).saturating_sub(c0));
+        let hi = hi.clamp(cut, row.len());
+        let plain = cut == 0 && hi == row.len();
         for (((x, cq), cq_lo), mx) in row
             .chunks_exact_mut(l)
             .zip(a.cq[c0..].chunks_exact(l))
@@ -668,12 +681,13 @@ fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
             // c_i and c_j are close (Sterbenz), which is where weights are not negligible.
             let dij = V::load(cq).sub(ck_hi).add(V::load(cq_lo).sub(ck_lo));
             V::load(x).add(dij).store(x);
-            if cut == 0 {
+            if plain {
                 V::load(mx).max(V::load(x)).store(mx);
             }
         }
-        if cut > 0 {
+        if !plain {
             row[..cut].fill(f32::NEG_INFINITY);
+            row[hi..].fill(f32::NEG_INFINITY);
             for (x, mx) in row.chunks_exact(l).zip(a.mx[c0..].chunks_exact_mut(l)) {
                 V::load(mx).max(V::load(x)).store(mx);
             }
@@ -720,7 +734,7 @@ fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
 /// `dst[c * ldd + r] = src[r * lds + c]` for `r < rows`, `c < cols`, in 8 x 8 blocks
 /// ([`Vf32::transpose8`]; partial edge blocks element by element).
 #[inline(always)]
-fn transpose<V: Vf32>(
+pub(crate) fn transpose<V: Vf32>(
     src: &[f32],
     lds: usize,
     dst: &mut [f32],

@@ -5,7 +5,7 @@
 //! o_i = Σ_j w_ij v_j / Σ_j w_ij,  w_ij = exp(s q_i·k_j + c_i - c_j),  lse_i = ln Σ_j w_ij
 //! ```
 
-use foxedge_core::contract::{DecodeArgs, PrefillArgs, Storage};
+use foxedge_core::contract::{ContinueArgs, DecodeArgs, PrefillArgs, Storage};
 
 /// Reference prefill. Returns `(out, lse)`: `out` in `args.shape.layout`, `lse` in
 /// `[batch, heads_q, seq_q]` order. Row `t` of (b, h) attends keys
@@ -126,6 +126,63 @@ pub fn decode_f64<Q: Storage, T: Storage>(
                 *x /= l;
             }
             lse[r] = mx + l.ln();
+        }
+    }
+    (out, lse)
+}
+
+/// Reference continuation prefill: `out` `[n_queries, heads, d]`, `lse` `[n_queries,
+/// heads]`. Query `r` of head `h` attends cache entry `j` iff `r < cache_end[h][j]` and
+/// new key `i` iff `i <= r < key_end[i]` (see [`ContinueArgs`]), every one of them.
+pub fn prefill_continue_f64<T: Storage>(
+    args: &ContinueArgs<'_, T>,
+    sm_scale: Option<f64>,
+) -> (Vec<f64>, Vec<f64>) {
+    let (d, t, nh) = (args.head_dim, args.n_queries, args.heads());
+    let s = sm_scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let f = |x: T| f64::from(x.to_f32());
+    let mut out = vec![0.0; t * nh * d];
+    let mut lse = vec![f64::NEG_INFINITY; t * nh];
+    for (h, hc) in args.cache.iter().enumerate() {
+        for r in 0..t {
+            let q = &args.q[(r * nh + h) * d..][..d];
+            let cr = args.q_c[r * nh + h];
+            // (logit, value row) of every key query r sees.
+            let mut keys: Vec<(f64, Vec<f64>)> = Vec::new();
+            let dot =
+                |k: &[T]| -> f64 { q.iter().zip(k).map(|(&x, &y)| f64::from(x) * f(y)).sum() };
+            for j in 0..hc.c.len() {
+                if args.cache_end.is_some_and(|e| r >= e[h][j] as usize) {
+                    continue;
+                }
+                let w = s * dot(&hc.k[j * d..(j + 1) * d]) + cr - hc.c[j];
+                keys.push((w, hc.v[j * d..(j + 1) * d].iter().map(|&y| f(y)).collect()));
+            }
+            for i in 0..=r {
+                if args.key_end.is_some_and(|e| r >= e[i * nh + h] as usize) {
+                    continue;
+                }
+                let at = (i * nh + h) * d;
+                let w = s * dot(&args.k[at..at + d]) + cr - args.q_c[i * nh + h];
+                keys.push((w, args.v[at..at + d].iter().map(|&y| f(y)).collect()));
+            }
+            let mx = keys.iter().map(|k| k.0).fold(f64::NEG_INFINITY, f64::max);
+            if mx == f64::NEG_INFINITY {
+                continue;
+            }
+            let o = &mut out[(r * nh + h) * d..][..d];
+            let mut l = 0.0;
+            for (w, v) in &keys {
+                let p = (w - mx).exp();
+                l += p;
+                for (x, y) in o.iter_mut().zip(v) {
+                    *x += p * y;
+                }
+            }
+            for x in o.iter_mut() {
+                *x /= l;
+            }
+            lse[r * nh + h] = mx + l.ln();
         }
     }
     (out, lse)

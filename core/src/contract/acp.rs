@@ -352,6 +352,15 @@ pub fn decode_block_pruned(q_c: &[f64], c_min: f64, delta: f64) -> bool {
     q_c.iter().all(|&ct| ct - c_min < delta)
 }
 
+/// Whether a continuation prefill skips the tile of queries whose first (largest) `c` is
+/// `q_c_first` against a tile of keys whose least `c` is `key_c_min` ([`block_min`]): its
+/// largest decay `q_c_first - key_c_min` is below `delta`. Every pruned pair then has
+/// weight below `eps / N` (appendix A), as in prefill and decode.
+#[inline]
+pub fn continue_tile_pruned(q_c_first: f64, key_c_min: f64, delta: f64) -> bool {
+    q_c_first - key_c_min < delta
+}
+
 /// The entries of one decode head that a step attends when every query may attend every
 /// entry (no positions): with `delta` (the head's [`decode_delta`]) the entries of the
 /// `block_k`-entry blocks of `c` (slot order, as the kernels tile it) that are not
@@ -668,6 +677,36 @@ mod tests {
                     .count(),
             };
             prop_assert_eq!(decode_kept_entries(&c, &q_c, delta, block_k).unwrap(), want);
+        }
+
+        #[test]
+        fn continuation_tile_is_pruned_iff_every_pair_decays_below_delta(
+            steps in proptest::collection::vec(-3.0f64..0.0, 2..80),
+            split in any::<proptest::sample::Index>(),
+            tile in any::<proptest::sample::Index>(),
+            keys in proptest::collection::vec(any::<proptest::sample::Index>(), 1..20),
+            delta in -40.0f64..0.0,
+        ) {
+            // One head's c along the stream; the cache holds positions before `split`
+            // (any subset, any order), the queries are `split..`.
+            let mut c = Vec::with_capacity(steps.len());
+            let mut acc = 0.0;
+            for s in &steps {
+                acc += s;
+                c.push(acc);
+            }
+            let split = split.index(c.len() - 1) + 1;
+            let q0 = split + tile.index(c.len() - split);
+            let rows = &c[q0..];
+            let key_c: Vec<f64> = keys.iter().map(|k| c[k.index(q0 + 1)]).collect();
+            let max_d = rows
+                .iter()
+                .flat_map(|&ci| key_c.iter().map(move |&cj| ci - cj))
+                .fold(f64::NEG_INFINITY, f64::max);
+            prop_assert_eq!(
+                continue_tile_pruned(rows[0], block_min(&key_c), delta),
+                max_d < delta
+            );
         }
 
         #[test]

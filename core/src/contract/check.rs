@@ -3,7 +3,9 @@
 //! device) are the backend's to check.
 
 use super::acp::check_decode_acp;
-use super::types::{DecodeArgs, DecodeOptions, PrefillArgs, PrefillOptions, Storage};
+use super::types::{
+    ContinueArgs, ContinueOptions, DecodeArgs, DecodeOptions, PrefillArgs, PrefillOptions, Storage,
+};
 use crate::error::{Error, Result};
 
 fn len(what: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -109,6 +111,84 @@ impl<Q: Storage, T: Storage> DecodeArgs<'_, Q, T> {
         }
         if opts.block_k == 0 || opts.split == 0 {
             return Err(Error::BadArgument("block_k and split must be > 0"));
+        }
+        if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
+            return Err(Error::BadArgument("sm_scale must be finite"));
+        }
+        check_decode_acp(&opts.acp, nh)
+    }
+}
+
+impl<T: Storage> ContinueArgs<'_, T> {
+    /// Checks a continuation prefill: `head_dim` a positive multiple of 8; at least one
+    /// head and one query, `n_queries < u32::MAX`; q, k, v of `n_queries * heads *
+    /// head_dim` values; `q_c` (finite and non-increasing along the queries of each head)
+    /// and `key_end` of `n_queries * heads` (each new token's end after the token); every cache head's k and v of `n * head_dim`
+    /// values and its `c` finite; `cache_end` of one slice per head, each of its head's
+    /// length; block sizes `> 0`; a finite `sm_scale`; the ACP ([`check_decode_acp`]).
+    ///
+    /// Errors: [`Error::BadShape`], [`Error::BadLength`], [`Error::BadArgument`].
+    pub fn check(&self, opts: &ContinueOptions<'_>) -> Result<()> {
+        let (d, nq, nh) = (self.head_dim, self.n_queries, self.cache.len());
+        if d == 0 || d % 8 != 0 {
+            return Err(Error::BadShape("head_dim must be a positive multiple of 8"));
+        }
+        if nq == 0 || nh == 0 {
+            return Err(Error::BadShape(
+                "continuation needs at least one head and one query",
+            ));
+        }
+        if u32::try_from(nq).is_err() {
+            return Err(Error::BadShape("continuation n_queries must be < 2^32"));
+        }
+        let rows = nh
+            .checked_mul(nq)
+            .filter(|r| r.checked_mul(d).is_some())
+            .ok_or(Error::BadShape("element count overflows usize"))?;
+        len("continue q", rows * d, self.q.len())?;
+        len("continue k", rows * d, self.k.len())?;
+        len("continue v", rows * d, self.v.len())?;
+        len("continue q_c", rows, self.q_c.len())?;
+        if self.q_c.iter().any(|x| !x.is_finite()) {
+            return Err(Error::BadArgument("query c_t must be finite"));
+        }
+        if self
+            .q_c
+            .windows(2 * nh)
+            .step_by(nh)
+            .any(|w| (0..nh).any(|h| w[nh + h] > w[h]))
+        {
+            return Err(Error::BadArgument(
+                "query c_t must be non-increasing along the new tokens",
+            ));
+        }
+        if let Some(e) = self.key_end {
+            len("continue key_end", rows, e.len())?;
+            if (0..rows).any(|x| (e[x] as usize) <= x / nh) {
+                return Err(Error::BadArgument(
+                    "key_end of a new token must be after it (its own query sees it)",
+                ));
+            }
+        }
+        if let Some(e) = self.cache_end {
+            len("continue cache_end (one per head)", nh, e.len())?;
+        }
+        for (h, hc) in self.cache.iter().enumerate() {
+            let n = hc.c.len();
+            let nd = n
+                .checked_mul(d)
+                .ok_or(Error::BadShape("cache size overflows usize"))?;
+            len("cache k (entries * head_dim)", nd, hc.k.len())?;
+            len("cache v (entries * head_dim)", nd, hc.v.len())?;
+            if hc.c.iter().any(|x| !x.is_finite()) {
+                return Err(Error::BadArgument("cache c_j must be finite"));
+            }
+            if let Some(e) = self.cache_end {
+                len("continue cache_end (entries of the head)", n, e[h].len())?;
+            }
+        }
+        if opts.block_q == 0 || opts.block_k == 0 {
+            return Err(Error::BadArgument("block sizes must be > 0"));
         }
         if opts.sm_scale.is_some_and(|s| !s.is_finite()) {
             return Err(Error::BadArgument("sm_scale must be finite"));

@@ -14,8 +14,10 @@
 //! - [`types`]: element types ([`Storage`]), call arguments and options, statistics, and
 //!   the change tracking of a device-resident cache head ([`HeadSync`]).
 //! - [`acp`]: per head the threshold `delta` from an [`Acp`] and the number of keys; the
-//!   start blocks of each query block (prefill); which cache blocks a step skips (decode).
-//! - what a valid call is: [`PrefillArgs::check`], [`DecodeArgs::check`].
+//!   start blocks of each query block (prefill); which cache blocks a step skips (decode);
+//!   which (query tile, key tile) a continuation prefill skips.
+//! - what a valid call is: [`PrefillArgs::check`], [`DecodeArgs::check`],
+//!   [`ContinueArgs::check`].
 //!
 //! [`AttentionStats`] holds a `Vec`: it needs the `alloc` feature (`std` implies it).
 
@@ -24,13 +26,14 @@ mod check;
 pub mod types;
 
 pub use acp::{
-    SERIAL_DECISIONS, block_min, check_decisions, check_decode_acp, decide_slab,
-    decode_block_pruned, decode_delta, decode_kept_entries, head_stats, observed_bound,
-    prefill_delta,
+    SERIAL_DECISIONS, block_min, check_decisions, check_decode_acp, continue_tile_pruned,
+    decide_slab, decode_block_pruned, decode_delta, decode_kept_entries, head_stats,
+    observed_bound, prefill_delta,
 };
 #[cfg(feature = "alloc")]
 pub use types::AttentionStats;
 pub use types::{
-    Acp, CacheHead, DType, Decisions, DecodeArgs, DecodeOptions, HeadStats, HeadSync, Journal,
-    PrefillArgs, PrefillOptions, SelectedSlabs, Storage, selected_slabs,
+    Acp, CacheHead, ContinueArgs, ContinueOptions, DType, Decisions, DecodeArgs, DecodeOptions,
+    HeadStats, HeadSync, Journal, PrefillArgs, PrefillOptions, SelectedSlabs, Storage,
+    selected_slabs,
 };

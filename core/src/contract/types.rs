@@ -355,6 +355,73 @@ impl Default for DecodeOptions<'_> {
     }
 }
 
+/// Inputs of a continuation prefill: `n_queries` new tokens per head attend that head's
+/// retained cache (every entry of which precedes them in the stream) and, causally, the
+/// new tokens' own keys. The new tokens are both the queries and the new keys, so their
+/// `c` is `q_c` for both.
+///
+/// ```text
+/// o_r = Σ_j w_rj v_j / Σ_j w_rj,   w_rj = exp(s q_r·k_j + c_r - c_j)
+/// j over: cache entries e with r < cache_end[e],  new keys i with i <= r < key_end[i]
+/// ```
+///
+/// The ends say which query first no longer sees a key: an entry evicted while the chunk's
+/// tokens were appended one by one (a budget or the certificate) is seen by the queries
+/// before its eviction only, exactly as in token-by-token feeding. `None`: every query
+/// sees every cache entry, and new key `i` is seen by queries `i..n_queries`.
+///
+/// Layouts: `q`, `k`, `v` are `[n_queries, heads, head_dim]` (the model's rows);
+/// `q_c`, `key_end` are `[n_queries, heads]`; `cache_end[h]` has one value per entry of
+/// `cache[h]`. `c` values share each head's origin (that of `q_c`). Cache positions
+/// (`CacheHead::pos`) are not read.
+#[derive(Debug, Clone, Copy)]
+pub struct ContinueArgs<'a, T: Storage> {
+    pub head_dim: usize,
+    pub n_queries: usize,
+    pub q: &'a [f32],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub q_c: &'a [f64],
+    pub key_end: Option<&'a [u32]>,
+    /// One per head.
+    pub cache: &'a [CacheHead<'a, T>],
+    pub cache_end: Option<&'a [&'a [u32]]>,
+}
+
+impl<T: Storage> ContinueArgs<'_, T> {
+    /// Heads of the call (`cache.len()`).
+    pub fn heads(&self) -> usize {
+        self.cache.len()
+    }
+}
+
+/// Options of a continuation prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ContinueOptions<'a> {
+    /// Logit scale `s`; `None` means `1 / sqrt(head_dim)`.
+    pub sm_scale: Option<f32>,
+    /// Pruning: `Off`, `Threshold` (one delta per head) or `Bound` (one U per head, with
+    /// `N` = the head's cache entries plus the new tokens). A (query tile, key tile) is
+    /// skipped when its largest decay is below delta
+    /// ([`super::acp::continue_tile_pruned`]).
+    pub acp: Acp<'a>,
+    /// Queries per tile, > 0.
+    pub block_q: usize,
+    /// Keys per tile (cache entries in slot order, or new keys), > 0.
+    pub block_k: usize,
+}
+
+impl Default for ContinueOptions<'_> {
+    fn default() -> Self {
+        Self {
+            sm_scale: None,
+            acp: Acp::Off,
+            block_q: 64,
+            block_k: 64,
+        }
+    }
+}
+
 /// Change tracking of one cache head, from its owner, for a backend that mirrors the head
 /// on a device and uploads only the rows written since it last synced.
 ///

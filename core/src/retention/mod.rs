@@ -92,11 +92,13 @@ use crate::eviction::Certificate;
 use crate::threshold::{DEFAULT_LN_EPS, check_ln_eps, check_u};
 
 mod slots;
+mod snapshot;
 #[cfg(test)]
 mod tests;
 
 pub use slots::{Eviction, EvictionKind, HeadState, Slot};
 use slots::{NONE, Zone, evict, heap_push, list_push_back, oldest_evictable};
+pub use snapshot::{EntryRecord, EntryZone, HeadRecord};
 
 /// How a budget chooses what to evict once the certificate allows nothing more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -260,7 +262,7 @@ pub struct LayerStats {
 
 /// The retention policy of one layer over caller storage `S` (slots) and `H` (head states).
 /// See the module documentation.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RetentionPolicy<S, H> {
     cfg: PolicyConfig,
     limit: usize,

@@ -563,3 +563,182 @@ proptest! {
         }
     }
 }
+
+/// Saves `p` as plain data and restores it into fresh storage.
+fn save_restore(p: &VecPolicy) -> Result<VecPolicy> {
+    let cfg = p.cfg;
+    let nh = cfg.heads;
+    let u: Vec<f64> = (0..nh).map(|h| p.heads[h].cert.u()).collect();
+    let records: Vec<HeadRecord> = (0..nh).map(|h| p.head_record(h).unwrap()).collect();
+    let entries: Vec<Vec<EntryRecord>> = (0..nh)
+        .map(|h| {
+            (0..records[h].live)
+                .map(|s| p.entry(h, s).unwrap())
+                .collect()
+        })
+        .collect();
+    let ages: Vec<Vec<usize>> = entries
+        .iter()
+        .map(|es| {
+            let mut order: Vec<usize> = (0..es.len())
+                .filter(|&s| es[s].zone != EntryZone::Sink)
+                .collect();
+            order.sort_by_key(|&s| es[s].position);
+            order
+        })
+        .collect();
+    RetentionPolicy::restore(
+        cfg,
+        &u,
+        vec![Slot::EMPTY; cfg.slots_needed().unwrap()],
+        vec![HeadState::EMPTY; nh],
+        p.last_position(),
+        &records,
+        |h, s| entries[h][s],
+        |h, i| ages[h][i],
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// A policy saved at any step and restored makes the same evictions, in the same
+    /// order and slots, and reports the same statistics from then on.
+    #[test]
+    fn restored_policy_makes_the_same_decisions(case in case(), cut in 0usize..40) {
+        let cfg = case.cfg;
+        let nh = cfg.heads;
+        let mut p = policy(cfg, &case.u);
+        let mut q = None;
+        let mut c = vec![0.0f64; nh];
+        for t in 0..case.gates.len() {
+            if t == cut {
+                let r = save_restore(&p).unwrap();
+                check_invariants(&r);
+                q = Some(r);
+            }
+            for h in 0..nh {
+                c[h] += f64::from(case.gates[t][h]);
+            }
+            let sc = (cfg.order == ForcedOrder::Scores).then_some(&case.scores[t][..]);
+            let mut ev_p = Vec::new();
+            p.append(t as u64 * 2, &c, sc, |e| ev_p.push(e)).unwrap();
+            if let Some(q) = q.as_mut() {
+                let mut ev_q = Vec::new();
+                q.append(t as u64 * 2, &c, sc, |e| ev_q.push(e)).unwrap();
+                prop_assert_eq!(&ev_p, &ev_q, "step {}", t);
+                check_invariants(q);
+                for h in 0..nh {
+                    prop_assert_eq!(p.head_stats(h).unwrap(), q.head_stats(h).unwrap());
+                    let live = p.head_stats(h).unwrap().live;
+                    for s in 0..live {
+                        prop_assert_eq!(p.entry(h, s).unwrap(), q.entry(h, s).unwrap());
+                    }
+                }
+                prop_assert_eq!(p.layer_stats(), q.layer_stats());
+            }
+        }
+    }
+}
+
+/// Records that no run of the policy could produce are refused.
+#[test]
+fn restore_refuses_unreachable_states() {
+    let mut cfg = PolicyConfig::new(2, 6);
+    cfg.window = 2;
+    cfg.sinks = 1;
+    cfg.ln_eps = None;
+    cfg.head_budget = Some(4);
+    let mut p = policy(cfg, &[1.0, 1.0]);
+    for t in 0..9u64 {
+        let c = [-(t as f64), -0.5 * t as f64];
+        p.append(t, &c, None, |_| {}).unwrap();
+    }
+    save_restore(&p).unwrap();
+    let nh = 2;
+    let u = [1.0, 1.0];
+    let records: Vec<HeadRecord> = (0..nh).map(|h| p.head_record(h).unwrap()).collect();
+    let entries: Vec<Vec<EntryRecord>> = (0..nh)
+        .map(|h| {
+            (0..records[h].live)
+                .map(|s| p.entry(h, s).unwrap())
+                .collect()
+        })
+        .collect();
+    let age = |es: &Vec<EntryRecord>| {
+        let mut o: Vec<usize> = (1..es.len()).collect();
+        o.sort_by_key(|&s| es[s].position);
+        o
+    };
+    let ages: Vec<Vec<usize>> = entries.iter().map(age).collect();
+    let run = |records: &[HeadRecord],
+               entries: &[Vec<EntryRecord>],
+               ages: &[Vec<usize>],
+               last: Option<u64>| {
+        RetentionPolicy::restore(
+            cfg,
+            &u,
+            vec![Slot::EMPTY; 12],
+            vec![HeadState::EMPTY; nh],
+            last,
+            records,
+            |h, s| entries[h][s],
+            |h, i| ages[h][i],
+        )
+        .map(|_| ())
+    };
+    let last = p.last_position();
+    run(&records, &entries, &ages, last).unwrap();
+    assert!(run(&records, &entries, &ages, None).is_err());
+    assert!(
+        run(&records, &entries, &ages, Some(3)).is_err(),
+        "entries after the last"
+    );
+    assert!(matches!(
+        run(&records[..1], &entries, &ages, last),
+        Err(Error::BadLength { .. })
+    ));
+    let mut r = records.clone();
+    r[1].pushed += 1;
+    assert!(run(&r, &entries, &ages, last).is_err(), "heads out of step");
+    let mut r = records.clone();
+    r[0].evicted_forced += 1;
+    assert!(run(&r, &entries, &ages, last).is_err(), "live + evicted");
+    let mut r = records.clone();
+    r[0].lse = f64::NEG_INFINITY;
+    assert!(
+        run(&r, &entries, &ages, last).is_err(),
+        "certificate lost its evictions"
+    );
+    let mut r = records.clone();
+    r[0].c_t = f64::NAN;
+    assert!(run(&r, &entries, &ages, last).is_err());
+    let mut e = entries.clone();
+    e[0][2].c = r[0].c_t - 100.0;
+    assert!(run(&records, &e, &ages, last).is_err(), "c below c_t");
+    let mut e = entries.clone();
+    e[0][0].zone = EntryZone::Evictable;
+    assert!(run(&records, &e, &ages, last).is_err(), "sink slot");
+    let mut e = entries.clone();
+    let newest = ages[0][ages[0].len() - 1];
+    e[0][newest].zone = EntryZone::Evictable;
+    assert!(
+        run(&records, &e, &ages, last).is_err(),
+        "window lost a token"
+    );
+    let mut a = ages.clone();
+    a[0].swap(0, 1);
+    assert!(run(&records, &entries, &a, last).is_err(), "age order");
+    let mut a = ages.clone();
+    a[0][1] = a[0][0];
+    assert!(run(&records, &entries, &a, last).is_err(), "slot twice");
+    let mut a = ages.clone();
+    a[0][0] = 0;
+    assert!(
+        run(&records, &entries, &a, last).is_err(),
+        "sink in the age list"
+    );
+    let mut e = entries.clone();
+    e[1][1].score = f32::NAN;
+    assert!(run(&records, &e, &ages, last).is_err());
+}
