@@ -188,17 +188,15 @@ fn pairs(ch: &Chunk) -> u64 {
 
 #[test]
 fn matches_f64_reference_on_every_isa_and_storage() {
-    let mut seed = 1;
-    for (d, t, n, ends) in [
+    for (seed, (d, t, n, ends)) in (1..).zip([
         (8, 1, 0, false),
         (8, 5, 3, true),
         (64, 70, 130, false),
         (64, 70, 130, true),
         (40, 33, 64, true),
         (64, 130, 0, true),
-    ] {
+    ]) {
         let ch = chunk(seed, 3, d, t, n, 3.0, ends);
-        seed += 1;
         let what = format!("d={d} t={t} n={n} ends={ends}");
         check_storage::<f32>(&ch, &format!("f32 {what}"));
         check_storage::<f16>(&ch, &format!("f16 {what}"));

@@ -119,6 +119,7 @@ where
     ///
     /// Errors: those of [`RetentionPolicy::new`]; `records.len() != heads`
     /// ([`Error::BadLength`]); any broken rule above ([`Error::BadArgument`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn restore(
         cfg: PolicyConfig,
         u: &[f64],

@@ -617,8 +617,8 @@ proptest! {
                 check_invariants(&r);
                 q = Some(r);
             }
-            for h in 0..nh {
-                c[h] += f64::from(case.gates[t][h]);
+            for (ch, &g) in c.iter_mut().zip(&case.gates[t]) {
+                *ch += f64::from(g);
             }
             let sc = (cfg.order == ForcedOrder::Scores).then_some(&case.scores[t][..]);
             let mut ev_p = Vec::new();
