@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole model on the GPU against the CPU backend (issue 42), in one device call: random
-# FoX-Pro models (125M and 760M, vulkan/scripts/make_fox_model.py), `foxedge generate` on the
+# FoX-Pro models (125M and 760M, tools/make_fox_model.py), `foxedge generate` on the
 # cpu and vulkan backends (prefill of a PROMPT-byte prompt, then DECODE greedy tokens), the
 # device's copy bandwidth (examples/vk_bandwidth), and a table with the decode bandwidth
 # bound: (weight bytes read per token + cache bytes per token) / bandwidth. The facade holds
@@ -56,7 +56,7 @@ prompt=$(python3 -c "import sys; n=int(sys.argv[1]); s='def f(x):\n    return x 
 status=0
 for size in $sizes; do
   dir="$work/$size"
-  [ -f "$dir/model.safetensors" ] || python3 vulkan/scripts/make_fox_model.py "$dir" "$size" --dtype f32 --vocab 256 || exit 1
+  [ -f "$dir/model.safetensors" ] || python3 tools/make_fox_model.py "$dir" "$size" --dtype f32 --vocab 256 || exit 1
   for be in cpu vulkan; do
     echo "== $size $be"
     if ! "$bin" generate --model "$dir" --prompt "$prompt" --max-tokens "$decode_n" \
