@@ -439,8 +439,16 @@ impl AttentionBackend for CpuBackend {
     }
 }
 
-/// The session validated every argument it passes, so a kernel error is a broken invariant.
+/// The session validated every argument it passes, so a kernel error is a broken invariant,
+/// except non-finite attention logits: q, k and v come from the model's weights, and a
+/// model whose activations overflow f32 on this input is reported as a bad model.
 fn kernel_error(e: foxedge_core::Error) -> Error {
+    if e == foxedge_cpu::NON_FINITE {
+        return Error::BadModel {
+            item: "weights".into(),
+            message: "the model's activations overflow f32 (attention q, k or v not finite)".into(),
+        };
+    }
     Error::Internal(format!("attention kernel refused its arguments: {e}"))
 }
 
@@ -523,5 +531,20 @@ mod tests {
             assert_eq!(k.name().parse::<BackendKind>().unwrap(), k);
         }
         assert!("tpu".parse::<BackendKind>().is_err());
+    }
+
+    /// Non-finite logits come from the model's activations (a bad model, as the C ABI
+    /// reports it); any other refusal is a broken invariant. A quantized_model fuzz finding.
+    #[test]
+    fn kernel_errors_are_classified() {
+        use crate::error::ErrorKind;
+        assert_eq!(
+            kernel_error(foxedge_cpu::NON_FINITE).kind(),
+            ErrorKind::BadModel
+        );
+        assert_eq!(
+            kernel_error(foxedge_core::Error::BadShape("x")).kind(),
+            ErrorKind::Internal
+        );
     }
 }

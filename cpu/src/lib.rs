@@ -39,5 +39,5 @@ pub use foxedge_core::contract::{
     check_decisions, selected_slabs,
 };
 pub use foxedge_core::{AttentionShape, Error, Layout, Result};
-pub use prefill::{prefill, prefill_with_isa};
+pub use prefill::{NON_FINITE, prefill, prefill_with_isa};
 pub use simd::Isa;

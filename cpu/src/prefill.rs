@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A row that attended keys ended with a non-finite softmax: q, k or v holds NaN/inf, or
 /// `s q.k` overflows f32. Reported instead of writing a meaningless row.
-pub(crate) const NON_FINITE: Error = Error::BadArgument(
+pub const NON_FINITE: Error = Error::BadArgument(
     "attention logits are not finite: q, k or v holds NaN/inf, or s*q.k overflows f32",
 );
 
