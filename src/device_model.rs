@@ -17,7 +17,14 @@
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
+use super::forward::{Member, Scratch, decode_step, layer_forward};
 use super::*;
+use crate::backend::PrefillCall;
+use crate::config::{HiddenAct, OgateAct};
+use crate::model::{LayerWeights, QK_EPS};
+use crate::ops;
+use foxedge_core::contract::Acp;
+use half::f16;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
     ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan,
@@ -330,7 +337,7 @@ impl Keeper<'_> {
                 for (h, hc) in heads.iter_mut().enumerate() {
                     let c = c_rows[r * nh + h];
                     let pos = pos0 + r as u64;
-                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos);
+                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos)?;
                     moves[h].push(RowOp::Put {
                         token: r as u32,
                         slot: (hc.len() - 1) as u32,
@@ -552,7 +559,14 @@ impl Session {
             if l < done {
                 self.replay_layer(&model, l, &mut h, t, shift, &mut s)?;
             } else {
-                self.layer_forward(&model, l, &mut h, t, pos0, scores, &mut s)?;
+                let mut me = [Member {
+                    s: self,
+                    ids,
+                    scores,
+                    logits: None,
+                    hidden: None,
+                }];
+                layer_forward(&model, l, &mut h, &mut me, &[0], &[pos0], &mut s)?;
             }
         }
         self.stats.tokens += t as u64;
@@ -648,23 +662,11 @@ impl Session {
                     Acp::Bound { u: &u_step, ln_eps }
                 }
             };
-            let heads: Vec<CacheHead<'_, f32>> = state
-                .heads
-                .iter()
-                .map(|hc| CacheHead {
-                    k: &hc.k,
-                    v: &hc.v,
-                    c: &hc.c,
-                    pos: None,
-                })
-                .collect();
-            let sync: Vec<HeadSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
-            let call = DecodeCall {
-                args: DecodeArgs::one_query(hd, &s.q[..d], &c_t, &heads),
-                sync: &sync,
-                acp,
+            let (b, heads, q, o) = (self.backend.as_ref(), &state.heads, &s.q[..d], &mut s.o[..d]);
+            let st = match self.opts.cache_dtype {
+                CacheDtype::F32 => decode_step::<f32>(b, heads, hd, q, &c_t, acp, o)?,
+                CacheDtype::F16 => decode_step::<f16>(b, heads, hd, q, &c_t, acp, o)?,
             };
-            let st = self.backend.decode(&call, &mut s.o[..d])?;
             self.stats.kept_pairs += st.kept_pairs();
             self.stats.total_pairs += st.total_pairs();
         }

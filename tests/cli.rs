@@ -84,7 +84,7 @@ fn generate_json_and_options() {
     assert!(v["decode_tokens"].as_u64().unwrap() >= 1);
     assert!(
         v["peak_cache_bytes"].as_u64().unwrap()
-            <= 16 * 32 * foxedge::session::entry_bytes(64) as u64
+            <= 16 * 32 * foxedge::session::entry_bytes(64, foxedge::CacheDtype::default()) as u64
     );
     // Greedy is deterministic.
     let again = foxedge()
