@@ -17,7 +17,7 @@
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
-use super::forward::{Member, Scratch, decode_step, layer_forward};
+use super::forward::{Layout, Member, Scratch, decode_step, layer_forward};
 use super::*;
 use crate::backend::PrefillCall;
 use crate::config::{HiddenAct, OgateAct};
@@ -566,7 +566,8 @@ impl Session {
                     logits: None,
                     hidden: None,
                 }];
-                layer_forward(&model, l, &mut h, &mut me, &[0], &[pos0], &mut s)?;
+                let lay = Layout::new(&me);
+                layer_forward(&model, l, &mut h, &mut me, &lay, &[pos0], &mut s)?;
             }
         }
         self.stats.tokens += t as u64;

@@ -880,8 +880,9 @@ impl Session {
         self.stats.live_entries = live;
         self.stats.evicted_certified = cert;
         self.stats.evicted_forced = forced;
-        self.stats.cache_bytes = live * eb;
-        self.stats.peak_cache_bytes = self.stats.peak_cache_bytes.max(peak * eb);
+        self.stats.cache_bytes = live.saturating_mul(eb);
+        let peak_bytes = peak.saturating_mul(eb);
+        self.stats.peak_cache_bytes = self.stats.peak_cache_bytes.max(peak_bytes);
         self.stats.max_bound = max_bound;
     }
 }

@@ -416,6 +416,13 @@ impl Session {
                 |h, i| ages[h].get(i).copied().unwrap_or(usize::MAX),
             )
             .map_err(|e| corrupt(format!("layer {l} retention state: {e}")))?;
+            if pl.peak_live < policy.live_total() || pl.peak_live > slots {
+                return Err(corrupt(format!(
+                    "layer {l}: peak of {} live entries, {} live now, {slots} slots",
+                    pl.peak_live,
+                    policy.live_total()
+                )));
+            }
             let mut gates = Vec::with_capacity(info.heads);
             let mut heads = Vec::with_capacity(info.heads);
             for (h, ph) in pl.heads.into_iter().enumerate() {

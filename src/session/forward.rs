@@ -11,7 +11,10 @@ use super::{CacheDtype, LayerState, REBASE_AT, Session};
 use crate::backend::{AttentionBackend, ContinueCall, DecodeCall, KvElem, PrefillCall};
 use crate::config::{HiddenAct, OgateAct};
 use crate::error::{Error, Result};
+use crate::matrix::WeightMatrix;
 use crate::model::{LayerWeights, Model, ModelInfo, QK_EPS};
+use foxedge_cpu::linear::ROW_EXACT_ROWS;
+use std::ops::Range;
 use crate::ops;
 use foxedge_core::retention::Eviction;
 use foxedge_core::contract::{Acp, AttentionStats, ContinueArgs, DecodeArgs, HeadSync};
@@ -54,6 +57,78 @@ struct Io<'a> {
     o: &'a mut [f32],
 }
 
+/// Where each member's rows lie in the stacked matrices of a step, and the row groups the
+/// dense products run in.
+///
+/// Members of one row (decode steps) come first and share products of up to
+/// [`ROW_EXACT_ROWS`] rows, so every weight is read once for all of them; each longer
+/// member's rows are a product of their own. Each row's outputs are then the bits of that
+/// member fed alone: a decode step alone is a one-row product, which gives a row the bits
+/// it has among up to `ROW_EXACT_ROWS` rows, and a chunk is the same product alone or in
+/// a batch.
+pub(super) struct Layout {
+    /// First row of each member.
+    rows: Vec<usize>,
+    /// The dense products' row ranges, covering `0..t` in order.
+    groups: Vec<Range<usize>>,
+    /// Rows in all.
+    t: usize,
+}
+
+impl Layout {
+    pub(super) fn new(members: &[Member<'_>]) -> Layout {
+        let mut rows = vec![0; members.len()];
+        let mut t = 0;
+        for (r, m) in rows.iter_mut().zip(members) {
+            if m.ids.len() == 1 {
+                *r = t;
+                t += 1;
+            }
+        }
+        let mut groups = shared_groups(0..t);
+        for (r, m) in rows.iter_mut().zip(members) {
+            if m.ids.len() != 1 {
+                *r = t;
+                groups.push(t..t + m.ids.len());
+                t += m.ids.len();
+            }
+        }
+        Layout { rows, groups, t }
+    }
+
+    /// Members in the order of their rows.
+    fn order(&self) -> Vec<usize> {
+        let mut o: Vec<usize> = (0..self.rows.len()).collect();
+        o.sort_by_key(|&i| self.rows[i]);
+        o
+    }
+}
+
+/// `rows` in pieces of at most [`ROW_EXACT_ROWS`].
+fn shared_groups(rows: Range<usize>) -> Vec<Range<usize>> {
+    rows.clone()
+        .step_by(ROW_EXACT_ROWS)
+        .map(|a| a..rows.end.min(a + ROW_EXACT_ROWS))
+        .collect()
+}
+
+/// `y (+)= x mᵀ` over the stacked rows, one product per group.
+fn dense(
+    model: &Model,
+    groups: &[Range<usize>],
+    m: &WeightMatrix,
+    x: &[f32],
+    y: &mut [f32],
+    accumulate: bool,
+) -> Result<()> {
+    let (out, inp) = m.shape();
+    for g in groups {
+        let (xs, ys) = (&x[g.start * inp..g.end * inp], &mut y[g.start * out..g.end * out]);
+        model.linear(m, xs, g.len(), ys, accumulate)?;
+    }
+    Ok(())
+}
+
 /// Runs each member's chunk through every layer and writes the logits they ask for. All
 /// members run `model`; each member's stream position advances by its rows.
 ///
@@ -62,36 +137,42 @@ struct Io<'a> {
 pub(super) fn forward(model: &Model, members: &mut [Member<'_>]) -> Result<()> {
     let info = model.info();
     let d = info.hidden;
-    // Row offsets of the members in the stacked matrices.
-    let mut rows = Vec::with_capacity(members.len());
-    let mut t = 0;
-    for m in members.iter() {
-        rows.push(t);
-        t += m.ids.len();
+    let lay = Layout::new(members);
+    let mut ids = vec![0u32; lay.t];
+    for (m, &r0) in members.iter().zip(&lay.rows) {
+        ids[r0..r0 + m.ids.len()].copy_from_slice(m.ids);
     }
-    let mut h = vec![0.0f32; t * d];
-    let ids: Vec<u32> = members.iter().flat_map(|m| m.ids.iter().copied()).collect();
+    let mut h = vec![0.0f32; lay.t * d];
     model.embed(&ids, &mut h)?;
-    let mut s = Scratch::new(t, &info);
+    let mut s = Scratch::new(lay.t, &info);
     let pos0: Vec<u64> = members.iter().map(|m| m.s.stats.tokens).collect();
     for l in 0..info.layers {
-        save_hidden(members, &rows, &h, l, d);
-        layer_forward(model, l, &mut h, members, &rows, &pos0, &mut s)?;
+        save_hidden(members, &lay.rows, &h, l, d);
+        layer_forward(model, l, &mut h, members, &lay, &pos0, &mut s)?;
     }
-    save_hidden(members, &rows, &h, info.layers, d);
+    save_hidden(members, &lay.rows, &h, info.layers, d);
     for m in members.iter_mut() {
         m.s.stats.tokens += m.ids.len() as u64;
     }
 
-    // Logits: the asked-for rows of every member through the final norm and the LM head
-    // as one product.
+    // Logits: the asked-for rows through the final norm and the LM head, last rows
+    // together and each member's every-row logits on their own (as `Layout` groups).
+    let v = info.vocab;
+    let all = |m: &Member<'_>| m.ids.len() > 1 && m.logits.as_ref().is_some_and(|l| l.len() > v);
     let mut pick = Vec::new();
-    for (m, &r0) in members.iter().zip(&rows) {
-        let n = m.ids.len();
-        match &m.logits {
-            Some(l) if l.len() == n * info.vocab && n > 1 => pick.extend(r0..r0 + n),
-            Some(_) => pick.push(r0 + n - 1),
-            None => {}
+    let mut at = vec![0usize; members.len()];
+    for (i, m) in members.iter().enumerate() {
+        if m.logits.is_some() && !all(m) {
+            at[i] = pick.len();
+            pick.push(lay.rows[i] + m.ids.len() - 1);
+        }
+    }
+    let mut groups = shared_groups(0..pick.len());
+    for (i, m) in members.iter().enumerate() {
+        if all(m) {
+            at[i] = pick.len();
+            groups.push(pick.len()..pick.len() + m.ids.len());
+            pick.extend(lay.rows[i]..lay.rows[i] + m.ids.len());
         }
     }
     if pick.is_empty() {
@@ -101,14 +182,11 @@ pub(super) fn forward(model: &Model, members: &mut [Member<'_>]) -> Result<()> {
     for (xr, &r) in x.chunks_exact_mut(d).zip(&pick) {
         ops::rmsnorm(&h[r * d..(r + 1) * d], &model.norm, model.config.norm_eps, xr);
     }
-    let v = info.vocab;
     let mut out = vec![0.0f32; pick.len() * v];
-    model.linear(model.lm_head(), &x, pick.len(), &mut out, false)?;
-    let mut at = 0;
-    for m in members.iter_mut() {
+    dense(model, &groups, model.lm_head(), &x, &mut out, false)?;
+    for (m, &a) in members.iter_mut().zip(&at) {
         if let Some(l) = m.logits.as_deref_mut() {
-            l.copy_from_slice(&out[at * v..at * v + l.len()]);
-            at += l.len() / v;
+            l.copy_from_slice(&out[a * v..a * v + l.len()]);
         }
     }
     Ok(())
@@ -131,27 +209,27 @@ pub(super) fn layer_forward(
     l: usize,
     h: &mut [f32],
     members: &mut [Member<'_>],
-    rows: &[usize],
+    lay: &Layout,
     pos0: &[u64],
     s: &mut Scratch,
 ) -> Result<()> {
     let cfg = &model.config;
     let info = model.info();
     let (d, nh, hd) = (info.hidden, info.heads, info.head_dim);
-    let t = h.len() / d;
     let lw: &LayerWeights = &model.layers[l];
+    let (rows, g) = (&lay.rows, &lay.groups[..]);
 
     ops::rmsnorm(h, &lw.attn_norm, cfg.norm_eps, &mut s.x);
-    model.linear(&lw.q_proj, &s.x, t, &mut s.q, false)?;
+    dense(model, g, &lw.q_proj, &s.x, &mut s.q, false)?;
     for (which, proj, out, last) in [
         (0, &lw.k_proj, &mut s.k, &mut s.kv_raw_last.0),
         (1, &lw.v_proj, &mut s.v, &mut s.kv_raw_last.1),
     ] {
-        model.linear(proj.linear(), &s.x, t, out, false)?;
+        dense(model, g, proj.linear(), &s.x, out, false)?;
         if let Some(ws) = proj.shift() {
             // α = sigmoid(x·Wsᵀ) weights the previous token's raw projection; each
             // member's first row takes its own stream's last raw projection.
-            model.linear(ws, &s.x, t, &mut s.alpha, false)?;
+            dense(model, g, ws, &s.x, &mut s.alpha, false)?;
             for (m, &r0) in members.iter_mut().zip(rows) {
                 let n = m.ids.len();
                 let state = &mut m.s.layers[l];
@@ -178,15 +256,16 @@ pub(super) fn layer_forward(
         ops::group_rmsnorm_inplace(&mut s.q, qn, hd, QK_EPS);
         ops::group_rmsnorm_inplace(&mut s.k, kn, hd, QK_EPS);
     }
-    model.linear(&lw.fgate_w, &s.x, t, &mut s.log_f, false)?;
+    dense(model, g, &lw.fgate_w, &s.x, &mut s.log_f, false)?;
     let bias = &lw.fgate_b;
     for (i, z) in s.log_f.iter_mut().enumerate() {
         *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
     }
 
-    // Attention: each member over its own cache.
+    // Attention: each member over its own cache (in row order, splitting off its output).
     let mut o_rest = &mut s.o[..];
-    for (i, m) in members.iter_mut().enumerate() {
+    for i in lay.order() {
+        let m = &mut members[i];
         let (r0, n) = (rows[i], m.ids.len());
         let (o, rest) = o_rest.split_at_mut(n * d);
         o_rest = rest;
@@ -205,7 +284,7 @@ pub(super) fn layer_forward(
         ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
     }
     if let Some(og) = &lw.ogate {
-        model.linear(og, &s.x, t, &mut s.g, false)?;
+        dense(model, g, og, &s.x, &mut s.g, false)?;
         for (o, &g) in s.o.iter_mut().zip(&s.g) {
             let a = match cfg.ogate_act {
                 OgateAct::Sigmoid => ops::sigmoid(g),
@@ -214,13 +293,13 @@ pub(super) fn layer_forward(
             *o *= a;
         }
     }
-    model.linear(&lw.o_proj, &s.o, t, h, true)?;
+    dense(model, g, &lw.o_proj, &s.o, h, true)?;
 
     // MLP: h += (act(g) ⊙ u)·Wdᵀ with [g | u] = RMSNorm(h)·Wguᵀ.
     let i = info.intermediate;
     ops::rmsnorm(h, &lw.mlp_norm, cfg.norm_eps, &mut s.x);
-    model.linear(&lw.gate_up, &s.x, t, &mut s.gu, false)?;
-    for r in 0..t {
+    dense(model, g, &lw.gate_up, &s.x, &mut s.gu, false)?;
+    for r in 0..lay.t {
         let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
         for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
             *a = match cfg.hidden_act {
@@ -229,7 +308,7 @@ pub(super) fn layer_forward(
             } * u;
         }
     }
-    model.linear(&lw.down, &s.act, t, h, true)?;
+    dense(model, g, &lw.down, &s.act, h, true)?;
     Ok(())
 }
 
