@@ -452,6 +452,22 @@ impl Session {
     ) -> Result<()> {
         let fresh = self.layers[0].gates[0].is_empty();
         let v = self.model.info().vocab;
+        // The device's prefill of a fresh chunk attends all of the chunk's keys: past what
+        // the budget holds, the rest continues token by token, as the CPU's queries see.
+        let room = self.room_without_forced_eviction();
+        if fresh && ids.len() > room {
+            let (a, b) = ids.split_at(room);
+            let (sa, sb) = (scores.map(|s| &s[..room]), scores.map(|s| &s[room..]));
+            let (la, lb) = match logits {
+                Some(l) if all_rows => {
+                    let (x, y) = l.split_at_mut(room * v);
+                    (Some(x), Some(y))
+                }
+                l => (None, l),
+            };
+            self.device_chunk(a, sa, la, all_rows)?;
+            return self.forward_chunk(b, sb, lb, all_rows, None);
+        }
         if !fresh && ids.len() > 1 {
             // A continuation attends the cache token by token: one run per token.
             for (r, id) in ids.iter().enumerate() {
@@ -698,6 +714,13 @@ impl Session {
         }
         model.linear(&lw.down, &s.act, t, h, true)?;
         Ok(())
+    }
+
+    /// Tokens a fresh stream can take before the budget forces an eviction (at least 1).
+    fn room_without_forced_eviction(&self) -> usize {
+        let cfg = &self.policy_cfg;
+        let per_layer = cfg.layer_budget.map_or(usize::MAX, |b| b / cfg.heads.max(1));
+        cfg.head_limit().min(per_layer).max(1)
     }
 
     /// Makes the `k`-th device submission from now fail as a lost device would (tests of
