@@ -257,6 +257,25 @@ typedef int32_t fx_weight_format;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// How a session's cache stores K and V rows (compute is f32 either way).
+enum fx_cache_dtype
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // 4 bytes per value.
+  FX_CACHE_F32 = 0,
+  // 2 bytes per value (IEEE half): half the cache memory.
+  FX_CACHE_F16 = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fx_cache_dtype fx_cache_dtype;
+#else
+typedef int32_t fx_cache_dtype;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A loaded model (opaque). Immutable: share it freely across threads.
 struct fx_model;
 
@@ -391,9 +410,6 @@ struct fx_model_options {
   size_t threads;
 };
 
-// The `int32_t` C passes where the header says `fx_cache_dtype`.
-typedef int32_t fx_cache_dtype_raw;
-
 // Options of `fx_session_new`. Create with `fx_session_options_default()`.
 struct fx_session_options {
   // `sizeof(fx_session_options)`.
@@ -426,7 +442,7 @@ struct fx_session_options {
   size_t n_threads;
   // An `fx_cache_dtype` value: how the cache stores K and V rows. Added after
   // `n_threads`: a caller's older, shorter struct gets the default.
-  fx_cache_dtype_raw cache_dtype;
+  fx_cache_dtype cache_dtype;
 };
 
 // Sizes of a loaded model.
