@@ -10,8 +10,8 @@
 
 use crate::error::{Error, Result};
 use foxedge_core::contract::{
-    Acp, AttentionStats, CacheHead, ContinueArgs, ContinueOptions, DecodeArgs, HeadStats,
-    HeadSync, Journal, PrefillArgs, PrefillOptions, Storage,
+    Acp, AttentionStats, CacheHead, ContinueArgs, ContinueOptions, DecodeArgs, HeadStats, HeadSync,
+    Journal, PrefillArgs, PrefillOptions, Storage,
 };
 use half::f16;
 use std::fmt;

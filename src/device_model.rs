@@ -24,11 +24,11 @@ use crate::config::{HiddenAct, OgateAct};
 use crate::model::{LayerWeights, QK_EPS};
 use crate::ops;
 use foxedge_core::contract::Acp;
-use half::f16;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
     ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan,
 };
+use half::f16;
 use std::sync::{Mutex, OnceLock, Weak};
 
 /// ACP block of the device's decode decisions (foxedge-cpu's default `block_k`).
@@ -679,7 +679,12 @@ impl Session {
                     Acp::Bound { u: &u_step, ln_eps }
                 }
             };
-            let (b, heads, q, o) = (self.backend.as_ref(), &state.heads, &s.q[..d], &mut s.o[..d]);
+            let (b, heads, q, o) = (
+                self.backend.as_ref(),
+                &state.heads,
+                &s.q[..d],
+                &mut s.o[..d],
+            );
             let st = match self.opts.cache_dtype {
                 CacheDtype::F32 => decode_step::<f32>(b, heads, hd, q, &c_t, acp, o)?,
                 CacheDtype::F16 => decode_step::<f16>(b, heads, hd, q, &c_t, acp, o)?,
@@ -719,7 +724,9 @@ impl Session {
     /// Tokens a fresh stream can take before the budget forces an eviction (at least 1).
     fn room_without_forced_eviction(&self) -> usize {
         let cfg = &self.policy_cfg;
-        let per_layer = cfg.layer_budget.map_or(usize::MAX, |b| b / cfg.heads.max(1));
+        let per_layer = cfg
+            .layer_budget
+            .map_or(usize::MAX, |b| b / cfg.heads.max(1));
         cfg.head_limit().min(per_layer).max(1)
     }
 

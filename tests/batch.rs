@@ -62,7 +62,10 @@ fn a_batch_equals_separate_sessions() {
         for i in 0..n {
             let mut want = vec![0.0f32; v];
             alone[i].feed(lists[i], Some(&mut want)).unwrap();
-            assert!(got[i * v..(i + 1) * v] == want[..], "round {round} session {i}");
+            assert!(
+                got[i * v..(i + 1) * v] == want[..],
+                "round {round} session {i}"
+            );
             at[i] += lens[i];
             assert_eq!(batch[i].position(), alone[i].position());
         }
@@ -73,7 +76,10 @@ fn a_batch_equals_separate_sessions() {
             (sa.live_entries, sa.evicted_certified, sa.evicted_forced),
             (sb.live_entries, sb.evicted_certified, sb.evicted_forced)
         );
-        assert_eq!((sa.kept_pairs, sa.total_pairs), (sb.kept_pairs, sb.total_pairs));
+        assert_eq!(
+            (sa.kept_pairs, sa.total_pairs),
+            (sb.kept_pairs, sb.total_pairs)
+        );
         assert_eq!(sa.cache_bytes, sb.cache_bytes);
         assert_eq!(sa.bound_per_head, sb.bound_per_head);
         for (l, h) in (0..4).flat_map(|l| (0..4).map(move |h| (l, h))) {

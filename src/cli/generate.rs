@@ -5,8 +5,7 @@ use clap::Args;
 use foxedge::generate::{GenerateOptions, TextGenerator, feed_prompt};
 use foxedge::{
     BackendKind, Budget, CacheDtype, Error, Result, Sampler, SamplerConfig, Session,
-    SessionOptions,
-    SessionStats,
+    SessionOptions, SessionStats,
 };
 use std::io::Write;
 use std::path::PathBuf;

@@ -5,8 +5,8 @@ use super::CacheDtype;
 use crate::aligned::{Aligned, Elem};
 use crate::backend::{WriteJournal, fresh_cache_ids};
 use crate::error::{Error, Result, SessionFileError};
-use foxedge_core::retention::{EntryRecord, Eviction};
 use foxedge_core::contract::{CacheHead, HeadSync, Storage};
+use foxedge_core::retention::{EntryRecord, Eviction};
 use half::f16;
 
 /// Bytes held per cache entry: K and V (`head_dim` values each in `dtype`) plus c (f64),

@@ -13,12 +13,12 @@ use crate::config::{HiddenAct, OgateAct};
 use crate::error::{Error, Result};
 use crate::matrix::WeightMatrix;
 use crate::model::{LayerWeights, Model, ModelInfo, QK_EPS};
-use foxedge_cpu::linear::ROW_EXACT_ROWS;
-use std::ops::Range;
 use crate::ops;
-use foxedge_core::retention::Eviction;
 use foxedge_core::contract::{Acp, AttentionStats, ContinueArgs, DecodeArgs, HeadSync};
+use foxedge_core::retention::Eviction;
+use foxedge_cpu::linear::ROW_EXACT_ROWS;
 use half::f16;
+use std::ops::Range;
 
 /// One session's part of a forward step: the chunk of token ids it feeds, their scores (a
 /// scored session), and where its outputs go.
@@ -123,7 +123,10 @@ fn dense(
 ) -> Result<()> {
     let (out, inp) = m.shape();
     for g in groups {
-        let (xs, ys) = (&x[g.start * inp..g.end * inp], &mut y[g.start * out..g.end * out]);
+        let (xs, ys) = (
+            &x[g.start * inp..g.end * inp],
+            &mut y[g.start * out..g.end * out],
+        );
         model.linear(m, xs, g.len(), ys, accumulate)?;
     }
     Ok(())
@@ -180,7 +183,12 @@ pub(super) fn forward(model: &Model, members: &mut [Member<'_>]) -> Result<()> {
     }
     let mut x = vec![0.0f32; pick.len() * d];
     for (xr, &r) in x.chunks_exact_mut(d).zip(&pick) {
-        ops::rmsnorm(&h[r * d..(r + 1) * d], &model.norm, model.config.norm_eps, xr);
+        ops::rmsnorm(
+            &h[r * d..(r + 1) * d],
+            &model.norm,
+            model.config.norm_eps,
+            xr,
+        );
     }
     let mut out = vec![0.0f32; pick.len() * v];
     dense(model, &groups, model.lm_head(), &x, &mut out, false)?;

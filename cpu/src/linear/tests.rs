@@ -489,10 +489,16 @@ fn a_row_alone_equals_the_row_among_others() {
     let wb16: Vec<half::bf16> = wf.iter().map(|&v| half::bf16::from_f32(v)).collect();
     let q8 = encode(WeightFormat::Q8, &wf, out, inp);
     let q4 = encode(WeightFormat::Q4, &wf, out, inp);
-    let p8 = PackedWeights::pack(&Weights::from_bytes(WeightFormat::Q8, &q8, out, inp).unwrap(), 1)
-        .unwrap();
-    let p4 = PackedWeights::pack(&Weights::from_bytes(WeightFormat::Q4, &q4, out, inp).unwrap(), 1)
-        .unwrap();
+    let p8 = PackedWeights::pack(
+        &Weights::from_bytes(WeightFormat::Q8, &q8, out, inp).unwrap(),
+        1,
+    )
+    .unwrap();
+    let p4 = PackedWeights::pack(
+        &Weights::from_bytes(WeightFormat::Q4, &q4, out, inp).unwrap(),
+        1,
+    )
+    .unwrap();
     let mats: [Matrix<'_>; 5] = [
         Weights::f32(&wf, out, inp).unwrap().into(),
         Weights::f16(&w16, out, inp).unwrap().into(),
