@@ -503,6 +503,33 @@ impl Model {
 /// eps of the QK-norm, re-exported for sessions.
 pub(crate) const QK_EPS: f64 = QK_NORM_EPS;
 
+/// [`Model::identity`] of a config text, a safetensors file (already opened and checked by
+/// [`WeightFile::open`], so its header length is sane) and the load options' formats.
+fn identity(config: &str, weights: &Path, opts: &ModelOptions) -> Result<u64> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(weights).map_err(|e| Error::io(weights, e))?;
+    let size = f.metadata().map_err(|e| Error::io(weights, e))?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|e| Error::io(weights, e))?;
+    let n = u64::from_le_bytes(len).min(size.saturating_sub(8));
+    let mut header = Vec::new();
+    f.take(n)
+        .read_to_end(&mut header)
+        .map_err(|e| Error::io(weights, e))?;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"foxedge model identity 1");
+    h.update(&(config.len() as u64).to_le_bytes());
+    h.update(config.as_bytes());
+    h.update(&len);
+    h.update(&header);
+    h.update(&size.to_le_bytes());
+    for f in [opts.weights, opts.vocab_format()] {
+        h.update(f.map_or("stored", |f| f.name()).as_bytes());
+        h.update(b"\0");
+    }
+    Ok(h.digest())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -563,31 +590,4 @@ mod tests {
             eprintln!("{f}: {:.3} of the f32 bytes", bytes);
         }
     }
-}
-
-/// [`Model::identity`] of a config text, a safetensors file (already opened and checked by
-/// [`WeightFile::open`], so its header length is sane) and the load options' formats.
-fn identity(config: &str, weights: &Path, opts: &ModelOptions) -> Result<u64> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(weights).map_err(|e| Error::io(weights, e))?;
-    let size = f.metadata().map_err(|e| Error::io(weights, e))?.len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|e| Error::io(weights, e))?;
-    let n = u64::from_le_bytes(len).min(size.saturating_sub(8));
-    let mut header = Vec::new();
-    f.take(n)
-        .read_to_end(&mut header)
-        .map_err(|e| Error::io(weights, e))?;
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(b"foxedge model identity 1");
-    h.update(&(config.len() as u64).to_le_bytes());
-    h.update(config.as_bytes());
-    h.update(&len);
-    h.update(&header);
-    h.update(&size.to_le_bytes());
-    for f in [opts.weights, opts.vocab_format()] {
-        h.update(f.map_or("stored", |f| f.name()).as_bytes());
-        h.update(b"\0");
-    }
-    Ok(h.digest())
 }

@@ -811,7 +811,7 @@ impl Session {
                 }
                 let end = ids.len().min(at + chunk);
                 members.push(Member {
-                    s: &mut **s,
+                    s,
                     ids: &ids[at..end],
                     scores: None,
                     logits: if end == ids.len() { slot.take() } else { None },

@@ -40,7 +40,11 @@ fn feed_in(
 
 /// A caller score of position `p` (scored sessions): high for multiples of 3.
 fn score(p: usize) -> f32 {
-    if p % 3 == 0 { 5.0 } else { -((p % 7) as f32) }
+    if p.is_multiple_of(3) {
+        5.0
+    } else {
+        -((p % 7) as f32)
+    }
 }
 
 /// Random chunk sizes from a seeded LCG (1 = decode steps among them).
