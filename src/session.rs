@@ -696,7 +696,9 @@ impl Session {
             // The CPU feeds this chunk: the device's copy of the stream falls behind.
             self.device = None;
         }
-        let _ = all_rows; // a logits buffer of `ids.len() * vocab` floats says so itself
+        // The forward reads "every row" from the buffer's length.
+        let v = self.model.info().vocab;
+        debug_assert!(!all_rows || logits.as_ref().is_some_and(|l| l.len() == ids.len() * v));
         let model = Arc::clone(&self.model);
         let member = Member {
             s: self,
