@@ -20,7 +20,7 @@
 use super::*;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
-    ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan,
+    ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepHead, TokenPlan,
 };
 use std::sync::{Mutex, OnceLock, Weak};
 
@@ -251,6 +251,34 @@ fn weights_of(model: &Model) -> Option<ModelWeights<'_>> {
     })
 }
 
+/// Re-bases every head of `state` whose gate stream's `|c|` passed [`REBASE_AT`] (gates,
+/// policy and cache rows by the same shift, as `Session::attention` does before a chunk's
+/// gates); returns which heads moved.
+fn rebase_heads(state: &mut LayerState) -> Result<Vec<bool>> {
+    let mut rebased = vec![false; state.gates.len()];
+    for (h, r) in rebased.iter_mut().enumerate() {
+        let cur = state.gates[h].current();
+        if cur.abs() > REBASE_AT {
+            state.gates[h].rebase(cur);
+            state.policy.rebase(h, cur)?;
+            state.heads[h].rebase(cur);
+            *r = true;
+        }
+    }
+    Ok(rebased)
+}
+
+/// Operations that give every row of `hc` its (re-based) `c` and position.
+fn meta_ops(hc: &HeadCache) -> Vec<RowOp> {
+    (0..hc.len())
+        .map(|s| RowOp::Meta {
+            slot: s as u32,
+            c: hc.c[s],
+            pos: hc.pos[s],
+        })
+        .collect()
+}
+
 /// One layer's bookkeeping of a device run, as `Session::attention` keeps it.
 struct Keeper<'s> {
     sess: &'s mut Session,
@@ -271,16 +299,7 @@ impl Keeper<'_> {
         let certified = self.sess.certified[l];
         let u = self.sess.u[l].clone();
         let state = &mut self.sess.layers[l];
-        let mut rebased = vec![false; nh];
-        for (h, r) in rebased.iter_mut().enumerate() {
-            let cur = state.gates[h].current();
-            if cur.abs() > REBASE_AT {
-                state.gates[h].rebase(cur);
-                state.policy.rebase(h, cur)?;
-                state.heads[h].rebase(cur);
-                *r = true;
-            }
-        }
+        let rebased = rebase_heads(state)?;
         let mut c_rows = vec![0.0f64; n * nh];
         for r in 0..n {
             for h in 0..nh {
@@ -387,14 +406,7 @@ impl Keeper<'_> {
             let mut ops: Vec<Vec<RowOp>> = (0..nh)
                 .map(|h| {
                     if r == 0 && rebased[h] {
-                        let hc = &state.heads[h];
-                        (0..hc.len())
-                            .map(|s| RowOp::Meta {
-                                slot: s as u32,
-                                c: hc.c[s],
-                                pos: hc.pos[s],
-                            })
-                            .collect()
+                        meta_ops(&state.heads[h])
                     } else {
                         Vec::new()
                     }
@@ -459,6 +471,9 @@ impl Session {
             }
             return Ok(());
         }
+        if !fresh && ids.len() == 1 && self.step_evicts_nothing() {
+            return self.device_step(ids[0], scores, logits);
+        }
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device chunk without a device".into()));
         };
@@ -514,6 +529,7 @@ impl Session {
                 self.stats.device_layers = self.model.info().layers as u64;
                 self.stats.device_bytes_uploaded = dev.bytes_uploaded;
                 self.stats.device_runs = dev.runs;
+                self.stats.device_submissions += u64::from(rs.submissions);
                 self.device = Some(dev);
                 Ok(())
             }
@@ -528,6 +544,145 @@ impl Session {
                 self.cpu_finish(ids, scores, logits, all_rows, layers_done, &shift_before)
             }
         }
+    }
+
+    /// Whether the retention policy cannot evict at the next token, so its row operations
+    /// are known before the token's gates: no certified eviction, and room for one more
+    /// entry in every head and layer budget.
+    fn step_evicts_nothing(&self) -> bool {
+        let cfg = &self.policy_cfg;
+        let nh = self.model.info().heads;
+        cfg.ln_eps.is_none()
+            && self.layers.iter().all(|st| {
+                st.heads.iter().all(|hc| hc.len() < cfg.head_limit())
+                    && cfg
+                        .layer_budget
+                        .is_none_or(|lb| st.policy.live_total() + nh <= lb)
+            })
+    }
+
+    /// What the host decides for a one-token step before its gates: re-bases (their metas),
+    /// each head's live rows, `c_{t-1}` and ACP threshold.
+    fn step_plan(&mut self) -> Result<Vec<Vec<StepHead>>> {
+        let info = self.model.info();
+        let scale = 1.0 / (info.head_dim as f64).sqrt();
+        let pos = self.stats.tokens;
+        let ln_eps = self.opts.ln_eps;
+        let mut plan = Vec::with_capacity(info.layers);
+        for l in 0..info.layers {
+            let certified = self.certified[l];
+            let state = &mut self.layers[l];
+            let rebased = rebase_heads(state)?;
+            let mut heads = Vec::with_capacity(info.heads);
+            for (h, hc) in state.heads.iter().enumerate() {
+                let live = hc.len();
+                let acp = match (ln_eps, certified) {
+                    (None, _) => StepAcp::Dense,
+                    (Some(e), true) => StepAcp::Delta(foxedge_core::threshold::threshold(
+                        self.u[l][h],
+                        live + 1,
+                        e,
+                    )?),
+                    (Some(e), false) => StepAcp::Norms {
+                        base: e - ((live + 1) as f64).ln(),
+                        k_norm_max: state.k_norm_max[h],
+                        scale,
+                    },
+                };
+                heads.push(StepHead {
+                    ops: if rebased[h] { meta_ops(hc) } else { Vec::new() },
+                    live,
+                    c_prev: state.gates[h].current(),
+                    pos,
+                    acp,
+                });
+            }
+            plan.push(heads);
+        }
+        Ok(plan)
+    }
+
+    /// One token in one device submission ([`DeviceStream::step`]): the host decides what
+    /// does not depend on the token before it, the device the rest; afterwards the host
+    /// keeps its books from the step's gates (as after each layer of a run) and checks that
+    /// its policy made exactly the operations the step applied.
+    fn device_step(
+        &mut self,
+        id: u32,
+        scores: Option<&[f32]>,
+        logits: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let Some(mut dev) = self.device.take() else {
+            return Err(Error::Internal("device step without a device".into()));
+        };
+        let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
+            .layers
+            .iter()
+            .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
+            .collect();
+        let plan = match self.step_plan() {
+            Ok(p) => p,
+            Err(e) => {
+                self.device = Some(dev);
+                return Err(e);
+            }
+        };
+        let mut logits = logits;
+        let out = match logits.as_deref_mut() {
+            None => Output::Nothing,
+            Some(l) => Output::Last(l),
+        };
+        let (rs, got) = match dev.stream.step(id, &plan, out) {
+            Ok(r) => r,
+            Err(e) => {
+                let err = device_error(e);
+                if !crate::backend::is_device_failure(&err) {
+                    self.device = Some(dev);
+                    return Err(err);
+                }
+                eprintln!("foxedge: {err}; the session continues on the CPU");
+                self.stats.device_layers = 0;
+                return self.cpu_finish(&[id], scores, logits, false, 0, &shift_before);
+            }
+        };
+        let pos0 = self.stats.tokens;
+        let mut keeper = Keeper {
+            sess: self,
+            pos0,
+            fresh: false,
+            scores,
+        };
+        for (l, heads) in plan.iter().enumerate() {
+            let made = keeper.plan(&got.gates(l))?;
+            let LayerPlan::Tokens(steps) = made else {
+                return Err(Error::Internal("a one-token step planned a chunk".into()));
+            };
+            let same = steps.len() == 1
+                && steps[0].heads.iter().zip(heads).all(|(hs, sp)| {
+                    hs.live == sp.live + 1
+                        && matches!(hs.ops[..], [RowOp::Put { token: 0, slot, .. }]
+                            if slot as usize == sp.live)
+                });
+            if !same {
+                return Err(Error::Internal(format!(
+                    "layer {l}: the retention policy changed the cache in a step planned \
+                     without evictions"
+                )));
+            }
+        }
+        for st in &rs.attention {
+            self.stats.kept_pairs += st.kept_pairs();
+            self.stats.total_pairs += st.total_pairs();
+        }
+        self.stats.tokens += 1;
+        dev.bytes_uploaded += rs.bytes_uploaded;
+        dev.runs += 1;
+        self.stats.device_layers = self.model.info().layers as u64;
+        self.stats.device_bytes_uploaded = dev.bytes_uploaded;
+        self.stats.device_runs = dev.runs;
+        self.stats.device_submissions += u64::from(rs.submissions);
+        self.device = Some(dev);
+        Ok(())
     }
 
     /// The CPU's forward of a chunk whose first `done` layers' bookkeeping the device run
@@ -769,8 +924,9 @@ mod tests {
     /// Loses the device at submission `k` of the run after `before` tokens (a prefill
     /// chunk when `chunk`, else a decode step), then streams on: every logit stays within
     /// the tolerance of the CPU session's and the caches hold the same positions.
-    fn loss_keeps_the_stream(test: &str, k: u64, chunk: bool) {
+    fn loss_keeps_the_stream(test: &str, k: u64, chunk: bool, certified_eviction: bool) {
         let opts = SessionOptions {
+            certified_eviction,
             budget: Some(Budget::EntriesPerHead(48)),
             window: 8,
             sinks: 2,
@@ -793,9 +949,13 @@ mod tests {
             if !chunk && i == 10 {
                 assert!(gpu.inject_device_loss(k));
             }
+            let subs = gpu.stats().device_submissions;
             cpu.feed(&[t], Some(&mut a)).unwrap();
             gpu.feed(&[t], Some(&mut b)).unwrap();
             assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+            if !certified_eviction && i < 10 {
+                assert_eq!(gpu.stats().device_submissions - subs, 1, "token {i}");
+            }
         }
         assert!(!gpu.on_device(), "the device was lost");
         assert_eq!(gpu.stats().device_layers, 0);
@@ -810,12 +970,22 @@ mod tests {
 
     #[test]
     fn device_loss_in_a_decode_step_keeps_the_stream() {
-        loss_keeps_the_stream("device_loss_in_a_decode_step_keeps_the_stream", 2, false);
+        loss_keeps_the_stream(
+            "device_loss_in_a_decode_step_keeps_the_stream",
+            2,
+            false,
+            true,
+        );
     }
 
     #[test]
     fn device_loss_in_a_prefill_chunk_keeps_the_stream() {
-        loss_keeps_the_stream("device_loss_in_a_prefill_chunk_keeps_the_stream", 3, true);
+        loss_keeps_the_stream(
+            "device_loss_in_a_prefill_chunk_keeps_the_stream",
+            3,
+            true,
+            true,
+        );
     }
 
     #[test]
@@ -823,6 +993,19 @@ mod tests {
         loss_keeps_the_stream(
             "device_loss_at_the_first_submission_keeps_the_stream",
             0,
+            false,
+            true,
+        );
+    }
+
+    /// A decode token at which nothing can be evicted is one submission (`device_step`):
+    /// losing it leaves the host's books untouched, and the CPU runs the token.
+    #[test]
+    fn device_loss_in_a_one_submission_step_keeps_the_stream() {
+        loss_keeps_the_stream(
+            "device_loss_in_a_one_submission_step_keeps_the_stream",
+            0,
+            false,
             false,
         );
     }

@@ -2,7 +2,8 @@
 //! cache resident) against the CPU backend on the same model: the bundled model and random
 //! models of other shapes (head_dim 32 and 16, FoX Pro and plain FoX, QK-norm per head and
 //! shared, weights stored as f32, f16 and bf16), and a 512-token greedy stream with
-//! certified eviction under a budget.
+//! certified eviction under a budget; decode tokens the retention policy cannot evict at
+//! run as one device submission each.
 //!
 //! Tolerance: |logit - cpu| <= 2e-3 (1 + |cpu|). Both sides compute in f32 from the same
 //! f32 weights; they differ only in summation order (~1e-6 relative per op), carried
@@ -81,6 +82,9 @@ fn compare(model: &Arc<Model>, opts: &SessionOptions, prompt: &[u32], steps: usi
     let st = gpu.stats();
     assert_eq!(st.device_layers, model.info().layers as u64);
     assert_eq!(st.device_runs, 1 + steps as u64);
+    // ACP: the device's decisions (fused steps decide on the device) are the CPU's.
+    assert_eq!(st.total_pairs, cpu.stats().total_pairs, "{test}");
+    assert_eq!(st.kept_pairs, cpu.stats().kept_pairs, "{test}");
     assert!(st.device_bytes_uploaded > 0);
     let layers = model.info().layers;
     for l in 0..layers {
@@ -232,6 +236,62 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     assert_eq!(sg.device_layers, 4);
     for l in 0..4 {
         for h in 0..4 {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
+
+/// A decode token at which the retention policy cannot evict (certified eviction off, room
+/// under the budget) is one device submission: its gates' cumulative sums, ACP decisions
+/// and cache row are made on the device. Its logits, cache positions and ACP decisions
+/// (kept / total pairs) equal the CPU's; once the budget is full (forced evictions) tokens
+/// take the per-layer path (layers + 1 submissions), and the stream stays the CPU's.
+#[test]
+fn decode_tokens_without_evictions_are_one_submission() {
+    let model = tiny();
+    let ids = input_ids();
+    let (budget, prompt) = (224usize, 180usize);
+    let opts = SessionOptions {
+        ln_eps: Some(-3.0),
+        certified_eviction: false,
+        budget: Some(Budget::EntriesPerHead(budget)),
+        window: 8,
+        sinks: 2,
+        ..SessionOptions::default()
+    };
+    let test = "decode_tokens_without_evictions_are_one_submission";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let layers = model.info().layers as u64;
+    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+    cpu.feed(&ids[..prompt], Some(&mut a)).unwrap();
+    gpu.feed(&ids[..prompt], Some(&mut b)).unwrap();
+    close(&a, &b, "prompt");
+    let (kept0, total0) = (cpu.stats().kept_pairs, cpu.stats().total_pairs);
+    for (i, &t) in ids[prompt..prompt + 60].iter().enumerate() {
+        let before = gpu.stats().device_submissions;
+        cpu.feed(&[t], Some(&mut a)).unwrap();
+        gpu.feed(&[t], Some(&mut b)).unwrap();
+        close(&a, &b, &format!("token {i}"));
+        let subs = gpu.stats().device_submissions - before;
+        let want = if prompt + i < budget { 1 } else { layers + 1 };
+        assert_eq!(subs, want, "token {i} ({} live)", prompt + i);
+    }
+    let (sc, sg) = (cpu.stats(), gpu.stats());
+    assert!(sg.evicted_forced > 0, "the budget must evict");
+    assert_eq!(sg.evicted_forced, sc.evicted_forced);
+    assert_eq!(sg.total_pairs, sc.total_pairs);
+    assert_eq!(sg.kept_pairs, sc.kept_pairs);
+    assert!(
+        sc.kept_pairs - kept0 < sc.total_pairs - total0,
+        "ACP must prune in decode: kept {} of {}",
+        sc.kept_pairs - kept0,
+        sc.total_pairs - total0
+    );
+    for l in 0..model.info().layers {
+        for h in 0..model.info().heads {
             assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
         }
     }

@@ -26,7 +26,10 @@ mod ops;
 mod step;
 mod weights;
 
-pub use step::{DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, TokenPlan};
+pub use step::{
+    DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, StepAcp, StepHead,
+    StepOutput, TokenPlan,
+};
 pub use weights::DeviceModel;
 
 use foxedge_core::contract::HeadStats;
