@@ -20,7 +20,7 @@
 use super::*;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
-    ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepHead, TokenPlan,
+    ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead, TokenPlan,
 };
 use std::sync::{Mutex, OnceLock, Weak};
 
@@ -279,6 +279,22 @@ fn meta_ops(hc: &HeadCache) -> Vec<RowOp> {
         .collect()
 }
 
+/// Evictions listed per head in a one-token step beyond those the budget forces.
+const STEP_EVICTIONS: usize = 16;
+
+/// Whether the retention policy's operations `ops` for a one-token step are the `k`
+/// evictions the device made from the plan `sp`, then the token's row.
+fn same_ops(ops: &[RowOp], sp: &StepHead, k: usize) -> bool {
+    let moves = sp.evict[..k.min(sp.evict.len())]
+        .iter()
+        .filter_map(|e| e.moved.map(|(from, to)| RowOp::Move { from, to }));
+    let n_moves = moves.clone().count();
+    k <= sp.evict.len()
+        && ops.len() == n_moves + 1
+        && ops[..n_moves].iter().copied().eq(moves)
+        && matches!(ops[n_moves], RowOp::Put { token: 0, slot, .. } if slot as usize == sp.live - k)
+}
+
 /// One layer's bookkeeping of a device run, as `Session::attention` keeps it.
 struct Keeper<'s> {
     sess: &'s mut Session,
@@ -471,8 +487,12 @@ impl Session {
             }
             return Ok(());
         }
-        if !fresh && ids.len() == 1 && self.step_evicts_nothing() {
-            return self.device_step(ids[0], scores, logits);
+        if !fresh && ids.len() == 1 {
+            match self.step_plan() {
+                Ok(Some(plan)) => return self.device_step(ids[0], plan, scores, logits),
+                Ok(None) => {}
+                Err(e) => return Err(e),
+            }
         }
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device chunk without a device".into()));
@@ -546,29 +566,20 @@ impl Session {
         }
     }
 
-    /// Whether the retention policy cannot evict at the next token, so its row operations
-    /// are known before the token's gates: no certified eviction, and room for one more
-    /// entry in every head and layer budget.
-    fn step_evicts_nothing(&self) -> bool {
-        let cfg = &self.policy_cfg;
-        let nh = self.model.info().heads;
-        cfg.ln_eps.is_none()
-            && self.layers.iter().all(|st| {
-                st.heads.iter().all(|hc| hc.len() < cfg.head_limit())
-                    && cfg
-                        .layer_budget
-                        .is_none_or(|lb| st.policy.live_total() + nh <= lb)
-            })
-    }
-
     /// What the host decides for a one-token step before its gates: re-bases (their metas),
-    /// each head's live rows, `c_{t-1}` and ACP threshold.
-    fn step_plan(&mut self) -> Result<Vec<Vec<StepHead>>> {
+    /// each head's live rows, `c_{t-1}`, the evictions its retention policy may make at the
+    /// token (in order, with the largest `c_t` that makes each, and each one's swap-delete
+    /// move) and the ACP threshold for each number of them. `None` where the policy's
+    /// evictions at this token are not known that way (`next_evictions`): the per-layer
+    /// path runs it.
+    fn step_plan(&mut self) -> Result<Option<Vec<Vec<StepHead>>>> {
         let info = self.model.info();
         let scale = 1.0 / (info.head_dim as f64).sqrt();
         let pos = self.stats.tokens;
         let ln_eps = self.opts.ln_eps;
+        let limit = self.policy_cfg.head_limit();
         let mut plan = Vec::with_capacity(info.layers);
+        let mut cand = Vec::new();
         for l in 0..info.layers {
             let certified = self.certified[l];
             let state = &mut self.layers[l];
@@ -576,22 +587,56 @@ impl Session {
             let mut heads = Vec::with_capacity(info.heads);
             for (h, hc) in state.heads.iter().enumerate() {
                 let live = hc.len();
+                let k_max = (live + 1).saturating_sub(limit) + STEP_EVICTIONS;
+                if cand.len() < k_max {
+                    cand.resize(k_max, foxedge_core::retention::Candidate::default());
+                }
+                let Some(n) = state.policy.next_evictions(h, &mut cand[..k_max])? else {
+                    return Ok(None);
+                };
+                // The swap-deletes of evicting the candidates in order.
+                let mut slots: Vec<u32> = cand[..n].iter().map(|c| c.slot).collect();
+                let mut evict = Vec::with_capacity(n);
+                let mut last = live;
+                for i in 0..n {
+                    last -= 1;
+                    let at = slots[i];
+                    let moved = (at as usize != last).then_some((last as u32, at));
+                    for s in &mut slots[i + 1..] {
+                        if *s as usize == last {
+                            *s = at;
+                        }
+                    }
+                    evict.push(StepEvict {
+                        moved,
+                        at_or_below: cand[i].evict_at_or_below,
+                    });
+                }
                 let acp = match (ln_eps, certified) {
                     (None, _) => StepAcp::Dense,
-                    (Some(e), true) => StepAcp::Delta(foxedge_core::threshold::threshold(
-                        self.u[l][h],
-                        live + 1,
-                        e,
-                    )?),
-                    (Some(e), false) => StepAcp::Norms {
-                        base: e - ((live + 1) as f64).ln(),
-                        k_norm_max: state.k_norm_max[h],
-                        scale,
-                    },
+                    (Some(e), true) => StepAcp::Delta(
+                        (0..=n)
+                            .map(|k| {
+                                foxedge_core::threshold::threshold(self.u[l][h], live - k + 1, e)
+                            })
+                            .collect::<std::result::Result<_, _>>()?,
+                    ),
+                    (Some(e), false) => {
+                        // Without a certificate only the budget evicts: all n, always.
+                        if evict.iter().any(|x| x.at_or_below != f64::INFINITY) {
+                            return Ok(None);
+                        }
+                        StepAcp::Norms {
+                            base: e - ((live - n + 1) as f64).ln(),
+                            k_norm_max: state.k_norm_max[h],
+                            scale,
+                        }
+                    }
                 };
                 heads.push(StepHead {
                     ops: if rebased[h] { meta_ops(hc) } else { Vec::new() },
                     live,
+                    evict,
                     c_prev: state.gates[h].current(),
                     pos,
                     acp,
@@ -599,7 +644,7 @@ impl Session {
             }
             plan.push(heads);
         }
-        Ok(plan)
+        Ok(Some(plan))
     }
 
     /// One token in one device submission ([`DeviceStream::step`]): the host decides what
@@ -609,6 +654,7 @@ impl Session {
     fn device_step(
         &mut self,
         id: u32,
+        plan: Vec<Vec<StepHead>>,
         scores: Option<&[f32]>,
         logits: Option<&mut [f32]>,
     ) -> Result<()> {
@@ -620,13 +666,6 @@ impl Session {
             .iter()
             .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
             .collect();
-        let plan = match self.step_plan() {
-            Ok(p) => p,
-            Err(e) => {
-                self.device = Some(dev);
-                return Err(e);
-            }
-        };
         let mut logits = logits;
         let out = match logits.as_deref_mut() {
             None => Output::Nothing,
@@ -652,23 +691,19 @@ impl Session {
             fresh: false,
             scores,
         };
+        let mut same = true;
         for (l, heads) in plan.iter().enumerate() {
             let made = keeper.plan(&got.gates(l))?;
             let LayerPlan::Tokens(steps) = made else {
                 return Err(Error::Internal("a one-token step planned a chunk".into()));
             };
-            let same = steps.len() == 1
-                && steps[0].heads.iter().zip(heads).all(|(hs, sp)| {
-                    hs.live == sp.live + 1
-                        && matches!(hs.ops[..], [RowOp::Put { token: 0, slot, .. }]
-                            if slot as usize == sp.live)
-                });
-            if !same {
-                return Err(Error::Internal(format!(
-                    "layer {l}: the retention policy changed the cache in a step planned \
-                     without evictions"
-                )));
-            }
+            same &= steps.len() == 1
+                && steps[0]
+                    .heads
+                    .iter()
+                    .zip(heads)
+                    .enumerate()
+                    .all(|(h, (hs, sp))| same_ops(&hs.ops, sp, got.evicted(l, h)));
         }
         for st in &rs.attention {
             self.stats.kept_pairs += st.kept_pairs();
@@ -681,7 +716,18 @@ impl Session {
         self.stats.device_bytes_uploaded = dev.bytes_uploaded;
         self.stats.device_runs = dev.runs;
         self.stats.device_submissions += u64::from(rs.submissions);
-        self.device = Some(dev);
+        if same {
+            self.device = Some(dev);
+        } else {
+            // The device decided an eviction threshold on the other side of the host's
+            // (f64 rounding) or past its candidates: this token's attention differs by
+            // less than the certificate's eps, and the device's cache is not the host's.
+            eprintln!(
+                "foxedge: the device's evictions differ from the retention policy's; the \
+                 session continues on the CPU"
+            );
+            self.stats.device_layers = 0;
+        }
         Ok(())
     }
 
@@ -966,6 +1012,47 @@ mod tests {
                 assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
             }
         }
+    }
+
+    /// `same_ops` accepts exactly the device's first `k` planned evictions (their moves;
+    /// none for a last row) followed by the token's row at slot `live - k`.
+    #[test]
+    fn step_operations_are_checked_against_the_policy() {
+        let sp = StepHead {
+            ops: Vec::new(),
+            live: 10,
+            evict: vec![
+                StepEvict {
+                    moved: Some((9, 3)),
+                    at_or_below: f64::INFINITY,
+                },
+                StepEvict {
+                    moved: None,
+                    at_or_below: -2.0,
+                },
+                StepEvict {
+                    moved: Some((7, 1)),
+                    at_or_below: -3.0,
+                },
+            ],
+            c_prev: -1.0,
+            pos: 10,
+            acp: StepAcp::Dense,
+        };
+        let put = |slot| RowOp::Put {
+            token: 0,
+            slot,
+            c: -1.5,
+            pos: 10,
+        };
+        let mv = |from, to| RowOp::Move { from, to };
+        assert!(same_ops(&[mv(9, 3), put(9)], &sp, 1));
+        assert!(same_ops(&[mv(9, 3), put(8)], &sp, 2));
+        assert!(same_ops(&[mv(9, 3), mv(7, 1), put(7)], &sp, 3));
+        assert!(!same_ops(&[mv(9, 3), put(8)], &sp, 1));
+        assert!(same_ops(&[put(10)], &sp, 0));
+        assert!(!same_ops(&[mv(9, 3), mv(7, 1), put(7)], &sp, 2));
+        assert!(!same_ops(&[mv(9, 3), mv(7, 1), put(6)], &sp, 4));
     }
 
     #[test]

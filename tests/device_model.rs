@@ -216,6 +216,7 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     cpu.feed(&ids[..64], Some(&mut a)).unwrap();
     gpu.feed(&ids[..64], Some(&mut b)).unwrap();
     close(&a, &b, "prompt");
+    let prompt_subs = gpu.stats().device_submissions;
     // Each side picks its own greedy token: the streams must agree token for token.
     for s in 64..512 {
         let ta = (0..v).max_by(|&i, &j| a[i].total_cmp(&a[j])).unwrap() as u32;
@@ -234,6 +235,11 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     assert_eq!(sg.evicted_certified, sc.evicted_certified);
     assert_eq!(sg.tokens, 512);
     assert_eq!(sg.device_layers, 4);
+    assert!(gpu.on_device());
+    // Every decode token, evictions included, is one submission.
+    assert_eq!(sg.device_submissions - prompt_subs, 512 - 64);
+    assert_eq!(sg.total_pairs, sc.total_pairs);
+    assert_eq!(sg.kept_pairs, sc.kept_pairs);
     for l in 0..4 {
         for h in 0..4 {
             assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
@@ -241,58 +247,68 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     }
 }
 
-/// A decode token at which the retention policy cannot evict (certified eviction off, room
-/// under the budget) is one device submission: its gates' cumulative sums, ACP decisions
-/// and cache row are made on the device. Its logits, cache positions and ACP decisions
-/// (kept / total pairs) equal the CPU's; once the budget is full (forced evictions) tokens
-/// take the per-layer path (layers + 1 submissions), and the stream stays the CPU's.
+/// Every decode token is one device submission: its gates' cumulative sums, ACP decisions,
+/// the retention policy's evictions (certified ones decided on the device from the host's
+/// thresholds, forced ones by the budget) and its cache row are made on the device. Its
+/// logits, cache positions, evictions and ACP decisions (kept / total pairs) equal the
+/// CPU's, with certified eviction and without, under a budget that forces evictions.
 #[test]
-fn decode_tokens_without_evictions_are_one_submission() {
+fn decode_tokens_with_evictions_are_one_submission() {
     let model = tiny();
     let ids = input_ids();
-    let (budget, prompt) = (224usize, 180usize);
-    let opts = SessionOptions {
-        ln_eps: Some(-3.0),
-        certified_eviction: false,
-        budget: Some(Budget::EntriesPerHead(budget)),
-        window: 8,
-        sinks: 2,
-        ..SessionOptions::default()
-    };
-    let test = "decode_tokens_without_evictions_are_one_submission";
-    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
-        return;
-    };
-    let v = model.info().vocab;
-    let layers = model.info().layers as u64;
-    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
-    cpu.feed(&ids[..prompt], Some(&mut a)).unwrap();
-    gpu.feed(&ids[..prompt], Some(&mut b)).unwrap();
-    close(&a, &b, "prompt");
-    let (kept0, total0) = (cpu.stats().kept_pairs, cpu.stats().total_pairs);
-    for (i, &t) in ids[prompt..prompt + 60].iter().enumerate() {
-        let before = gpu.stats().device_submissions;
-        cpu.feed(&[t], Some(&mut a)).unwrap();
-        gpu.feed(&[t], Some(&mut b)).unwrap();
-        close(&a, &b, &format!("token {i}"));
-        let subs = gpu.stats().device_submissions - before;
-        let want = if prompt + i < budget { 1 } else { layers + 1 };
-        assert_eq!(subs, want, "token {i} ({} live)", prompt + i);
-    }
-    let (sc, sg) = (cpu.stats(), gpu.stats());
-    assert!(sg.evicted_forced > 0, "the budget must evict");
-    assert_eq!(sg.evicted_forced, sc.evicted_forced);
-    assert_eq!(sg.total_pairs, sc.total_pairs);
-    assert_eq!(sg.kept_pairs, sc.kept_pairs);
-    assert!(
-        sc.kept_pairs - kept0 < sc.total_pairs - total0,
-        "ACP must prune in decode: kept {} of {}",
-        sc.kept_pairs - kept0,
-        sc.total_pairs - total0
-    );
-    for l in 0..model.info().layers {
-        for h in 0..model.info().heads {
-            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+    let prompt = 180usize;
+    for (i, certified_eviction) in [true, false].into_iter().enumerate() {
+        let opts = SessionOptions {
+            ln_eps: Some(if certified_eviction { -6.0 } else { -3.0 }),
+            certified_eviction,
+            budget: Some(Budget::EntriesPerHead(160)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        let test = format!("decode_tokens_with_evictions_are_one_submission {i}");
+        let Some((mut cpu, mut gpu)) = pair(&model, &opts, &test) else {
+            return;
+        };
+        let v = model.info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        cpu.feed(&ids[..prompt], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..prompt], Some(&mut b)).unwrap();
+        close(&a, &b, "prompt");
+        let (kept0, total0) = (cpu.stats().kept_pairs, cpu.stats().total_pairs);
+        let (cert0, forced0) = (cpu.stats().evicted_certified, cpu.stats().evicted_forced);
+        for (j, &t) in ids[prompt..prompt + 60].iter().enumerate() {
+            let before = gpu.stats().device_submissions;
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            close(&a, &b, &format!("{test}: token {j}"));
+            assert_eq!(
+                gpu.stats().device_submissions - before,
+                1,
+                "{test}: token {j}"
+            );
+        }
+        assert!(gpu.on_device());
+        let (sc, sg) = (cpu.stats(), gpu.stats());
+        assert!(sc.evicted_forced > forced0, "{test}: the budget must evict");
+        if certified_eviction {
+            assert!(sc.evicted_certified > cert0, "{test}: certified evictions");
+        }
+        assert_eq!(sg.evicted_forced, sc.evicted_forced);
+        assert_eq!(sg.evicted_certified, sc.evicted_certified);
+        assert_eq!(sg.total_pairs, sc.total_pairs);
+        assert_eq!(sg.kept_pairs, sc.kept_pairs);
+        // With certified eviction the cache holds few rows ACP could skip.
+        assert!(
+            certified_eviction || sc.kept_pairs - kept0 < sc.total_pairs - total0,
+            "{test}: ACP must prune in decode: kept {} of {}",
+            sc.kept_pairs - kept0,
+            sc.total_pairs - total0
+        );
+        for l in 0..model.info().layers {
+            for h in 0..model.info().heads {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
         }
     }
 }

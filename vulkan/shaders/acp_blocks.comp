@@ -9,7 +9,7 @@
 //   mode 2: par.x - 2 U with U = par.z * |q| * max(par.y, |k|) (observed norms: par.y the
 //           head's largest earlier |k|, par.z the softmax scale, par.x = ln eps - ln live).
 // Writes a flag per block (1 = attend) at kept[info.z + b] and (kept blocks, kept rows) at
-// stats[info.w & 0xffff].
+// stats[info.w & 0xffff].xy.
 layout(local_size_x = 64) in;
 layout(constant_id = 0) const uint HD = 64;
 #define SLOTS 8
@@ -20,7 +20,7 @@ layout(std430, set = 0, binding = 2) readonly buffer Nm { vec2 nrm[]; };     // 
 layout(std430, set = 0, binding = 3) readonly buffer In { uvec4 info[]; };   // [slot] (live, cap, kept0, stat | head << 16)
 layout(std430, set = 0, binding = 4) readonly buffer Pr { vec4 par[]; };     // [slot]
 layout(std430, set = 0, binding = 5) writeonly buffer Kp { uint kept[]; };
-layout(std430, set = 0, binding = 6) writeonly buffer St { uvec2 stats[]; };
+layout(std430, set = 0, binding = 6) buffer St { uvec4 stats[]; };          // [layer H] (kept blocks, kept rows, k, 0)
 
 layout(push_constant) uniform Push {
     uint block;
@@ -66,5 +66,5 @@ void main() {
         }
     }
     barrier();
-    if (tid == 0u) stats[in4.w & 0xffffu] = uvec2(s_blocks, s_rows);
+    if (tid == 0u) stats[in4.w & 0xffffu].xy = uvec2(s_blocks, s_rows);
 }

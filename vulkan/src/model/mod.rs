@@ -27,8 +27,8 @@ mod step;
 mod weights;
 
 pub use step::{
-    DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, StepAcp, StepHead,
-    StepOutput, TokenPlan,
+    DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, StepAcp, StepEvict,
+    StepHead, StepOutput, TokenPlan,
 };
 pub use weights::DeviceModel;
 

@@ -10,7 +10,7 @@
 
 mod fused;
 
-pub use fused::{StepAcp, StepHead, StepOutput};
+pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
 
 use super::ops::Rec;
 use super::weights::DeviceModel;

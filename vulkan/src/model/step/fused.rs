@@ -2,10 +2,14 @@
 //!
 //! What the per-layer path asks the host between layers is decided before the step or on
 //! the device:
-//! - the host's row operations that do not depend on the token (re-based metas) and the
-//!   token's own row (slot `live`, known when the step evicts nothing);
+//! - the host's row operations that do not depend on the token (re-based metas);
 //! - `c_t = c_{t-1} + log f_t` per head (`gate_step.comp`, double-float, from the host's f64
 //!   `c_{t-1}`), written into the query's `c` and the new row's meta;
+//! - the retention policy's evictions at this token: the host lists them in eviction order
+//!   with the largest `c_t` that evicts each (foxedge-core's `next_evictions`), with each
+//!   one's swap-delete move; the device evicts those at or above its `c_t`, stores the
+//!   token's row after the survivors and attends them (the CPU's order: evictions, then
+//!   the token's row, then its attention);
 //! - ACP's block decisions (`acp_blocks.comp`) by foxedge-core's rule from the rows' `c`,
 //!   with the host's `delta` or one from the step's own q/k norms.
 //!
@@ -29,12 +33,13 @@ static GATE_STEP: &[u8] = include_bytes!("../../../shaders/gate_step.spv");
 static ACP_BLOCKS: &[u8] = include_bytes!("../../../shaders/acp_blocks.spv");
 
 /// ACP's threshold of one head in a step (`acp_blocks.comp`'s modes).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum StepAcp {
     /// Every block attended (ACP off).
     Dense,
-    /// `delta` from the host: `threshold(U, live + 1, ln eps)` with the certified `U`.
-    Delta(f64),
+    /// `delta` from the host, one per number `k` of evictions the step may make (`0..=`
+    /// the candidates): `threshold(U, live - k + 1, ln eps)` with the certified `U`.
+    Delta(Vec<f64>),
     /// `delta = base - 2 scale |q| max(k_norm_max, |k|)` with the step's own norms:
     /// `base = ln eps - ln(live + 1)`, `k_norm_max` the head's largest earlier `|k|`.
     Norms {
@@ -53,7 +58,8 @@ impl StepAcp {
         }
     }
 
-    /// `par` of `acp_blocks.comp` (f32 bits).
+    /// `par` of `acp_blocks.comp` (f32 bits; [`StepAcp::Delta`]: its first, for no
+    /// eviction).
     fn par(&self) -> Result<[u32; 4]> {
         let bad = || {
             Error::Input(foxedge_core::Error::BadArgument(
@@ -62,7 +68,8 @@ impl StepAcp {
         };
         Ok(match *self {
             StepAcp::Dense => [0; 4],
-            StepAcp::Delta(d) => {
+            StepAcp::Delta(ref d) => {
+                let d = *d.first().ok_or_else(bad)?;
                 if !d.is_finite() {
                     return Err(bad());
                 }
@@ -89,15 +96,26 @@ impl StepAcp {
     }
 }
 
+/// One eviction a step may make: its swap-delete move (none when the evicted row was the
+/// last live one) and the largest `c_t` at which it is made (`+inf`: always).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepEvict {
+    pub moved: Option<(u32, u32)>,
+    pub at_or_below: f64,
+}
+
 /// One head of one layer of a step, as the host decided it before the step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepHead {
     /// Row operations applied first, in order ([`RowOp::Move`] / [`RowOp::Meta`]: the
     /// token's own row is stored by the step).
     pub ops: Vec<RowOp>,
-    /// Live rows after `ops`: the token's row goes to slot `live`, its query attends rows
-    /// `0..live + 1`.
+    /// Live rows after `ops`.
     pub live: usize,
+    /// The evictions the step may make, in order (thresholds non-increasing): it makes the
+    /// first `k`, those with `c_t <= at_or_below`; the token's row then goes to slot
+    /// `live - k` and its query attends rows `0..live - k + 1`.
+    pub evict: Vec<StepEvict>,
     /// `c_{t-1}` of the head, same origin as its rows.
     pub c_prev: f64,
     /// The token's stream position (its row's meta).
@@ -130,8 +148,13 @@ impl StepOutput {
 
     /// (kept blocks, kept rows) of head `h` of layer `l`, as the device decided.
     pub fn kept(&self, l: usize, h: usize) -> (u64, u64) {
-        let at = self.layers * self.gate_words + 2 * (l * self.heads + h);
+        let at = self.layers * self.gate_words + 4 * (l * self.heads + h);
         (u64::from(self.words[at]), u64::from(self.words[at + 1]))
+    }
+
+    /// Evictions the device made in head `h` of layer `l` (the first of its plan's).
+    pub fn evicted(&self, l: usize, h: usize) -> usize {
+        self.words[self.layers * self.gate_words + 4 * (l * self.heads + h) + 2] as usize
     }
 }
 
@@ -147,7 +170,8 @@ pub(super) struct Bufs {
     am: Subbuffer<[u32]>,
     /// `c_t` per head, group-padded (`gate_step.comp`).
     qc: Subbuffer<[u32]>,
-    /// ACP flags `[layers][H][blocks]` and counts `[layers][H][2]`.
+    /// ACP flags `[layers][H][blocks]` and counts `[layers][H][4]` (kept blocks, kept
+    /// rows, evictions).
     kept: Subbuffer<[u32]>,
     acp: Subbuffer<[u32]>,
     /// Decode partials and merge counters.
@@ -188,7 +212,7 @@ struct Group {
 /// Per layer: host-data ranges.
 struct LayerAt {
     cprev: (usize, usize),
-    put_at: (usize, usize),
+    rc: (usize, usize),
     ops: (usize, usize),
     mode: u32,
     chunk: usize,
@@ -287,9 +311,12 @@ impl DeviceStream {
         let mut parts_max = 1usize;
         for (l, heads) in plan.iter().enumerate() {
             let mut cw = vec![0u32; 2 * nh];
-            let mut put_at = vec![0u32; nh];
             let mut words = Vec::new();
             let mut ranges = Vec::new();
+            let mut thr = Vec::new();
+            let mut tables = Vec::new();
+            // Per head: (put op, first candidate op, thresholds, ACP table) offsets.
+            let mut offs = Vec::with_capacity(nh);
             let mode = heads[0].acp.mode();
             for (h, st) in heads.iter().enumerate() {
                 if !st.c_prev.is_finite() {
@@ -302,12 +329,64 @@ impl DeviceStream {
                         "the heads of a layer take one kind of ACP threshold",
                     )));
                 }
+                if st.evict.len() > st.live {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "a step cannot evict more rows than are live",
+                    )));
+                }
                 split_f64(&[st.c_prev], &mut cw[2 * h..2 * h + 2]);
                 let first = words.len() / 8;
                 for op in &st.ops {
                     op_words(op, &mut words)?;
                 }
-                // The token's row; gate_step.comp fills its c.
+                let cand = words.len();
+                let thr0 = thr.len();
+                let mut prev = f64::INFINITY;
+                for e in &st.evict {
+                    if e.at_or_below.is_nan() || e.at_or_below > prev {
+                        return Err(Error::Input(foxedge_core::Error::BadArgument(
+                            "eviction thresholds must not increase",
+                        )));
+                    }
+                    prev = e.at_or_below;
+                    match e.moved {
+                        Some((from, to)) => {
+                            if from.max(to) as usize >= st.live {
+                                return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                    "an eviction moves a row that is not live",
+                                )));
+                            }
+                            op_words(&RowOp::Move { from, to }, &mut words)?;
+                        }
+                        None => words.extend([3, 0, 0, 0, 0, 0, 0, 0]),
+                    }
+                    let mut t = [0u32; 2];
+                    if e.at_or_below == f64::INFINITY {
+                        t = [f32::INFINITY.to_bits(), 0];
+                    } else if e.at_or_below.is_finite() {
+                        split_f64(&[e.at_or_below], &mut t);
+                    } else {
+                        t = [f32::NEG_INFINITY.to_bits(), 0];
+                    }
+                    thr.extend(t);
+                }
+                let table = match &st.acp {
+                    StepAcp::Delta(d) => {
+                        if d.len() != st.evict.len() + 1 || d.iter().any(|x| !x.is_finite()) {
+                            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                "one finite ACP threshold per possible number of evictions",
+                            )));
+                        }
+                        let t0 = tables.len();
+                        let mut w = vec![0u32; 2 * d.len()];
+                        split_f64(d, &mut w);
+                        tables.extend(w);
+                        Some(t0)
+                    }
+                    _ => None,
+                };
+                // The token's row; gate_step.comp sets its slot and c.
+                let put = words.len();
                 op_words(
                     &RowOp::Put {
                         token: 0,
@@ -317,10 +396,14 @@ impl DeviceStream {
                     },
                     &mut words,
                 )?;
-                put_at[h] = (words.len() / 4 - 1) as u32;
+                offs.push((put, cand, thr0, table));
                 let cap = self.heads[l][h].as_ref().map_or(0, |b| b.cap);
-                ranges.extend([first as u32, st.ops.len() as u32 + 1, h as u32, cap as u32]);
+                let n_ops = st.ops.len() + st.evict.len() + 1;
+                ranges.extend([first as u32, n_ops as u32, h as u32, cap as u32]);
             }
+            let ops_at = hdata.push(&words);
+            let thr_at = hdata.push(&thr);
+            let tab_at = hdata.push(&tables);
             let entries: usize = heads.iter().map(|s| s.live + 1).sum();
             let n_max = heads.iter().map(|s| s.live + 1).max().unwrap_or(1);
             let chunk = auto_split(entries)
@@ -328,6 +411,7 @@ impl DeviceStream {
                 .div_ceil(BLOCK)
                 * BLOCK;
             let mut groups = Vec::new();
+            let mut rc = vec![0u32; 12 * nh];
             for h0 in (0..nh).step_by(HPD) {
                 let h1 = (h0 + HPD).min(nh);
                 let mut info = Vec::new();
@@ -361,7 +445,7 @@ impl DeviceStream {
                     parts += nch;
                 }
                 parts_max = parts_max.max(parts);
-                groups.push(Group {
+                let g = Group {
                     h0,
                     h1,
                     ranges: hdata.push(&ranges[4 * h0..4 * h1]),
@@ -369,12 +453,31 @@ impl DeviceStream {
                     par: hdata.push(&par),
                     qinfo: hdata.push(&qinfo),
                     chunks,
-                });
+                };
+                for h in h0..h1 {
+                    let (put, cand, thr0, table) = offs[h];
+                    let i = h - h0;
+                    rc[12 * h..12 * h + 12].copy_from_slice(&[
+                        (ops_at.0 + put) as u32,
+                        heads[h].evict.len() as u32,
+                        (ops_at.0 + cand) as u32,
+                        (thr_at.0 + thr0) as u32,
+                        heads[h].live as u32,
+                        (g.info.0 + 4 * i) as u32,
+                        (g.qinfo.0 + 8 * i) as u32,
+                        table.map_or(u32::MAX, |t| (tab_at.0 + t) as u32),
+                        (g.par.0 + 4 * i) as u32,
+                        (l * nh + h) as u32,
+                        0,
+                        0,
+                    ]);
+                }
+                groups.push(g);
             }
             layers_at.push(LayerAt {
                 cprev: hdata.push(&cw),
-                put_at: hdata.push(&put_at),
-                ops: hdata.push(&words),
+                rc: hdata.push(&rc),
+                ops: ops_at,
                 mode,
                 chunk,
                 groups,
@@ -383,7 +486,7 @@ impl DeviceStream {
         let gw = self.gates_words(1);
         let need = Need {
             up: hdata.words.len(),
-            rb: nl * gw + 2 * nl * nh,
+            rb: nl * gw + 4 * nl * nh,
             kept: nl * nh * max_blocks,
             parts: parts_max,
         };
@@ -428,9 +531,10 @@ impl DeviceStream {
                     WriteDescriptorSet::buffer(0, s.lf.clone()),
                     WriteDescriptorSet::buffer(1, view(&up, la.cprev)),
                     WriteDescriptorSet::buffer(2, b.qc.clone()),
-                    WriteDescriptorSet::buffer(3, view(&up, la.ops)),
-                    WriteDescriptorSet::buffer(4, view(&up, la.put_at)),
-                    WriteDescriptorSet::buffer(5, self.flag.clone()),
+                    WriteDescriptorSet::buffer(3, up.clone()),
+                    WriteDescriptorSet::buffer(4, view(&up, la.rc)),
+                    WriteDescriptorSet::buffer(5, b.acp.clone()),
+                    WriteDescriptorSet::buffer(6, self.flag.clone()),
                 ],
                 [nh as u32, qstride as u32],
                 [nh.div_ceil(64) as u32, 1, 1],
@@ -502,15 +606,15 @@ impl DeviceStream {
             &mut rec,
             &b.acp,
             &b.rb,
-            vec![copy_region(0, nl * gw, 2 * nl * nh)],
+            vec![copy_region(0, nl * gw, 4 * nl * nh)],
         )?;
-        stats.bytes_downloaded += (nl * gw + 2 * nl * nh) as u64 * 4;
+        stats.bytes_downloaded += (nl * gw + 4 * nl * nh) as u64 * 4;
         stats.bytes_downloaded += self.record_head(&mut rec, 1, &out, &b.logits, &b.am, &b.out)?;
         let (rb, hout) = (b.rb.clone(), b.out.clone());
         self.submit(rec, &mut stats)?;
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..nl * gw + 2 * nl * nh].to_vec()
+            w[..nl * gw + 4 * nl * nh].to_vec()
         };
         {
             let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
@@ -528,11 +632,15 @@ impl DeviceStream {
                 heads: Vec::with_capacity(nh),
             };
             for (h, sp) in heads.iter().enumerate() {
-                let live = (sp.live + 1) as u64;
+                let k = res.evicted(l, h);
+                if k > sp.evict.len() {
+                    return Err(internal("a step evicted more than its plan"));
+                }
+                let live = (sp.live - k + 1) as u64;
                 let (kb, kr) = res.kept(l, h);
                 st.heads.push(HeadStats {
-                    delta: match sp.acp {
-                        StepAcp::Delta(x) => Some(x),
+                    delta: match &sp.acp {
+                        StepAcp::Delta(x) => x.get(k).copied(),
                         _ => None,
                     },
                     total_pairs: live,
@@ -574,7 +682,7 @@ impl DeviceStream {
             am: ctx.device_buffer(2)?,
             qc: ctx.device_buffer(qc_words)?,
             kept: ctx.device_buffer(grow(need.kept))?,
-            acp: ctx.device_buffer(2 * sh.layers * sh.heads)?,
+            acp: ctx.device_buffer(4 * sh.layers * sh.heads)?,
             ml: ctx.device_buffer(2 * parts)?,
             po: ctx.device_buffer(sh.head_dim * parts)?,
             counters: ctx.device_buffer(HPD)?,
