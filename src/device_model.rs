@@ -301,6 +301,9 @@ struct Keeper<'s> {
     pos0: u64,
     fresh: bool,
     scores: Option<&'s [f32]>,
+    /// The device decided ACP itself (a one-token step): the plan's decisions are left
+    /// empty.
+    acp_on_device: bool,
 }
 
 impl Keeper<'_> {
@@ -446,7 +449,11 @@ impl Keeper<'_> {
                     }
                 };
                 let c_t = c_rows[r * nh + h];
-                let (kept, stats) = vm::decode_blocks(&hc.c, c_t, delta, BLOCK);
+                let (kept, stats) = if self.acp_on_device {
+                    (Vec::new(), Default::default())
+                } else {
+                    vm::decode_blocks(&hc.c, c_t, delta, BLOCK)
+                };
                 heads.push(HeadStep {
                     ops,
                     live,
@@ -509,6 +516,7 @@ impl Session {
             pos0,
             fresh,
             scores,
+            acp_on_device: false,
         };
         let mut layers_done = 0usize;
         let mut own_err: Option<Error> = None;
@@ -690,6 +698,7 @@ impl Session {
             pos0,
             fresh: false,
             scores,
+            acp_on_device: true,
         };
         let mut same = true;
         for (l, heads) in plan.iter().enumerate() {
