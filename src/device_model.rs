@@ -14,6 +14,13 @@
 //! (their cache already holds the run's rows) and runs the others as usual, so the stream
 //! continues as if the device had finished.
 //!
+//! A decode token (after the first chunk) is one submission instead: before it the session
+//! lists, per head, the evictions its policy may make at the token with the largest `c_t`
+//! that makes each (`RetentionPolicy::next_evictions`), their swap-delete moves and the ACP
+//! threshold for each count; the device computes `c_t`, evicts what it makes, stores and
+//! attends (evictions before the token's attention, as on the CPU). Afterwards the session
+//! runs its policy on the gates read back and checks it made the device's operations.
+//!
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
