@@ -121,7 +121,8 @@ pub struct SessionStats {
     /// far.
     pub device_bytes_uploaded: u64,
     pub device_runs: u64,
-    /// Device submissions the host waited for (a decode token that evicts nothing: one).
+    /// Device submissions the host waited for (a decode token: one; a chunk: one per layer
+    /// and one more).
     pub device_submissions: u64,
 }
 
