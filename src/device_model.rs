@@ -286,6 +286,11 @@ fn meta_ops(hc: &HeadCache) -> Vec<RowOp> {
         .collect()
 }
 
+/// Largest difference, relative to `1 + |c_t|`, between the device's and the host's `c_t`
+/// of a one-token step: the device sums a double-float pair (48 significant bits) with an
+/// exact two-sum, so it is the host's f64 sum to about `2^-47`; `2^-40` leaves room.
+const C_T_TOLERANCE: f64 = 1.0 / (1u64 << 40) as f64;
+
 /// Evictions listed per head in a one-token step beyond those the budget forces.
 const STEP_EVICTIONS: usize = 16;
 
@@ -720,6 +725,15 @@ impl Session {
                     .zip(heads)
                     .enumerate()
                     .all(|(h, (hs, sp))| same_ops(&hs.ops, sp, got.evicted(l, h)));
+            // The device's c_t is the f64 sum to its double-float precision (2^-48 relative).
+            for (h, g) in keeper.sess.layers[l].gates.iter().enumerate() {
+                let (dev_c, host_c) = (got.c_t(l, h), g.current());
+                if (dev_c - host_c).abs() > C_T_TOLERANCE * (1.0 + host_c.abs()) {
+                    return Err(Error::Internal(format!(
+                        "layer {l} head {h}: the device's c_t {dev_c} is not the host's {host_c}"
+                    )));
+                }
+            }
         }
         for st in &rs.attention {
             self.stats.kept_pairs += st.kept_pairs();

@@ -123,7 +123,8 @@ pub struct StepHead {
     pub acp: StepAcp,
 }
 
-/// What a step read back: every layer's [`Gates`] and the device's ACP decisions.
+/// What a step read back: every layer's [`Gates`], the device's ACP decisions, evictions
+/// and `c_t`.
 #[derive(Debug)]
 pub struct StepOutput {
     words: Vec<u32>,
@@ -156,13 +157,20 @@ impl StepOutput {
     pub fn evicted(&self, l: usize, h: usize) -> usize {
         self.words[self.layers * self.gate_words + 4 * (l * self.heads + h) + 2] as usize
     }
+
+    /// The device's `c_t` of head `h` of layer `l` (its double-float pair summed in f64).
+    pub fn c_t(&self, l: usize, h: usize) -> f64 {
+        let at = self.layers * (self.gate_words + 4 * self.heads) + 2 * (l * self.heads + h);
+        f64::from(f32::from_bits(self.words[at])) + f64::from(f32::from_bits(self.words[at + 1]))
+    }
 }
 
 /// Buffers of [`DeviceStream::step`], grown when a step needs more.
 pub(super) struct Bufs {
     /// Host inputs (token, c, operations, per-head metadata).
     up: Subbuffer<[u32]>,
-    /// Readback: gates of every layer, then ACP counts `[layers][H][2]`.
+    /// Readback: gates of every layer, then ACP counts `[layers][H][4]`, then `c_t`
+    /// `[layers][H]` (hi, lo).
     rb: Subbuffer<[u32]>,
     /// Logits or the token, and the non-finite flag.
     out: Subbuffer<[u32]>,
@@ -486,7 +494,7 @@ impl DeviceStream {
         let gw = self.gates_words(1);
         let need = Need {
             up: hdata.words.len(),
-            rb: nl * gw + 4 * nl * nh,
+            rb: nl * gw + 6 * nl * nh,
             kept: nl * nh * max_blocks,
             parts: parts_max,
         };
@@ -539,6 +547,19 @@ impl DeviceStream {
                 [nh as u32, qstride as u32],
                 [nh.div_ceil(64) as u32, 1, 1],
             )?;
+            let ct_at = nl * gw + 4 * nl * nh + 2 * l * nh;
+            for (gi, g) in la.groups.iter().enumerate() {
+                copy(
+                    &mut rec,
+                    &b.qc,
+                    &b.rb,
+                    vec![copy_region(
+                        gi * qstride * 2,
+                        ct_at + 2 * g.h0,
+                        2 * (g.h1 - g.h0),
+                    )],
+                )?;
+            }
             for (gi, g) in la.groups.iter().enumerate() {
                 let slots = self.head_slots(l, g.h0, g.h1)?;
                 let qc = view(&b.qc, (gi * qstride * 2, 2 * HPD));
@@ -608,13 +629,13 @@ impl DeviceStream {
             &b.rb,
             vec![copy_region(0, nl * gw, 4 * nl * nh)],
         )?;
-        stats.bytes_downloaded += (nl * gw + 4 * nl * nh) as u64 * 4;
+        stats.bytes_downloaded += (nl * gw + 6 * nl * nh) as u64 * 4;
         stats.bytes_downloaded += self.record_head(&mut rec, 1, &out, &b.logits, &b.am, &b.out)?;
         let (rb, hout) = (b.rb.clone(), b.out.clone());
         self.submit(rec, &mut stats)?;
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..nl * gw + 4 * nl * nh].to_vec()
+            w[..nl * gw + 6 * nl * nh].to_vec()
         };
         {
             let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
