@@ -312,3 +312,60 @@ fn decode_tokens_with_evictions_are_one_submission() {
         }
     }
 }
+
+/// Scored forced evictions (the lowest caller score first) are no prefix of the age order
+/// that a one-token step can decide on the device: those tokens take the per-layer path
+/// (layers + 1 submissions), the others one submission, and the stream is the CPU's.
+#[test]
+fn scored_evictions_take_the_per_layer_path() {
+    let model = tiny();
+    let ids = input_ids();
+    let (budget, prompt) = (48usize, 40usize);
+    let opts = SessionOptions {
+        budget: Some(Budget::EntriesPerHead(budget)),
+        window: 4,
+        sinks: 2,
+        scored: true,
+        ..SessionOptions::default()
+    };
+    let test = "scored_evictions_take_the_per_layer_path";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let layers = model.info().layers as u64;
+    let score = |i: usize| ((i * 37) % 11) as f32;
+    let sc: Vec<f32> = (0..prompt).map(score).collect();
+    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+    cpu.feed_scored(&ids[..prompt], &sc, Some(&mut a)).unwrap();
+    gpu.feed_scored(&ids[..prompt], &sc, Some(&mut b)).unwrap();
+    close(&a, &b, "prompt");
+    let (mut one, mut per_layer) = (0, 0);
+    for (i, &t) in ids[prompt..prompt + 30].iter().enumerate() {
+        let before = gpu.stats().device_submissions;
+        let s = [score(prompt + i)];
+        cpu.feed_scored(&[t], &s, Some(&mut a)).unwrap();
+        gpu.feed_scored(&[t], &s, Some(&mut b)).unwrap();
+        close(&a, &b, &format!("token {i}"));
+        match gpu.stats().device_submissions - before {
+            1 => one += 1,
+            n => {
+                assert_eq!(n, layers + 1, "token {i}");
+                per_layer += 1;
+            }
+        }
+    }
+    assert!(
+        one > 0 && per_layer > 0,
+        "{one} one-submission, {per_layer} per-layer"
+    );
+    let (sc, sg) = (cpu.stats(), gpu.stats());
+    assert!(sg.evicted_forced > 0);
+    assert_eq!(sg.evicted_forced, sc.evicted_forced);
+    assert_eq!(sg.evicted_certified, sc.evicted_certified);
+    for l in 0..model.info().layers {
+        for h in 0..model.info().heads {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
