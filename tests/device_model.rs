@@ -369,3 +369,41 @@ fn scored_evictions_take_the_per_layer_path() {
         }
     }
 }
+
+/// A prompt longer than `prefill_chunk`: the first chunk runs the prefill kernels, every
+/// later prompt token attends the cache as a one-submission step; every row's logits and
+/// the cache equal the CPU's.
+#[test]
+fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
+    let model = tiny();
+    let ids = input_ids();
+    let (chunk, n) = (32usize, 80usize);
+    let opts = SessionOptions {
+        prefill_chunk: chunk,
+        ..SessionOptions::default()
+    };
+    let test = "prompt_tokens_after_the_first_chunk_are_one_submission_each";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let (mut a, mut b) = (vec![0.0f32; n * v], vec![0.0f32; n * v]);
+    cpu.feed(&ids[..n], Some(&mut a)).unwrap();
+    gpu.feed(&ids[..n], Some(&mut b)).unwrap();
+    for r in 0..n {
+        close(
+            &a[r * v..(r + 1) * v],
+            &b[r * v..(r + 1) * v],
+            &format!("{test}: row {r}"),
+        );
+    }
+    let layers = model.info().layers as u64;
+    let st = gpu.stats();
+    assert_eq!(st.device_submissions, layers + 1 + (n - chunk) as u64);
+    assert_eq!(st.kept_pairs, cpu.stats().kept_pairs);
+    for l in 0..model.info().layers {
+        for h in 0..model.info().heads {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
