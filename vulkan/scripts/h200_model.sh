@@ -78,8 +78,8 @@ def stats(path):
     except Exception:
         return None
 print(f"\nbandwidth {bw/1e9:.0f} GB/s (compute-shader read)")
-print("| model | backend | prefill tok/s | decode tok/s | decode bound tok/s | % of bound | device layers | vs cpu prefill | vs cpu decode |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| model | backend | prefill tok/s | decode tok/s | decode bound tok/s | % of bound | device layers | submissions / decode token | vs cpu prefill | vs cpu decode |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for size in sizes:
     d = os.path.join(work, size)
     cfg = json.load(open(os.path.join(d, "config.json")))
@@ -95,7 +95,7 @@ for size in sizes:
     c, g = stats(os.path.join(out, f"{size}-cpu.txt")), stats(os.path.join(out, f"{size}-vulkan.txt"))
     for name, s in (("cpu", c), ("vulkan", g)):
         if s is None:
-            print(f"| {size} | {name} | failed | | | | | | |")
+            print(f"| {size} | {name} | failed | | | | | | | |")
             continue
         live = s["live_entries"] / max(L * H, 1)
         per_token = 4 * (total - emb) + L * H * live * (2 * hd * 4 + 16)
@@ -104,8 +104,11 @@ for size in sizes:
         dec = dec if isinstance(dec, float) else 0.0
         pre = pre if isinstance(pre, float) else 0.0
         vs = lambda a, b: f"{a / b:.2f}x" if c and isinstance(b, float) and b > 0 else ""
+        # The prompt is one fresh chunk (layers + 1 submissions); every other is decode.
+        subs = s.get("device_submissions", 0)
+        per_dec = f"{(subs - (L + 1)) / s['decode_tokens']:.2f}" if subs and s["decode_tokens"] else ""
         print(f"| {size} | {name} | {pre:.1f} | {dec:.1f} | {bound:.0f} | {100 * dec / bound:.1f}% | "
-              f"{s.get('device_layers', 0)} | {vs(pre, c['prefill_tokens_per_s']) if c else ''} | "
+              f"{s.get('device_layers', 0)} | {per_dec} | {vs(pre, c['prefill_tokens_per_s']) if c else ''} | "
               f"{vs(dec, c['decode_tokens_per_s']) if c else ''} |")
 PY
 exit "$status"
