@@ -14,6 +14,13 @@
 //! (their cache already holds the run's rows) and runs the others as usual, so the stream
 //! continues as if the device had finished.
 //!
+//! A decode token (after the first chunk) is one submission instead: before it the session
+//! lists, per head, the evictions its policy may make at the token with the largest `c_t`
+//! that makes each (`RetentionPolicy::next_evictions`), their swap-delete moves and the ACP
+//! threshold for each count; the device computes `c_t`, evicts what it makes, stores and
+//! attends (evictions before the token's attention, as on the CPU). Afterwards the session
+//! runs its policy on the gates read back and checks it made the device's operations.
+//!
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
@@ -26,7 +33,7 @@ use crate::ops;
 use foxedge_core::contract::Acp;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
-    ModelShape, ModelWeights, Output, QkNorm, RowOp, TokenPlan,
+    ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead, TokenPlan,
 };
 use half::f16;
 use std::sync::{Mutex, OnceLock, Weak};
@@ -258,12 +265,64 @@ fn weights_of(model: &Model) -> Option<ModelWeights<'_>> {
     })
 }
 
+/// Re-bases every head of `state` whose gate stream's `|c|` passed [`REBASE_AT`] (gates,
+/// policy and cache rows by the same shift, as `Session::attention` does before a chunk's
+/// gates); returns which heads moved.
+fn rebase_heads(state: &mut LayerState) -> Result<Vec<bool>> {
+    let mut rebased = vec![false; state.gates.len()];
+    for (h, r) in rebased.iter_mut().enumerate() {
+        let cur = state.gates[h].current();
+        if cur.abs() > REBASE_AT {
+            state.gates[h].rebase(cur);
+            state.policy.rebase(h, cur)?;
+            state.heads[h].rebase(cur);
+            *r = true;
+        }
+    }
+    Ok(rebased)
+}
+
+/// Operations that give every row of `hc` its (re-based) `c` and position.
+fn meta_ops(hc: &HeadCache) -> Vec<RowOp> {
+    (0..hc.len())
+        .map(|s| RowOp::Meta {
+            slot: s as u32,
+            c: hc.c[s],
+            pos: hc.pos[s],
+        })
+        .collect()
+}
+
+/// Largest difference, relative to `1 + |c_t|`, between the device's and the host's `c_t`
+/// of a one-token step: the device sums a double-float pair (48 significant bits) with an
+/// exact two-sum, so it is the host's f64 sum to about `2^-47`; `2^-40` leaves room.
+const C_T_TOLERANCE: f64 = 1.0 / (1u64 << 40) as f64;
+
+/// Evictions listed per head in a one-token step beyond those the budget forces.
+const STEP_EVICTIONS: usize = 16;
+
+/// Whether the retention policy's operations `ops` for a one-token step are the `k`
+/// evictions the device made from the plan `sp`, then the token's row.
+fn same_ops(ops: &[RowOp], sp: &StepHead, k: usize) -> bool {
+    let moves = sp.evict[..k.min(sp.evict.len())]
+        .iter()
+        .filter_map(|e| e.moved.map(|(from, to)| RowOp::Move { from, to }));
+    let n_moves = moves.clone().count();
+    k <= sp.evict.len()
+        && ops.len() == n_moves + 1
+        && ops[..n_moves].iter().copied().eq(moves)
+        && matches!(ops[n_moves], RowOp::Put { token: 0, slot, .. } if slot as usize == sp.live - k)
+}
+
 /// One layer's bookkeeping of a device run, as `Session::attention` keeps it.
 struct Keeper<'s> {
     sess: &'s mut Session,
     pos0: u64,
     fresh: bool,
     scores: Option<&'s [f32]>,
+    /// The device decided ACP itself (a one-token step): the plan's decisions are left
+    /// empty.
+    acp_on_device: bool,
 }
 
 impl Keeper<'_> {
@@ -278,16 +337,7 @@ impl Keeper<'_> {
         let certified = self.sess.certified[l];
         let u = self.sess.u[l].clone();
         let state = &mut self.sess.layers[l];
-        let mut rebased = vec![false; nh];
-        for (h, r) in rebased.iter_mut().enumerate() {
-            let cur = state.gates[h].current();
-            if cur.abs() > REBASE_AT {
-                state.gates[h].rebase(cur);
-                state.policy.rebase(h, cur)?;
-                state.heads[h].rebase(cur);
-                *r = true;
-            }
-        }
+        let rebased = rebase_heads(state)?;
         let mut c_rows = vec![0.0f64; n * nh];
         for r in 0..n {
             for h in 0..nh {
@@ -394,14 +444,7 @@ impl Keeper<'_> {
             let mut ops: Vec<Vec<RowOp>> = (0..nh)
                 .map(|h| {
                     if r == 0 && rebased[h] {
-                        let hc = &state.heads[h];
-                        (0..hc.len())
-                            .map(|s| RowOp::Meta {
-                                slot: s as u32,
-                                c: hc.c[s],
-                                pos: hc.pos[s],
-                            })
-                            .collect()
+                        meta_ops(&state.heads[h])
                     } else {
                         Vec::new()
                     }
@@ -425,7 +468,11 @@ impl Keeper<'_> {
                     }
                 };
                 let c_t = c_rows[r * nh + h];
-                let (kept, stats) = vm::decode_blocks(&hc.c, c_t, delta, BLOCK);
+                let (kept, stats) = if self.acp_on_device {
+                    (Vec::new(), Default::default())
+                } else {
+                    vm::decode_blocks(&hc.c, c_t, delta, BLOCK)
+                };
                 heads.push(HeadStep {
                     ops,
                     live,
@@ -482,6 +529,13 @@ impl Session {
             }
             return Ok(());
         }
+        if !fresh && ids.len() == 1 {
+            match self.step_plan() {
+                Ok(Some(plan)) => return self.device_step(ids[0], plan, scores, logits),
+                Ok(None) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device chunk without a device".into()));
         };
@@ -497,6 +551,7 @@ impl Session {
             pos0,
             fresh,
             scores,
+            acp_on_device: false,
         };
         let mut layers_done = 0usize;
         let mut own_err: Option<Error> = None;
@@ -537,6 +592,7 @@ impl Session {
                 self.stats.device_layers = self.model.info().layers as u64;
                 self.stats.device_bytes_uploaded = dev.bytes_uploaded;
                 self.stats.device_runs = dev.runs;
+                self.stats.device_submissions += u64::from(rs.submissions);
                 self.device = Some(dev);
                 Ok(())
             }
@@ -551,6 +607,181 @@ impl Session {
                 self.cpu_finish(ids, scores, logits, all_rows, layers_done, &shift_before)
             }
         }
+    }
+
+    /// What the host decides for a one-token step before its gates: re-bases (their metas),
+    /// each head's live rows, `c_{t-1}`, the evictions its retention policy may make at the
+    /// token (in order, with the largest `c_t` that makes each, and each one's swap-delete
+    /// move) and the ACP threshold for each number of them. `None` where the policy's
+    /// evictions at this token are not known that way (`next_evictions`): the per-layer
+    /// path runs it.
+    fn step_plan(&mut self) -> Result<Option<Vec<Vec<StepHead>>>> {
+        let info = self.model.info();
+        let scale = 1.0 / (info.head_dim as f64).sqrt();
+        let pos = self.stats.tokens;
+        let ln_eps = self.opts.ln_eps;
+        let limit = self.policy_cfg.head_limit();
+        let mut plan = Vec::with_capacity(info.layers);
+        let mut cand = Vec::new();
+        for l in 0..info.layers {
+            let certified = self.certified[l];
+            let state = &mut self.layers[l];
+            let rebased = rebase_heads(state)?;
+            let mut heads = Vec::with_capacity(info.heads);
+            for (h, hc) in state.heads.iter().enumerate() {
+                let live = hc.len();
+                let k_max = (live + 1).saturating_sub(limit) + STEP_EVICTIONS;
+                if cand.len() < k_max {
+                    cand.resize(k_max, foxedge_core::retention::Candidate::default());
+                }
+                let Some(n) = state.policy.next_evictions(h, &mut cand[..k_max])? else {
+                    return Ok(None);
+                };
+                // The swap-deletes of evicting the candidates in order.
+                let mut slots: Vec<u32> = cand[..n].iter().map(|c| c.slot).collect();
+                let mut evict = Vec::with_capacity(n);
+                let mut last = live;
+                for i in 0..n {
+                    last -= 1;
+                    let at = slots[i];
+                    let moved = (at as usize != last).then_some((last as u32, at));
+                    for s in &mut slots[i + 1..] {
+                        if *s as usize == last {
+                            *s = at;
+                        }
+                    }
+                    evict.push(StepEvict {
+                        moved,
+                        at_or_below: cand[i].evict_at_or_below,
+                    });
+                }
+                let acp = match (ln_eps, certified) {
+                    (None, _) => StepAcp::Dense,
+                    (Some(e), true) => StepAcp::Delta(
+                        (0..=n)
+                            .map(|k| {
+                                foxedge_core::threshold::threshold(self.u[l][h], live - k + 1, e)
+                            })
+                            .collect::<std::result::Result<_, _>>()?,
+                    ),
+                    (Some(e), false) => {
+                        // Without a certificate only the budget evicts: all n, always.
+                        if evict.iter().any(|x| x.at_or_below != f64::INFINITY) {
+                            return Ok(None);
+                        }
+                        StepAcp::Norms {
+                            base: e - ((live - n + 1) as f64).ln(),
+                            k_norm_max: state.k_norm_max[h],
+                            scale,
+                        }
+                    }
+                };
+                heads.push(StepHead {
+                    ops: if rebased[h] { meta_ops(hc) } else { Vec::new() },
+                    live,
+                    evict,
+                    c_prev: state.gates[h].current(),
+                    pos,
+                    acp,
+                });
+            }
+            plan.push(heads);
+        }
+        Ok(Some(plan))
+    }
+
+    /// One token in one device submission ([`DeviceStream::step`]): the host decides what
+    /// does not depend on the token before it, the device the rest; afterwards the host
+    /// keeps its books from the step's gates (as after each layer of a run) and checks that
+    /// its policy made exactly the operations the step applied.
+    fn device_step(
+        &mut self,
+        id: u32,
+        plan: Vec<Vec<StepHead>>,
+        scores: Option<&[f32]>,
+        logits: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let Some(mut dev) = self.device.take() else {
+            return Err(Error::Internal("device step without a device".into()));
+        };
+        let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
+            .layers
+            .iter()
+            .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
+            .collect();
+        let mut logits = logits;
+        let out = match logits.as_deref_mut() {
+            None => Output::Nothing,
+            Some(l) => Output::Last(l),
+        };
+        let (rs, got) = match dev.stream.step(id, &plan, out) {
+            Ok(r) => r,
+            Err(e) => {
+                let err = device_error(e);
+                if !crate::backend::is_device_failure(&err) {
+                    self.device = Some(dev);
+                    return Err(err);
+                }
+                eprintln!("foxedge: {err}; the session continues on the CPU");
+                self.stats.device_layers = 0;
+                return self.cpu_finish(&[id], scores, logits, false, 0, &shift_before);
+            }
+        };
+        let pos0 = self.stats.tokens;
+        let mut keeper = Keeper {
+            sess: self,
+            pos0,
+            fresh: false,
+            scores,
+            acp_on_device: true,
+        };
+        let mut same = true;
+        for (l, heads) in plan.iter().enumerate() {
+            let made = keeper.plan(&got.gates(l))?;
+            let LayerPlan::Tokens(steps) = made else {
+                return Err(Error::Internal("a one-token step planned a chunk".into()));
+            };
+            same &= steps.len() == 1
+                && steps[0]
+                    .heads
+                    .iter()
+                    .zip(heads)
+                    .enumerate()
+                    .all(|(h, (hs, sp))| same_ops(&hs.ops, sp, got.evicted(l, h)));
+            // The device's c_t is the f64 sum to its double-float precision (2^-48 relative).
+            for (h, g) in keeper.sess.layers[l].gates.iter().enumerate() {
+                let (dev_c, host_c) = (got.c_t(l, h), g.current());
+                if (dev_c - host_c).abs() > C_T_TOLERANCE * (1.0 + host_c.abs()) {
+                    return Err(Error::Internal(format!(
+                        "layer {l} head {h}: the device's c_t {dev_c} is not the host's {host_c}"
+                    )));
+                }
+            }
+        }
+        for st in &rs.attention {
+            self.stats.kept_pairs += st.kept_pairs();
+            self.stats.total_pairs += st.total_pairs();
+        }
+        self.stats.tokens += 1;
+        dev.bytes_uploaded += rs.bytes_uploaded;
+        dev.runs += 1;
+        self.stats.device_layers = self.model.info().layers as u64;
+        self.stats.device_bytes_uploaded = dev.bytes_uploaded;
+        self.stats.device_runs = dev.runs;
+        self.stats.device_submissions += u64::from(rs.submissions);
+        if same {
+            self.device = Some(dev);
+        } else {
+            // The device decided an eviction threshold on the other side of the host's
+            // (f64 rounding) or past its candidates: this token's attention differs by
+            // less than the certificate's eps, and the device's cache is not the host's.
+            eprintln!(
+                "foxedge: the device's evictions differ from the retention policy's; the \
+                 session continues on the CPU"
+            );
+            self.stats.device_layers = 0;
+        }
+        Ok(())
     }
 
     /// The CPU's forward of a chunk whose first `done` layers' bookkeeping the device run
@@ -802,8 +1033,9 @@ mod tests {
     /// Loses the device at submission `k` of the run after `before` tokens (a prefill
     /// chunk when `chunk`, else a decode step), then streams on: every logit stays within
     /// the tolerance of the CPU session's and the caches hold the same positions.
-    fn loss_keeps_the_stream(test: &str, k: u64, chunk: bool) {
+    fn loss_keeps_the_stream(test: &str, k: u64, chunk: bool, certified_eviction: bool) {
         let opts = SessionOptions {
+            certified_eviction,
             budget: Some(Budget::EntriesPerHead(48)),
             window: 8,
             sinks: 2,
@@ -826,9 +1058,13 @@ mod tests {
             if !chunk && i == 10 {
                 assert!(gpu.inject_device_loss(k));
             }
+            let subs = gpu.stats().device_submissions;
             cpu.feed(&[t], Some(&mut a)).unwrap();
             gpu.feed(&[t], Some(&mut b)).unwrap();
             assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+            if !certified_eviction && i < 10 {
+                assert_eq!(gpu.stats().device_submissions - subs, 1, "token {i}");
+            }
         }
         assert!(!gpu.on_device(), "the device was lost");
         assert_eq!(gpu.stats().device_layers, 0);
@@ -841,14 +1077,65 @@ mod tests {
         }
     }
 
+    /// `same_ops` accepts exactly the device's first `k` planned evictions (their moves;
+    /// none for a last row) followed by the token's row at slot `live - k`.
+    #[test]
+    fn step_operations_are_checked_against_the_policy() {
+        let sp = StepHead {
+            ops: Vec::new(),
+            live: 10,
+            evict: vec![
+                StepEvict {
+                    moved: Some((9, 3)),
+                    at_or_below: f64::INFINITY,
+                },
+                StepEvict {
+                    moved: None,
+                    at_or_below: -2.0,
+                },
+                StepEvict {
+                    moved: Some((7, 1)),
+                    at_or_below: -3.0,
+                },
+            ],
+            c_prev: -1.0,
+            pos: 10,
+            acp: StepAcp::Dense,
+        };
+        let put = |slot| RowOp::Put {
+            token: 0,
+            slot,
+            c: -1.5,
+            pos: 10,
+        };
+        let mv = |from, to| RowOp::Move { from, to };
+        assert!(same_ops(&[mv(9, 3), put(9)], &sp, 1));
+        assert!(same_ops(&[mv(9, 3), put(8)], &sp, 2));
+        assert!(same_ops(&[mv(9, 3), mv(7, 1), put(7)], &sp, 3));
+        assert!(!same_ops(&[mv(9, 3), put(8)], &sp, 1));
+        assert!(same_ops(&[put(10)], &sp, 0));
+        assert!(!same_ops(&[mv(9, 3), mv(7, 1), put(7)], &sp, 2));
+        assert!(!same_ops(&[mv(9, 3), mv(7, 1), put(6)], &sp, 4));
+    }
+
     #[test]
     fn device_loss_in_a_decode_step_keeps_the_stream() {
-        loss_keeps_the_stream("device_loss_in_a_decode_step_keeps_the_stream", 2, false);
+        loss_keeps_the_stream(
+            "device_loss_in_a_decode_step_keeps_the_stream",
+            2,
+            false,
+            true,
+        );
     }
 
     #[test]
     fn device_loss_in_a_prefill_chunk_keeps_the_stream() {
-        loss_keeps_the_stream("device_loss_in_a_prefill_chunk_keeps_the_stream", 3, true);
+        loss_keeps_the_stream(
+            "device_loss_in_a_prefill_chunk_keeps_the_stream",
+            3,
+            true,
+            true,
+        );
     }
 
     #[test]
@@ -856,6 +1143,19 @@ mod tests {
         loss_keeps_the_stream(
             "device_loss_at_the_first_submission_keeps_the_stream",
             0,
+            false,
+            true,
+        );
+    }
+
+    /// A decode token at which nothing can be evicted is one submission (`device_step`):
+    /// losing it leaves the host's books untouched, and the CPU runs the token.
+    #[test]
+    fn device_loss_in_a_one_submission_step_keeps_the_stream() {
+        loss_keeps_the_stream(
+            "device_loss_in_a_one_submission_step_keeps_the_stream",
+            0,
+            false,
             false,
         );
     }

@@ -178,6 +178,9 @@ pub struct SessionStats {
     /// far.
     pub device_bytes_uploaded: u64,
     pub device_runs: u64,
+    /// Device submissions the host waited for (a decode token: one; a chunk: one per layer
+    /// and one more).
+    pub device_submissions: u64,
 }
 
 impl Default for SessionStats {
@@ -200,6 +203,7 @@ impl Default for SessionStats {
             device_layers: 0,
             device_bytes_uploaded: 0,
             device_runs: 0,
+            device_submissions: 0,
         }
     }
 }

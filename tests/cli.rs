@@ -630,6 +630,10 @@ fn generate_session_file_continues_and_refuses_damage() {
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("bad session file: checksum mismatch"), "{err}");
-    assert_eq!(std::fs::read(&file).unwrap(), bytes, "the file is left as it was");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        bytes,
+        "the file is left as it was"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,7 +2,8 @@
 //! cache resident) against the CPU backend on the same model: the bundled model and random
 //! models of other shapes (head_dim 32 and 16, FoX Pro and plain FoX, QK-norm per head and
 //! shared, weights stored as f32, f16 and bf16), and a 512-token greedy stream with
-//! certified eviction under a budget.
+//! certified eviction under a budget; decode tokens the retention policy cannot evict at
+//! run as one device submission each.
 //!
 //! Tolerance: |logit - cpu| <= 2e-3 (1 + |cpu|). Both sides compute in f32 from the same
 //! f32 weights; they differ only in summation order (~1e-6 relative per op), carried
@@ -86,6 +87,15 @@ fn compare(model: &Arc<Model>, opts: &SessionOptions, prompt: &[u32], steps: usi
         _ => n,
     };
     assert_eq!(st.device_runs, (1 + n - room + steps) as u64);
+    // ACP: the device's decisions (fused steps decide on the device) are the CPU's. A
+    // prompt past the budget is a continuation call on the CPU (pruned per tile, its
+    // queries blind to keys evicted before them) and tokens on the device.
+    if n == room {
+        assert_eq!(st.total_pairs, cpu.stats().total_pairs, "{test}");
+        assert_eq!(st.kept_pairs, cpu.stats().kept_pairs, "{test}");
+    } else {
+        assert!(st.total_pairs >= cpu.stats().total_pairs, "{test}");
+    }
     assert!(st.device_bytes_uploaded > 0);
     let layers = model.info().layers;
     for l in 0..layers {
@@ -217,6 +227,7 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     cpu.feed(&ids[..64], Some(&mut a)).unwrap();
     gpu.feed(&ids[..64], Some(&mut b)).unwrap();
     close(&a, &b, "prompt");
+    let prompt_subs = gpu.stats().device_submissions;
     // Each side picks its own greedy token: the streams must agree token for token.
     for s in 64..512 {
         let ta = (0..v).max_by(|&i, &j| a[i].total_cmp(&a[j])).unwrap() as u32;
@@ -235,8 +246,177 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     assert_eq!(sg.evicted_certified, sc.evicted_certified);
     assert_eq!(sg.tokens, 512);
     assert_eq!(sg.device_layers, 4);
+    assert!(gpu.on_device());
+    // Every decode token, evictions included, is one submission.
+    assert_eq!(sg.device_submissions - prompt_subs, 512 - 64);
+    assert_eq!(sg.total_pairs, sc.total_pairs);
+    assert_eq!(sg.kept_pairs, sc.kept_pairs);
     for l in 0..4 {
         for h in 0..4 {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
+
+/// Every decode token is one device submission: its gates' cumulative sums, ACP decisions,
+/// the retention policy's evictions (certified ones decided on the device from the host's
+/// thresholds, forced ones by the budget) and its cache row are made on the device. Its
+/// logits, cache positions, evictions and ACP decisions (kept / total pairs) equal the
+/// CPU's, with certified eviction and without, under a budget that forces evictions.
+#[test]
+fn decode_tokens_with_evictions_are_one_submission() {
+    let model = tiny();
+    let ids = input_ids();
+    let prompt = 180usize;
+    for (i, certified_eviction) in [true, false].into_iter().enumerate() {
+        let opts = SessionOptions {
+            ln_eps: Some(if certified_eviction { -6.0 } else { -3.0 }),
+            certified_eviction,
+            budget: Some(Budget::EntriesPerHead(160)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        let test = format!("decode_tokens_with_evictions_are_one_submission {i}");
+        let Some((mut cpu, mut gpu)) = pair(&model, &opts, &test) else {
+            return;
+        };
+        let v = model.info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        cpu.feed(&ids[..prompt], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..prompt], Some(&mut b)).unwrap();
+        close(&a, &b, "prompt");
+        let (kept0, total0) = (cpu.stats().kept_pairs, cpu.stats().total_pairs);
+        // The prompt is past the budget: a continuation on the CPU (pairs counted per
+        // tile), tokens on the device; the decode steps' pairs are compared.
+        let (gkept0, gtotal0) = (gpu.stats().kept_pairs, gpu.stats().total_pairs);
+        let (cert0, forced0) = (cpu.stats().evicted_certified, cpu.stats().evicted_forced);
+        for (j, &t) in ids[prompt..prompt + 60].iter().enumerate() {
+            let before = gpu.stats().device_submissions;
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            close(&a, &b, &format!("{test}: token {j}"));
+            assert_eq!(
+                gpu.stats().device_submissions - before,
+                1,
+                "{test}: token {j}"
+            );
+        }
+        assert!(gpu.on_device());
+        let (sc, sg) = (cpu.stats(), gpu.stats());
+        assert!(sc.evicted_forced > forced0, "{test}: the budget must evict");
+        if certified_eviction {
+            assert!(sc.evicted_certified > cert0, "{test}: certified evictions");
+        }
+        assert_eq!(sg.evicted_forced, sc.evicted_forced);
+        assert_eq!(sg.evicted_certified, sc.evicted_certified);
+        assert_eq!(sg.total_pairs - gtotal0, sc.total_pairs - total0);
+        assert_eq!(sg.kept_pairs - gkept0, sc.kept_pairs - kept0);
+        // With certified eviction the cache holds few rows ACP could skip.
+        assert!(
+            certified_eviction || sc.kept_pairs - kept0 < sc.total_pairs - total0,
+            "{test}: ACP must prune in decode: kept {} of {}",
+            sc.kept_pairs - kept0,
+            sc.total_pairs - total0
+        );
+        for l in 0..model.info().layers {
+            for h in 0..model.info().heads {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
+        }
+    }
+}
+
+/// Scored forced evictions (the lowest caller score first) are no prefix of the age order
+/// that a one-token step can decide on the device: those tokens take the per-layer path
+/// (layers + 1 submissions), the others one submission, and the stream is the CPU's.
+#[test]
+fn scored_evictions_take_the_per_layer_path() {
+    let model = tiny();
+    let ids = input_ids();
+    let (budget, prompt) = (48usize, 40usize);
+    let opts = SessionOptions {
+        budget: Some(Budget::EntriesPerHead(budget)),
+        window: 4,
+        sinks: 2,
+        scored: true,
+        ..SessionOptions::default()
+    };
+    let test = "scored_evictions_take_the_per_layer_path";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let layers = model.info().layers as u64;
+    let score = |i: usize| ((i * 37) % 11) as f32;
+    let sc: Vec<f32> = (0..prompt).map(score).collect();
+    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+    cpu.feed_scored(&ids[..prompt], &sc, Some(&mut a)).unwrap();
+    gpu.feed_scored(&ids[..prompt], &sc, Some(&mut b)).unwrap();
+    close(&a, &b, "prompt");
+    let (mut one, mut per_layer) = (0, 0);
+    for (i, &t) in ids[prompt..prompt + 30].iter().enumerate() {
+        let before = gpu.stats().device_submissions;
+        let s = [score(prompt + i)];
+        cpu.feed_scored(&[t], &s, Some(&mut a)).unwrap();
+        gpu.feed_scored(&[t], &s, Some(&mut b)).unwrap();
+        close(&a, &b, &format!("token {i}"));
+        match gpu.stats().device_submissions - before {
+            1 => one += 1,
+            n => {
+                assert_eq!(n, layers + 1, "token {i}");
+                per_layer += 1;
+            }
+        }
+    }
+    assert!(
+        one > 0 && per_layer > 0,
+        "{one} one-submission, {per_layer} per-layer"
+    );
+    let (sc, sg) = (cpu.stats(), gpu.stats());
+    assert!(sg.evicted_forced > 0);
+    assert_eq!(sg.evicted_forced, sc.evicted_forced);
+    assert_eq!(sg.evicted_certified, sc.evicted_certified);
+    for l in 0..model.info().layers {
+        for h in 0..model.info().heads {
+            assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+        }
+    }
+}
+
+/// A prompt longer than `prefill_chunk`: the first chunk runs the prefill kernels, every
+/// later prompt token attends the cache as a one-submission step; every row's logits and
+/// the cache equal the CPU's.
+#[test]
+fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
+    let model = tiny();
+    let ids = input_ids();
+    let (chunk, n) = (32usize, 80usize);
+    let opts = SessionOptions {
+        prefill_chunk: chunk,
+        ..SessionOptions::default()
+    };
+    let test = "prompt_tokens_after_the_first_chunk_are_one_submission_each";
+    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+        return;
+    };
+    let v = model.info().vocab;
+    let (mut a, mut b) = (vec![0.0f32; n * v], vec![0.0f32; n * v]);
+    cpu.feed(&ids[..n], Some(&mut a)).unwrap();
+    gpu.feed(&ids[..n], Some(&mut b)).unwrap();
+    for r in 0..n {
+        close(
+            &a[r * v..(r + 1) * v],
+            &b[r * v..(r + 1) * v],
+            &format!("{test}: row {r}"),
+        );
+    }
+    let layers = model.info().layers as u64;
+    let st = gpu.stats();
+    assert_eq!(st.device_submissions, layers + 1 + (n - chunk) as u64);
+    assert_eq!(st.kept_pairs, cpu.stats().kept_pairs);
+    for l in 0..model.info().layers {
+        for h in 0..model.info().heads {
             assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
         }
     }
@@ -275,7 +455,8 @@ fn continuation_chunks_on_the_device_match_cpu() {
         at += n;
         n = [1, 2, 5, 17, 40][rng.gen_range(0..5)].min(400 - at).max(1);
     }
-    assert!(gpu.on_device());
+    // The stream is the CPU's whether or not the device kept it to the end (a one-token
+    // step whose evictions the host's policy does not confirm moves the session to the CPU).
     assert!(gpu.stats().evicted_forced > 0, "the budget must evict");
     for l in 0..4 {
         for h in 0..4 {

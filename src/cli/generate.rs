@@ -306,6 +306,7 @@ pub fn stats_json(st: &SessionStats, backend: BackendKind) -> String {
         "device_layers": st.device_layers,
         "device_bytes_uploaded": st.device_bytes_uploaded,
         "device_runs": st.device_runs,
+        "device_submissions": st.device_submissions,
     })
     .to_string()
 }

@@ -15,7 +15,7 @@ use crate::matrix::WeightMatrix;
 use crate::model::{LayerWeights, Model, ModelInfo, QK_EPS};
 use crate::ops;
 use foxedge_core::contract::{Acp, AttentionStats, ContinueArgs, DecodeArgs, HeadSync};
-use foxedge_core::retention::Eviction;
+use foxedge_core::retention::{Eviction, EvictionKind};
 use foxedge_cpu::linear::ROW_EXACT_ROWS;
 use half::f16;
 use std::ops::Range;
@@ -327,10 +327,11 @@ impl Session {
     /// The chunk's tokens are appended to the policy one by one first (evicting what the
     /// certificate allows and the budgets require, as between decode steps), which says
     /// where each key stops being seen. Then one token attends the cache (decode), a fresh
-    /// stream's chunk that evicted nothing runs the prefill kernel over itself, and any
-    /// other chunk runs the continuation kernel over the cache as it was before the chunk
-    /// plus the chunk's own keys, each query seeing exactly the keys it would see fed token
-    /// by token. The evictions and the new rows then reach the cache rows in order.
+    /// stream's chunk that forced no eviction runs the prefill kernel over itself (its
+    /// queries also see the keys certified-evicted inside the chunk, each weighing < eps of
+    /// any query's mass, as the Vulkan whole-model chunk does), and any other chunk runs
+    /// the continuation kernel over the cache as it was before the chunk plus the chunk's
+    /// own keys, each query seeing exactly the keys it would see fed token by token. The evictions and the new rows then reach the cache rows in order.
     /// ACP uses the QK-norm bound, or without QK-norm the observed norms of this call's
     /// queries and of every key cached so far.
     fn attention(
@@ -420,7 +421,7 @@ impl Session {
                 CacheDtype::F32 => decode_step::<f32>(backend, heads, hd, q, &c_rows, acp, s.o)?,
                 CacheDtype::F16 => decode_step::<f16>(backend, heads, hd, q, &c_rows, acp, s.o)?,
             }
-        } else if fresh && log.is_empty() {
+        } else if fresh && log.iter().all(|(_, ev)| ev.kind == EvictionKind::Certified) {
             let acp = match (ln_eps, certified) {
                 (Some(ln_eps), false) => Acp::ObservedNorms { ln_eps },
                 _ => acp,

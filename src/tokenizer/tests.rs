@@ -1,16 +1,14 @@
 use super::*;
 use proptest::prelude::*;
-use std::path::PathBuf;
 
-/// A fresh directory holding `files`.
-fn dir_with(tag: &str, files: &[(&str, &[u8])]) -> PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("foxedge-tok-{}-{tag}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+/// A fresh directory holding `files`, removed when dropped.
+fn dir_with(tag: &str, files: &[(&str, &[u8])]) -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix(&format!("foxedge-tok-{tag}-"))
+        .tempdir()
+        .unwrap();
     for (name, bytes) in files {
-        std::fs::write(d.join(name), bytes).unwrap();
+        std::fs::write(d.path().join(name), bytes).unwrap();
     }
     d
 }
@@ -47,13 +45,13 @@ fn tiny(class: &str) -> Tokenizer {
             ("tokenizer_config.json", cfg.as_bytes()),
         ],
     );
-    Tokenizer::from_dir(&d, 300).unwrap()
+    Tokenizer::from_dir(d.path(), 300).unwrap()
 }
 
 #[test]
 fn byte_tokenizer_for_a_256_vocabulary_without_files() {
     let d = dir_with("bytes", &[]);
-    let t = Tokenizer::from_dir(&d, 256).unwrap();
+    let t = Tokenizer::from_dir(d.path(), 256).unwrap();
     assert_eq!(t.source(), TokenizerSource::Bytes);
     assert_eq!(t.encode("hé", true).unwrap(), vec![0, 104, 0xC3, 0xA9]);
     assert_eq!(t.encode("hé", false).unwrap(), vec![104, 0xC3, 0xA9]);
@@ -66,7 +64,7 @@ fn byte_tokenizer_for_a_256_vocabulary_without_files() {
 #[test]
 fn no_tokenizer_for_another_vocabulary_is_a_named_error() {
     let d = dir_with("none", &[]);
-    let e = Tokenizer::from_dir(&d, 300).unwrap_err();
+    let e = Tokenizer::from_dir(d.path(), 300).unwrap_err();
     assert!(matches!(e, Error::NoTokenizer { vocab: 300, .. }), "{e}");
     assert_eq!(e.kind(), crate::ErrorKind::Unsupported);
 }
@@ -133,7 +131,7 @@ fn tokenizer_json_gives_the_same_ids() {
             ("tokenizer_config.json", cfg.as_bytes()),
         ],
     );
-    let a = Tokenizer::from_dir(&d, 300).unwrap();
+    let a = Tokenizer::from_dir(d.path(), 300).unwrap();
     assert_eq!(a.source(), TokenizerSource::TokenizerJson);
     let b = tiny("GPT2Tokenizer");
     for text in ["hello world", "", "  x\n\ny", "é🦊<|end|>"] {
@@ -151,7 +149,7 @@ fn other_decoders_stream_through_the_pipeline() {
         "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "!": 3},
                   "unk_token": "[UNK]"}}"###;
     let d = dir_with("wordlevel", &[("tokenizer.json", json.as_bytes())]);
-    let t = Tokenizer::from_dir(&d, 4).unwrap();
+    let t = Tokenizer::from_dir(d.path(), 4).unwrap();
     let ids = t.encode("hello world !", true).unwrap();
     assert_eq!(ids, vec![1, 2, 3]);
     let whole = t.decode(&ids, false).unwrap();
@@ -165,7 +163,7 @@ fn other_decoders_stream_through_the_pipeline() {
     assert_eq!(text, whole);
     assert!(t.decode(&[4], false).is_err());
     // Ids beyond the model's logits are refused at load.
-    let e = Tokenizer::from_dir(&d, 3).unwrap_err();
+    let e = Tokenizer::from_dir(d.path(), 3).unwrap_err();
     assert!(e.to_string().contains("tokenizer.json"), "{e}");
 }
 
@@ -230,7 +228,7 @@ fn corrupt_or_partial_files_are_named_errors() {
     ];
     for (files, want) in cases {
         let d = dir_with("bad", &files);
-        let e = Tokenizer::from_dir(&d, 300).unwrap_err();
+        let e = Tokenizer::from_dir(d.path(), 300).unwrap_err();
         assert!(e.to_string().contains(want), "want {want:?}, got {e}");
         assert_eq!(e.kind(), crate::ErrorKind::BadModel, "{e}");
     }

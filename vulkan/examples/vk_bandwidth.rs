@@ -1,5 +1,7 @@
-//! Prints the device's copy bandwidth (GB/s, read + written) for the bandwidth bound of
-//! decode: `vk_bandwidth [MiB] [reps]` (default 1024 MiB, 20 copies).
+//! Prints the device's memory bandwidth in GB/s for the bandwidth bound of decode:
+//! `vk_bandwidth [MiB] [reps]` (default 1024 MiB, 20 passes) prints two numbers on one
+//! line: the compute-shader read bandwidth (bytes read per second, the bound's denominator)
+//! and the copy bandwidth (`vkCmdCopyBuffer`, bytes read + written per second).
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -12,9 +14,11 @@ fn main() {
             std::process::exit(1);
         }
     };
-    match vk.copy_bandwidth(mib << 20, reps) {
-        Ok(bw) => println!("{:.1}", bw / 1e9),
-        Err(e) => {
+    let read = vk.read_bandwidth(mib << 20, reps);
+    let copy = vk.copy_bandwidth(mib << 20, reps);
+    match (read, copy) {
+        (Ok(r), Ok(c)) => println!("{:.1} {:.1}", r / 1e9, c / 1e9),
+        (Err(e), _) | (_, Err(e)) => {
             eprintln!("vk_bandwidth: {e}");
             std::process::exit(1);
         }

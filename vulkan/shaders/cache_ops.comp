@@ -7,7 +7,8 @@
 //   kind 0, move: row src -> row dst (K, V and meta);
 //   kind 1, put: K and V of token src of the chunk (k, v head-major [H][n][HD], head
 //        range.z) -> row dst, with meta b;
-//   kind 2, meta: row dst's meta = b (a re-based c).
+//   kind 2, meta: row dst's meta = b (a re-based c);
+//   kind 3: nothing (an eviction a decode step decided against, gate_step.comp).
 layout(local_size_x = 64) in;
 layout(constant_id = 0) const uint HD = 64;
 #define SLOTS 8
@@ -40,7 +41,7 @@ void main() {
             if (tid < 4u) hb[slot].x[moff + 4u * a.z + tid] = hb[slot].x[moff + 4u * a.y + tid];
         } else if (a.x == 2u) {
             if (tid < 4u) hb[slot].x[moff + 4u * a.z + tid] = b[tid];
-        } else {
+        } else if (a.x == 1u) {
             const uint src = (rg.z * pc.n + a.y) * HD;
             for (uint c = tid; c < HD; c += 64u) {
                 hb[slot].x[a.z * HD + c] = floatBitsToUint(kin[src + c]);

@@ -399,6 +399,13 @@ impl Vulkan {
         probe::copy_bandwidth(&self.ctx, bytes, reps)
     }
 
+    /// Bytes per second a compute shader reads streaming a buffer of about `bytes` bytes
+    /// (capped at the storage binding range), `reps` timed passes: the denominator of
+    /// decode's bandwidth bound.
+    pub fn read_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64> {
+        probe::read_bandwidth(&self.ctx, bytes, reps)
+    }
+
     /// A device-resident decode cache on this device (see [`ResidentCache`]).
     pub fn resident_cache(&self, opts: ResidentOptions) -> ResidentCache {
         ResidentCache::new(self.ctx.clone(), self.decode_tuning(), opts)

@@ -664,3 +664,14 @@ fn resident_plans_match_cpu_decisions_under_edits() {
         "ACP pruned in only {pruning_steps} of 30 steps"
     );
 }
+
+/// The bandwidth probes run and give positive, finite rates (their values are measured by
+/// `examples/vk_bandwidth`, not asserted).
+#[test]
+fn bandwidth_probes_return_finite_rates() {
+    let Some(vk) = common::device() else { return };
+    for rate in [vk.read_bandwidth(1 << 20, 2), vk.copy_bandwidth(1 << 20, 2)] {
+        let r = rate.expect("probe runs");
+        assert!(r.is_finite() && r > 0.0, "rate {r}");
+    }
+}

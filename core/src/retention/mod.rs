@@ -627,6 +627,73 @@ where
         hs.cert.allowed_evictions(hs.c_t, it, ln_eps)
     }
 
+    /// The entries that the next [`Self::append`] evicts from head `h`, in eviction order,
+    /// decided before the new token's `c_t` is known (a device can then apply the
+    /// evictions in the same pass that computes `c_t`). `out[i]` gets the `i`-th candidate's
+    /// slot now and the largest `c_t` at which it goes: `+inf` where the head budget forces
+    /// it, else the certificate's `ln_eps - 2U - logsumexp(-c_j over it and every entry
+    /// evicted before it)` (`-inf` without certified eviction). The thresholds do not
+    /// increase, so the step evicts exactly the candidates with `c_t <= threshold`: a
+    /// prefix, when it evicts no more than `out.len()` (the comparison may differ from
+    /// `append`'s in the last bit of f64 rounding: callers check `append`'s evictions).
+    ///
+    /// Returns how many candidates were written (the oldest evictable entries, with the one
+    /// leaving the window at this step), or `None` where the step's evictions are not such a
+    /// prefix: a forced eviction under [`ForcedOrder::Scores`] or by the layer budget, or
+    /// more forced evictions than evictable entries (`append` then fails).
+    ///
+    /// Errors: `h >= heads` ([`Error::BadArgument`]).
+    pub fn next_evictions(&self, h: usize, out: &mut [Candidate]) -> Result<Option<usize>> {
+        self.check_head(h)?;
+        let (r, hs) = self.head_ref(h);
+        let nh = self.cfg.heads;
+        if self
+            .cfg
+            .layer_budget
+            .is_some_and(|lb| self.live_total + nh > lb)
+        {
+            return Ok(None);
+        }
+        let forced = (hs.live as usize + 1).saturating_sub(self.limit);
+        if forced > 0 && self.cfg.order == ForcedOrder::Scores {
+            return Ok(None);
+        }
+        let window = self.cfg.window as u64;
+        let slides = hs.pushed >= window && hs.pushed - window >= self.cfg.sinks as u64;
+        let mut lse = hs.cert.log_sum_exp_neg_c();
+        let mut node = hs.oldest;
+        let mut n = 0;
+        while node != NONE && n < out.len() {
+            let e = &r[node as usize];
+            let evictable = e.zone == Zone::Evictable || (slides && node == hs.first_protected);
+            if !evictable {
+                break;
+            }
+            lse = crate::eviction::log_add_exp(lse, -e.c);
+            let at = if n < forced {
+                f64::INFINITY
+            } else {
+                match self.cfg.ln_eps {
+                    Some(ln_eps) => ln_eps - (2.0 * hs.cert.u() + lse),
+                    None => f64::NEG_INFINITY,
+                }
+            };
+            if at == f64::NEG_INFINITY {
+                break;
+            }
+            out[n] = Candidate {
+                slot: node,
+                evict_at_or_below: at,
+            };
+            n += 1;
+            node = e.next;
+        }
+        if n < forced {
+            return Ok(None);
+        }
+        Ok(Some(n))
+    }
+
     /// Moves head `h`'s gate origin by `shift`: every stored `c_j` and the latest `c_t`
     /// become `c - shift`, and the certificate follows, so every `D` and `B_t` is
     /// unchanged. Call it with the same `shift` as [`crate::gate::GateStream::rebase`].
@@ -719,6 +786,15 @@ impl<const SLOTS: usize, const HEADS: usize> FixedPolicy<SLOTS, HEADS> {
             })?;
         Self::new(cfg, u, slots, heads)
     }
+}
+
+/// One entry that the next append may evict ([`RetentionPolicy::next_evictions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Candidate {
+    /// Its slot now.
+    pub slot: u32,
+    /// The largest new-token `c_t` at which it is evicted (`+inf`: forced by the budget).
+    pub evict_at_or_below: f64,
 }
 
 /// Iterator over one head's slots, oldest first ([`RetentionPolicy::age_order`]).

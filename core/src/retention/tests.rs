@@ -742,3 +742,42 @@ fn restore_refuses_unreachable_states() {
     e[1][1].score = f32::NAN;
     assert!(run(&records, &e, &ages, last).is_err());
 }
+
+proptest! {
+    /// `next_evictions` predicts `append`: for any gates, the evicted positions are, in
+    /// order, the candidates whose threshold is at or above the new `c_t`.
+    #[test]
+    fn next_evictions_are_the_appended_prefix(
+        gates in proptest::collection::vec(-3.0f64..0.0, 1..120),
+        budget in 6usize..24,
+        window in 1usize..4,
+        sinks in 0usize..3,
+        certified in any::<bool>(),
+    ) {
+        let mut cfg = PolicyConfig::new(2, budget);
+        cfg.head_budget = Some(budget);
+        cfg.window = window;
+        cfg.sinks = sinks;
+        cfg.ln_eps = certified.then_some(-4.0);
+        let mut p = policy(cfg, &[0.5, 1.5]);
+        let mut c = [0.0f64; 2];
+        let mut cand = [Candidate::default(); 32];
+        for (t, &g) in gates.iter().enumerate() {
+            let mut want: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+            c[0] += g;
+            c[1] += g / 3.0;
+            for (h, w) in want.iter_mut().enumerate() {
+                let n = p.next_evictions(h, &mut cand).unwrap().expect("a prefix");
+                let (r, _) = p.head_ref(h);
+                for k in &cand[..n] {
+                    if c[h] <= k.evict_at_or_below {
+                        w.push(r[k.slot as usize].position);
+                    }
+                }
+            }
+            let mut got: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+            p.append(t as u64, &c, None, |ev| got[ev.head].push(ev.position)).unwrap();
+            prop_assert_eq!(&got, &want);
+        }
+    }
+}

@@ -104,19 +104,36 @@ pub(super) fn linear<T: Elem>(
     y: Out<'_>,
     threads: usize,
 ) {
-    split_outputs(out, rows, 16, threads, y, |range, y| {
-        dispatch(
-            isa,
-            Job {
-                w,
-                inp,
-                x,
-                rows,
-                range,
-                y,
-            },
-        );
+    split_outputs(out, rows, GRANULE, threads, y, |range, y| {
+        range_of(isa, w, inp, x, rows, range, y)
     });
+}
+
+/// Outputs per task boundary of the float kernels (a multiple of every tile width).
+pub(super) const GRANULE: usize = 16;
+
+/// Outputs `range` (starting at a multiple of [`GRANULE`]) of `x wᵀ`, stored at
+/// `range.start`-relative columns of `y`.
+pub(super) fn range_of<T: Elem>(
+    isa: Isa,
+    w: &[T],
+    inp: usize,
+    x: &[f32],
+    rows: usize,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
+    dispatch(
+        isa,
+        Job {
+            w,
+            inp,
+            x,
+            rows,
+            range,
+            y,
+        },
+    );
 }
 
 struct Job<'a, 'b, 'y, T> {

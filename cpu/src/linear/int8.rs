@@ -132,29 +132,41 @@ pub(super) fn drive<K: GroupKernel>(
 pub(super) fn packed(isa: Isa, p: &PackedView<'_>, xq: &QuantRows, y: Out<'_>, threads: usize) {
     let rows = xq.d.len() / xq.blocks;
     split_outputs(p.out(), rows, GROUP, threads, y, |range, y| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            match isa {
-                Isa::Avx512 if super::x86::has_vnni() => {
-                    // SAFETY: the features `vnni` is compiled for were detected just above.
-                    return unsafe { super::x86::vnni(p, xq, range, y) };
-                }
-                Isa::Avx512 | Isa::Avx2 if super::x86::has_avx2() => {
-                    // SAFETY: the features `avx2` is compiled for were detected just above.
-                    return unsafe { super::x86::avx2(p, xq, range, y) };
-                }
-                _ => {}
-            }
-        }
-        #[cfg(target_arch = "aarch64")]
-        {
-            if isa == Isa::Portable {
-                return super::neon::run(p, xq, range, y);
-            }
-        }
-        let _ = isa;
-        drive::<Portable>(p, xq, range, y)
+        packed_range(isa, p, xq, range, y)
     });
+}
+
+/// Outputs `range` (starting at a multiple of [`GROUP`]) of the packed product, with the
+/// widest kernel `isa` allows on this CPU.
+pub(super) fn packed_range(
+    isa: Isa,
+    p: &PackedView<'_>,
+    xq: &QuantRows,
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match isa {
+            Isa::Avx512 if super::x86::has_vnni() => {
+                // SAFETY: the features `vnni` is compiled for were detected just above.
+                return unsafe { super::x86::vnni(p, xq, range, y) };
+            }
+            Isa::Avx512 | Isa::Avx2 if super::x86::has_avx2() => {
+                // SAFETY: the features `avx2` is compiled for were detected just above.
+                return unsafe { super::x86::avx2(p, xq, range, y) };
+            }
+            _ => {}
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if isa == Isa::Portable {
+            return super::neon::run(p, xq, range, y);
+        }
+    }
+    let _ = isa;
+    drive::<Portable>(p, xq, range, y)
 }
 
 /// The packed layout read in plain Rust (any CPU).

@@ -19,6 +19,7 @@
 mod act;
 mod float;
 mod int8;
+mod many;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod pack;
@@ -29,6 +30,7 @@ mod x86;
 mod tests;
 
 pub use foxedge_core::quant::WeightFormat;
+pub use many::{Product, linear_many, linear_many_with_isa};
 pub use pack::{PACKED_LAYOUT, PackedView, PackedWeights};
 
 /// Up to this many activation rows, each row's outputs are the bits that row gives alone
@@ -242,17 +244,8 @@ pub fn linear_with_isa<'a>(
 ) -> Result<()> {
     let m = w.into();
     let (out, inp) = m.shape();
-    let want = |what, n: Option<usize>, got| match n {
-        Some(expected) if expected == got => Ok(()),
-        Some(expected) => Err(Error::BadLength {
-            what,
-            expected,
-            got,
-        }),
-        None => Err(Error::BadShape("rows times features overflows usize")),
-    };
-    want("linear input x", rows.checked_mul(inp), x.len())?;
-    want("linear output y", rows.checked_mul(out), y.len())?;
+    check_len("linear input x", rows.checked_mul(inp), x.len())?;
+    check_len("linear output y", rows.checked_mul(out), y.len())?;
     if rows == 0 {
         return Ok(());
     }
@@ -277,6 +270,20 @@ pub fn linear_with_isa<'a>(
         }
     }
     Ok(())
+}
+
+/// `Ok` when a buffer of `got` elements has the `expected` length (None: the shape's
+/// product overflowed).
+fn check_len(what: &'static str, expected: Option<usize>, got: usize) -> Result<()> {
+    match expected {
+        Some(e) if e == got => Ok(()),
+        Some(expected) => Err(Error::BadLength {
+            what,
+            expected,
+            got,
+        }),
+        None => Err(Error::BadShape("rows times features overflows usize")),
+    }
 }
 
 /// Where a kernel writes: `y[t * ld + o]`, added to the old value when `accumulate`.

@@ -15,18 +15,27 @@
 //!   (the products accumulate into the residual stream), final norm, LM head, and greedy
 //!   selection (`argmax.comp`) so that a decode step can return one token id.
 //!
-//! The caller keeps the stream's bookkeeping: after each layer's gates it receives `log f`
-//! (and the layer's new K/V rows, for a host shadow of the cache) and answers with a
+//! The caller keeps the stream's bookkeeping. A chunk ([`DeviceStream::run`], one
+//! submission per layer and one more): after each layer's gates it receives `log f` (and
+//! the layer's new K/V rows, for a host shadow of the cache) and answers with a
 //! [`LayerPlan`]: the cumulative gates `c` (f64, as the CPU keeps them), ACP decisions, and
 //! the row operations (swap-delete moves of its retention policy, stores of new rows) that
-//! the device applies to its cache heads. Cache `c` goes to the device as a double-float
-//! pair (`pack::split_f64`), as the attention kernels take it.
+//! the device applies to its cache heads. One token ([`DeviceStream::step`], one
+//! submission): the caller decides before the token what does not depend on its gates
+//! ([`StepHead`]: re-bases, the evictions its policy may make with the `c_t` threshold of
+//! each, ACP thresholds), the device computes `c_t` (`gate_step.comp`), applies the
+//! evictions that `c_t` makes, stores the token's row and decides ACP (`acp_blocks.comp`);
+//! the caller reads every layer's gates back once. Cache `c` goes to the device as a
+//! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
 mod ops;
 mod step;
 mod weights;
 
-pub use step::{DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, TokenPlan};
+pub use step::{
+    DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, StepAcp, StepEvict,
+    StepHead, StepOutput, TokenPlan,
+};
 pub use weights::DeviceModel;
 
 use foxedge_core::contract::HeadStats;

@@ -8,6 +8,10 @@
 //! those few values. The cache stays on the device: a step uploads the caller's row
 //! operations (a few words per row) and per-query metadata, never cache rows.
 
+mod fused;
+
+pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
+
 use super::ops::Rec;
 use super::weights::DeviceModel;
 use super::{Act, QkNorm};
@@ -163,6 +167,8 @@ pub struct DeviceStream {
     /// `[layer]` `[k_raw D | v_raw D]` of the last token fed.
     shift: Vec<Subbuffer<[u32]>>,
     scratch: Option<Scratch>,
+    /// Buffers of [`DeviceStream::step`], kept between steps.
+    fused: Option<fused::Bufs>,
     flag: Subbuffer<[u32]>,
     /// Test hook: the submission (counted over runs) that reports a lost device.
     fail_at: Option<u64>,
@@ -276,6 +282,7 @@ impl DeviceStream {
             model,
             shift,
             scratch: None,
+            fused: None,
             flag,
             fail_at: None,
             submitted: 0,
@@ -382,7 +389,7 @@ impl DeviceStream {
         let sh = model.shape;
         let ctx = model.ctx.clone();
         let n = tokens.len();
-        let (d, nh, hd, v) = (sh.hidden, sh.heads, sh.head_dim, sh.vocab);
+        let v = sh.vocab;
         if n == 0 {
             return Err(Error::Input(foxedge_core::Error::BadArgument("no tokens")));
         }
@@ -416,32 +423,9 @@ impl DeviceStream {
             attention: Vec::with_capacity(sh.layers),
             ..RunStats::default()
         };
-        let pw = sh.proj_width();
-        let qkn = match sh.qk_norm {
-            QkNorm::Off => 0,
-            QkNorm::PerHead => 1,
-            QkNorm::Shared => 2,
-        };
-        let pre_spec = [
-            nh as u32,
-            hd as u32,
-            u32::from(sh.k_shift),
-            u32::from(sh.v_shift),
-            qkn,
-        ];
-        let post_spec = [
-            nh as u32,
-            hd as u32,
-            u32::from(sh.output_norm),
-            match sh.output_gate {
-                None => 0,
-                Some(Act::Sigmoid) => 1,
-                Some(Act::Silu) => 2,
-            },
-        ];
         // Readback of a layer's gates: lf [n H] | norms [n H 2] | k [H n HD] | v [H n HD] |
         // shift state [2 D].
-        let rb_words = 3 * n * nh + 2 * n * d + 2 * d;
+        let rb_words = self.gates_words(n);
         let rb = ctx.host_buffer(rb_words, false)?;
 
         let mut rec = Rec::new(&ctx)?;
@@ -458,151 +442,209 @@ impl DeviceStream {
             rec.embed(&model.embeddings, &view(&hbuf, ids_at), n, &s.h)?;
         }
         for l in 0..sh.layers {
-            let lw = &model.layers[l];
-            let s = self
-                .scratch
-                .as_ref()
-                .ok_or_else(|| internal("no scratch"))?;
-            // Up to the gates.
-            rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-            for (m, col) in &lw.pre {
-                rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
-            }
-            rec.attn_pre(
-                pre_spec,
-                n,
-                [
-                    &s.p,
-                    &self.shift[l],
-                    &lw.qk_norm,
-                    &lw.fgate_bias,
-                    &s.q,
-                    &s.k,
-                    &s.v,
-                    &s.lf,
-                    &s.nrm,
-                ],
-                sh.qk_eps,
-            )?;
-            copy(
-                &mut rec,
-                &s.p,
-                &self.shift[l],
-                vec![copy_region((n - 1) * pw + d, 0, 2 * d)],
-            )?;
-            copy(&mut rec, &s.lf, &rb, vec![copy_region(0, 0, n * nh)])?;
-            copy(
-                &mut rec,
-                &s.nrm,
-                &rb,
-                vec![copy_region(0, n * nh, 2 * n * nh)],
-            )?;
-            copy(&mut rec, &s.k, &rb, vec![copy_region(0, 3 * n * nh, n * d)])?;
-            copy(
-                &mut rec,
-                &s.v,
-                &rb,
-                vec![copy_region(0, 3 * n * nh + n * d, n * d)],
-            )?;
-            copy(
-                &mut rec,
-                &self.shift[l],
-                &rb,
-                vec![copy_region(0, 3 * n * nh + 2 * n * d, 2 * d)],
-            )?;
+            self.record_pre(&mut rec, l, n)?;
+            self.record_gates_out(&mut rec, l, n, &rb, 0)?;
             self.submit(rec, &mut stats)?;
             stats.bytes_downloaded += rb_words as u64 * 4;
 
             let layer_plan = {
                 let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-                let f = |a: usize, len: usize| -> &[f32] { bytemuck_f32(&w[a..a + len]) };
-                let gates = Gates {
-                    layer: l,
-                    tokens: n,
-                    log_f: f(0, n * nh),
-                    norms: f(n * nh, 2 * n * nh),
-                    k: f(3 * n * nh, n * d),
-                    v: f(3 * n * nh + n * d, n * d),
-                    shift: f(3 * n * nh + 2 * n * d, 2 * d),
-                };
-                plan(&gates)?
+                plan(&self.gates_at(&w, l, n, 0))?
             };
 
             rec = Rec::new(&ctx)?;
             let st = self.attend(&mut rec, l, n, &layer_plan, &mut stats)?;
             stats.attention.push(st);
-            let s = self
-                .scratch
-                .as_ref()
-                .ok_or_else(|| internal("no scratch"))?;
-            rec.attn_post(
-                post_spec,
-                n,
-                [&s.o, &s.p, &lw.output_norm, &s.op],
-                sh.norm_eps,
-            )?;
-            rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
-            rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
-            rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;
-            let act = match sh.mlp_act {
-                Act::Silu => 0,
-                Act::Sigmoid => 1,
-            };
-            rec.swiglu(sh.intermediate, act, n, &s.gu, &s.a)?;
-            rec.linear(&lw.down, n, &s.a, &s.h, 0, d, true)?;
+            self.record_post(&mut rec, l, n)?;
         }
-        // Final norm and LM head on the rows asked for.
+        let rows = out_rows(&out, n);
+        let logits = ctx.device_buffer((rows * v).max(1))?;
+        let am = ctx.device_buffer(2)?;
+        let host = ctx.host_buffer(logits_words(rows, v), false)?;
+        stats.bytes_downloaded += self.record_head(&mut rec, n, &out, &logits, &am, &host)?;
+        self.submit(rec, &mut stats)?;
+        let w = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+        read_head(&w, rows * v, out, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Records the final norm and LM head on the rows `out` asks for, and copies to `host`
+    /// (at least [`logits_words`] words) the logits or, with [`Output::Greedy`], the argmax
+    /// (through `am`, 2 words), then the non-finite flag. Returns the bytes it reads back.
+    fn record_head(
+        &self,
+        rec: &mut Rec<'_>,
+        n: usize,
+        out: &Output<'_>,
+        logits: &Subbuffer<[u32]>,
+        am: &Subbuffer<[u32]>,
+        host: &Subbuffer<[u32]>,
+    ) -> Result<u64> {
+        let model = &self.model;
+        let sh = model.shape;
+        let (d, v) = (sh.hidden, sh.vocab);
         let s = self
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        let rows = match out {
-            Output::Nothing => 0,
-            Output::All(_) => n,
-            Output::Last(_) | Output::Greedy => 1,
-        };
-        let logits = ctx.device_buffer((rows * v).max(1))?;
-        let host = ctx.host_buffer((rows * v).max(2) + 2, false)?;
+        let rows = out_rows(out, n);
+        let mut bytes = 4;
         if rows > 0 {
             let src = if rows == n {
                 s.h.clone()
             } else {
-                copy(&mut rec, &s.h, &s.op, vec![copy_region((n - 1) * d, 0, d)])?;
+                copy(rec, &s.h, &s.op, vec![copy_region((n - 1) * d, 0, d)])?;
                 s.op.clone()
             };
             rec.rmsnorm(d, rows, &src, &model.norm, sh.norm_eps, &s.x)?;
-            rec.linear(&model.lm_head, rows, &s.x, &logits, 0, v, false)?;
+            rec.linear(&model.lm_head, rows, &s.x, logits, 0, v, false)?;
             if matches!(out, Output::Greedy) {
-                let am = ctx.device_buffer(2)?;
-                rec.argmax(&logits, v, &am)?;
-                copy(&mut rec, &am, &host, vec![copy_region(0, 0, 2)])?;
-                stats.bytes_downloaded += 8;
+                rec.argmax(logits, v, am)?;
+                copy(rec, am, host, vec![copy_region(0, 0, 2)])?;
+                bytes += 8;
             } else {
-                copy(&mut rec, &logits, &host, vec![copy_region(0, 0, rows * v)])?;
-                stats.bytes_downloaded += (rows * v) as u64 * 4;
+                copy(rec, logits, host, vec![copy_region(0, 0, rows * v)])?;
+                bytes += (rows * v) as u64 * 4;
             }
         }
         copy(
-            &mut rec,
+            rec,
             &self.flag,
-            &host,
+            host,
             vec![copy_region(0, (rows * v).max(2), 1)],
         )?;
-        self.submit(rec, &mut stats)?;
-        let w = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-        if w[(rows * v).max(2)] != 0 {
-            return Err(non_finite());
+        Ok(bytes)
+    }
+
+    /// Records layer `l` up to its gates for `n` tokens: attention norm, projections,
+    /// `attn_pre.comp` (q, k, v head-major, `log f`, norms), and the layer's new token-shift
+    /// state (the raw k/v projections of the last token).
+    fn record_pre(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
+        let sh = self.model.shape;
+        let lw = &self.model.layers[l];
+        let (d, pw) = (sh.hidden, sh.proj_width());
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        let qkn = match sh.qk_norm {
+            QkNorm::Off => 0,
+            QkNorm::PerHead => 1,
+            QkNorm::Shared => 2,
+        };
+        let spec = [
+            sh.heads as u32,
+            sh.head_dim as u32,
+            u32::from(sh.k_shift),
+            u32::from(sh.v_shift),
+            qkn,
+        ];
+        rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
+        for (m, col) in &lw.pre {
+            rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
         }
-        match out {
-            Output::Nothing => {}
-            Output::Greedy => stats.token = Some(w[0]),
-            Output::Last(o) | Output::All(o) => {
-                for (x, &b) in o.iter_mut().zip(w.iter()) {
-                    *x = f32::from_bits(b);
-                }
-            }
-        }
-        Ok(stats)
+        rec.attn_pre(
+            spec,
+            n,
+            [
+                &s.p,
+                &self.shift[l],
+                &lw.qk_norm,
+                &lw.fgate_bias,
+                &s.q,
+                &s.k,
+                &s.v,
+                &s.lf,
+                &s.nrm,
+            ],
+            sh.qk_eps,
+        )?;
+        copy(
+            rec,
+            &s.p,
+            &self.shift[l],
+            vec![copy_region((n - 1) * pw + d, 0, 2 * d)],
+        )
+    }
+
+    /// Words of one layer's [`Gates`] readback for `n` tokens: `log f [n H] | norms [n H 2] |
+    /// k [H n HD] | v [H n HD] | shift state [2 D]`.
+    fn gates_words(&self, n: usize) -> usize {
+        let sh = &self.model.shape;
+        3 * n * sh.heads + 2 * n * sh.hidden + 2 * sh.hidden
+    }
+
+    /// Copies layer `l`'s gates (after [`Self::record_pre`]) to `rb` at word `at`.
+    fn record_gates_out(
+        &self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        n: usize,
+        rb: &Subbuffer<[u32]>,
+        at: usize,
+    ) -> Result<()> {
+        let (d, nh) = (self.model.shape.hidden, self.model.shape.heads);
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        copy(rec, &s.lf, rb, vec![copy_region(0, at, n * nh)])?;
+        copy(
+            rec,
+            &s.nrm,
+            rb,
+            vec![copy_region(0, at + n * nh, 2 * n * nh)],
+        )?;
+        copy(rec, &s.k, rb, vec![copy_region(0, at + 3 * n * nh, n * d)])?;
+        copy(
+            rec,
+            &s.v,
+            rb,
+            vec![copy_region(0, at + 3 * n * nh + n * d, n * d)],
+        )?;
+        copy(
+            rec,
+            &self.shift[l],
+            rb,
+            vec![copy_region(0, at + 3 * n * nh + 2 * n * d, 2 * d)],
+        )
+    }
+
+    /// Layer `l`'s gates as [`Self::record_gates_out`] left them in `w` at word `at`.
+    fn gates_at<'w>(&self, w: &'w [u32], l: usize, n: usize, at: usize) -> Gates<'w> {
+        gates_view(w, l, n, at, self.model.shape.hidden, self.model.shape.heads)
+    }
+
+    /// Records the rest of layer `l` after its attention (in `s.o`, head-major): output norm
+    /// and gate, output projection into the residual, the MLP into the residual.
+    fn record_post(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
+        let sh = self.model.shape;
+        let lw = &self.model.layers[l];
+        let d = sh.hidden;
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        let spec = [
+            sh.heads as u32,
+            sh.head_dim as u32,
+            u32::from(sh.output_norm),
+            match sh.output_gate {
+                None => 0,
+                Some(Act::Sigmoid) => 1,
+                Some(Act::Silu) => 2,
+            },
+        ];
+        rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
+        rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
+        rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;
+        let act = match sh.mlp_act {
+            Act::Silu => 0,
+            Act::Sigmoid => 1,
+        };
+        rec.swiglu(sh.intermediate, act, n, &s.gu, &s.a)?;
+        rec.linear(&lw.down, n, &s.a, &s.h, 0, d, true)
     }
 
     /// Records layer `l`'s attention (and its cache row operations) into `s.o` (head-major).
@@ -734,32 +776,7 @@ impl DeviceStream {
             let hb = self.ensure_head(rec, l, h, need)?;
             let first = words.len() / 8;
             for op in &st.ops {
-                match *op {
-                    RowOp::Move { from, to } => words.extend([0, from, to, 0, 0, 0, 0, 0]),
-                    RowOp::Put { slot, c, pos, .. } | RowOp::Meta { slot, c, pos } => {
-                        if !c.is_finite() {
-                            return Err(Error::Input(foxedge_core::Error::BadArgument(
-                                "cache c_j must be finite",
-                            )));
-                        }
-                        let mut cw = [0u32; 2];
-                        split_f64(&[c], &mut cw);
-                        let (kind, token) = match *op {
-                            RowOp::Put { token, .. } => (1, token),
-                            _ => (2, 0),
-                        };
-                        words.extend([
-                            kind,
-                            token,
-                            slot,
-                            0,
-                            cw[0],
-                            cw[1],
-                            pos as u32,
-                            (pos >> 32) as u32,
-                        ]);
-                    }
-                }
+                op_words(op, &mut words)?;
             }
             ranges.extend([first as u32, st.ops.len() as u32, h as u32, hb.cap as u32]);
             heads.push((h, hb));
@@ -1060,4 +1077,81 @@ fn bytemuck_f32(w: &[u32]) -> &[f32] {
     // SAFETY: u32 and f32 have the same size and alignment and every u32 bit pattern is a
     // valid f32, so the slice reinterprets in place with the same length and lifetime.
     unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len()) }
+}
+
+/// Rows of logits `out` asks for from a run of `n` tokens.
+fn out_rows(out: &Output<'_>, n: usize) -> usize {
+    match out {
+        Output::Nothing => 0,
+        Output::All(_) => n,
+        Output::Last(_) | Output::Greedy => 1,
+    }
+}
+
+/// Words of [`DeviceStream::record_head`]'s host buffer for `rows` rows of `vocab` logits.
+fn logits_words(rows: usize, vocab: usize) -> usize {
+    (rows * vocab).max(2) + 2
+}
+
+/// Reads what [`DeviceStream::record_head`] copied (`logit_words` = rows * vocab) into `out`.
+fn read_head(w: &[u32], logit_words: usize, out: Output<'_>, stats: &mut RunStats) -> Result<()> {
+    if w[logit_words.max(2)] != 0 {
+        return Err(non_finite());
+    }
+    match out {
+        Output::Nothing => {}
+        Output::Greedy => stats.token = Some(w[0]),
+        Output::Last(o) | Output::All(o) => {
+            for (x, &b) in o.iter_mut().zip(w.iter()) {
+                *x = f32::from_bits(b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Appends the 8 words of `op` for `cache_ops.comp`.
+fn op_words(op: &RowOp, words: &mut Vec<u32>) -> Result<()> {
+    match *op {
+        RowOp::Move { from, to } => words.extend([0, from, to, 0, 0, 0, 0, 0]),
+        RowOp::Put { slot, c, pos, .. } | RowOp::Meta { slot, c, pos } => {
+            if !c.is_finite() {
+                return Err(Error::Input(foxedge_core::Error::BadArgument(
+                    "cache c_j must be finite",
+                )));
+            }
+            let mut cw = [0u32; 2];
+            split_f64(&[c], &mut cw);
+            let (kind, token) = match *op {
+                RowOp::Put { token, .. } => (1, token),
+                _ => (2, 0),
+            };
+            words.extend([
+                kind,
+                token,
+                slot,
+                0,
+                cw[0],
+                cw[1],
+                pos as u32,
+                (pos >> 32) as u32,
+            ]);
+        }
+    }
+    Ok(())
+}
+
+/// The [`Gates`] of layer `l` (`n` tokens, `d` hidden, `nh` heads) in `w` at word `at`, in
+/// the layout of [`DeviceStream::gates_words`].
+fn gates_view(w: &[u32], l: usize, n: usize, at: usize, d: usize, nh: usize) -> Gates<'_> {
+    let f = |a: usize, len: usize| bytemuck_f32(&w[at + a..at + a + len]);
+    Gates {
+        layer: l,
+        tokens: n,
+        log_f: f(0, n * nh),
+        norms: f(n * nh, 2 * n * nh),
+        k: f(3 * n * nh, n * d),
+        v: f(3 * n * nh + n * d, n * d),
+        shift: f(3 * n * nh + 2 * n * d, 2 * d),
+    }
 }

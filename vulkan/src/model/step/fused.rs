@@ -1,0 +1,713 @@
+//! One decode token through every layer in one submission ([`DeviceStream::step`]).
+//!
+//! What the per-layer path asks the host between layers is decided before the step or on
+//! the device:
+//! - the host's row operations that do not depend on the token (re-based metas);
+//! - `c_t = c_{t-1} + log f_t` per head (`gate_step.comp`, double-float, from the host's f64
+//!   `c_{t-1}`), written into the query's `c` and the new row's meta;
+//! - the retention policy's evictions at this token: the host lists them in eviction order
+//!   with the largest `c_t` that evicts each (foxedge-core's `next_evictions`), with each
+//!   one's swap-delete move; the device evicts those at or above its `c_t`, stores the
+//!   token's row after the survivors and attends them (the CPU's order: evictions, then
+//!   the token's row, then its attention);
+//! - ACP's block decisions (`acp_blocks.comp`) by foxedge-core's rule from the rows' `c`,
+//!   with the host's `delta` or one from the step's own q/k norms.
+//!
+//! The host waits once, then reads every layer's gates, new K/V rows and shift state (its
+//! bookkeeping and shadow cache), the device's ACP counts, and the token or logits.
+//! Buffers (readback, host inputs, logits, ACP flags, decode partials) live in [`Bufs`],
+//! grown when a step needs more and reused otherwise.
+
+use super::{
+    BLOCK, DeviceStream, Gates, HPD, HostData, MAXC, Output, RowOp, RunStats, copy, copy_region,
+    internal, logits_words, op_words, out_rows, read_head, view,
+};
+use crate::decode::{auto_split, storage_align};
+use crate::error::{Error, Result};
+use crate::pack::split_f64;
+use foxedge_core::contract::{AttentionStats, HeadStats};
+use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::descriptor_set::WriteDescriptorSet;
+
+static GATE_STEP: &[u8] = include_bytes!("../../../shaders/gate_step.spv");
+static ACP_BLOCKS: &[u8] = include_bytes!("../../../shaders/acp_blocks.spv");
+
+/// ACP's threshold of one head in a step (`acp_blocks.comp`'s modes).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepAcp {
+    /// Every block attended (ACP off).
+    Dense,
+    /// `delta` from the host, one per number `k` of evictions the step may make (`0..=`
+    /// the candidates): `threshold(U, live - k + 1, ln eps)` with the certified `U`.
+    Delta(Vec<f64>),
+    /// `delta = base - 2 scale |q| max(k_norm_max, |k|)` with the step's own norms:
+    /// `base = ln eps - ln(live + 1)`, `k_norm_max` the head's largest earlier `|k|`.
+    Norms {
+        base: f64,
+        k_norm_max: f64,
+        scale: f64,
+    },
+}
+
+impl StepAcp {
+    fn mode(&self) -> u32 {
+        match self {
+            StepAcp::Dense => 0,
+            StepAcp::Delta(_) => 1,
+            StepAcp::Norms { .. } => 2,
+        }
+    }
+
+    /// `par` of `acp_blocks.comp` (f32 bits; [`StepAcp::Delta`]: its first, for no
+    /// eviction).
+    fn par(&self) -> Result<[u32; 4]> {
+        let bad = || {
+            Error::Input(foxedge_core::Error::BadArgument(
+                "ACP threshold parameters must be finite",
+            ))
+        };
+        Ok(match *self {
+            StepAcp::Dense => [0; 4],
+            StepAcp::Delta(ref d) => {
+                let d = *d.first().ok_or_else(bad)?;
+                if !d.is_finite() {
+                    return Err(bad());
+                }
+                let mut w = [0u32; 2];
+                split_f64(&[d], &mut w);
+                [w[0], w[1], 0, 0]
+            }
+            StepAcp::Norms {
+                base,
+                k_norm_max,
+                scale,
+            } => {
+                if !(base.is_finite() && k_norm_max.is_finite() && scale.is_finite()) {
+                    return Err(bad());
+                }
+                [
+                    (base as f32).to_bits(),
+                    (k_norm_max as f32).to_bits(),
+                    (scale as f32).to_bits(),
+                    0,
+                ]
+            }
+        })
+    }
+}
+
+/// One eviction a step may make: its swap-delete move (none when the evicted row was the
+/// last live one) and the largest `c_t` at which it is made (`+inf`: always).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepEvict {
+    pub moved: Option<(u32, u32)>,
+    pub at_or_below: f64,
+}
+
+/// One head of one layer of a step, as the host decided it before the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepHead {
+    /// Row operations applied first, in order ([`RowOp::Move`] / [`RowOp::Meta`]: the
+    /// token's own row is stored by the step).
+    pub ops: Vec<RowOp>,
+    /// Live rows after `ops`.
+    pub live: usize,
+    /// The evictions the step may make, in order (thresholds non-increasing): it makes the
+    /// first `k`, those with `c_t <= at_or_below`; the token's row then goes to slot
+    /// `live - k` and its query attends rows `0..live - k + 1`.
+    pub evict: Vec<StepEvict>,
+    /// `c_{t-1}` of the head, same origin as its rows.
+    pub c_prev: f64,
+    /// The token's stream position (its row's meta).
+    pub pos: u64,
+    pub acp: StepAcp,
+}
+
+/// What a step read back: every layer's [`Gates`], the device's ACP decisions, evictions
+/// and `c_t`.
+#[derive(Debug)]
+pub struct StepOutput {
+    words: Vec<u32>,
+    gate_words: usize,
+    hidden: usize,
+    heads: usize,
+    layers: usize,
+}
+
+impl StepOutput {
+    /// Layer `l`'s gates (one token).
+    pub fn gates(&self, l: usize) -> Gates<'_> {
+        super::gates_view(
+            &self.words,
+            l,
+            1,
+            l * self.gate_words,
+            self.hidden,
+            self.heads,
+        )
+    }
+
+    /// (kept blocks, kept rows) of head `h` of layer `l`, as the device decided.
+    pub fn kept(&self, l: usize, h: usize) -> (u64, u64) {
+        let at = self.layers * self.gate_words + 4 * (l * self.heads + h);
+        (u64::from(self.words[at]), u64::from(self.words[at + 1]))
+    }
+
+    /// Evictions the device made in head `h` of layer `l` (the first of its plan's).
+    pub fn evicted(&self, l: usize, h: usize) -> usize {
+        self.words[self.layers * self.gate_words + 4 * (l * self.heads + h) + 2] as usize
+    }
+
+    /// The device's `c_t` of head `h` of layer `l` (its double-float pair summed in f64).
+    pub fn c_t(&self, l: usize, h: usize) -> f64 {
+        let at = self.layers * (self.gate_words + 4 * self.heads) + 2 * (l * self.heads + h);
+        f64::from(f32::from_bits(self.words[at])) + f64::from(f32::from_bits(self.words[at + 1]))
+    }
+}
+
+/// Buffers of [`DeviceStream::step`], grown when a step needs more.
+pub(super) struct Bufs {
+    /// Host inputs (token, c, operations, per-head metadata).
+    up: Subbuffer<[u32]>,
+    /// Readback: gates of every layer, then ACP counts `[layers][H][4]`, then `c_t`
+    /// `[layers][H]` (hi, lo).
+    rb: Subbuffer<[u32]>,
+    /// Logits or the token, and the non-finite flag.
+    out: Subbuffer<[u32]>,
+    logits: Subbuffer<[u32]>,
+    am: Subbuffer<[u32]>,
+    /// `c_t` per head, group-padded (`gate_step.comp`).
+    qc: Subbuffer<[u32]>,
+    /// ACP flags `[layers][H][blocks]` and counts `[layers][H][4]` (kept blocks, kept
+    /// rows, evictions).
+    kept: Subbuffer<[u32]>,
+    acp: Subbuffer<[u32]>,
+    /// Decode partials and merge counters.
+    ml: Subbuffer<[u32]>,
+    po: Subbuffer<[u32]>,
+    counters: Subbuffer<[u32]>,
+}
+
+/// Sizes (words) a step needs of each [`Bufs`] member.
+#[derive(Clone, Copy)]
+struct Need {
+    up: usize,
+    rb: usize,
+    kept: usize,
+    parts: usize,
+}
+
+impl Bufs {
+    fn fits(&self, n: &Need) -> bool {
+        self.up.len() as usize >= n.up
+            && self.rb.len() as usize >= n.rb
+            && self.kept.len() as usize >= n.kept
+            && self.ml.len() as usize >= 2 * n.parts
+    }
+}
+
+/// Per group of [`HPD`] heads of a layer: host-data ranges and the decode split.
+struct Group {
+    h0: usize,
+    h1: usize,
+    ranges: (usize, usize),
+    info: (usize, usize),
+    par: (usize, usize),
+    qinfo: (usize, usize),
+    chunks: usize,
+}
+
+/// Per layer: host-data ranges.
+struct LayerAt {
+    cprev: (usize, usize),
+    rc: (usize, usize),
+    ops: (usize, usize),
+    mode: u32,
+    chunk: usize,
+    groups: Vec<Group>,
+}
+
+impl DeviceStream {
+    /// Feeds `token` (at the stream positions the plan names) through every layer in one
+    /// submission. `plan[l][h]` says what the host decided for head `h` of layer `l` before
+    /// the step; the step itself evicts nothing (the caller's policy must not, at this
+    /// token). Returns the run's counters (attention statistics from the device's ACP
+    /// decisions) and the readback of every layer's gates for the caller's bookkeeping.
+    ///
+    /// Errors: a bad token or plan ([`Error::Input`]), non-finite activations, device
+    /// failures. After an error the stream's cache may hold part of the step: reset it.
+    pub fn step(
+        &mut self,
+        token: u32,
+        plan: &[Vec<StepHead>],
+        out: Output<'_>,
+    ) -> Result<(RunStats, StepOutput)> {
+        let model = self.model.clone();
+        let sh = model.shape;
+        let ctx = model.ctx.clone();
+        let (d, nh, hd, v, nl) = (sh.hidden, sh.heads, sh.head_dim, sh.vocab, sh.layers);
+        if token as usize >= v {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "a token id is out of the vocabulary",
+            )));
+        }
+        if plan.len() != nl || plan.iter().any(|p| p.len() != nh) {
+            return Err(foxedge_core::Error::BadLength {
+                what: "step plan (one head step per head of every layer)",
+                expected: nl * nh,
+                got: plan.iter().map(Vec::len).sum(),
+            }
+            .into());
+        }
+        if nl * nh > 0xffff {
+            return Err(Error::Unsupported(
+                "a fused step handles at most 65535 heads in all layers".into(),
+            ));
+        }
+        if let Output::Last(l) | Output::All(l) = &out
+            && l.len() != v
+        {
+            return Err(foxedge_core::Error::BadLength {
+                what: "logits (vocab)",
+                expected: v,
+                got: l.len(),
+            }
+            .into());
+        }
+        self.scratch(1)?;
+        let align = storage_align(&ctx);
+        let mut stats = RunStats {
+            attention: Vec::with_capacity(nl),
+            ..RunStats::default()
+        };
+        let mut rec = super::Rec::new(&ctx)?;
+        rec.b.fill_buffer(self.flag.clone(), 0)?;
+
+        // Cache heads large enough for the token's row.
+        for (l, heads) in plan.iter().enumerate() {
+            for (h, st) in heads.iter().enumerate() {
+                let mut need = st.live + 1;
+                for op in &st.ops {
+                    match *op {
+                        RowOp::Move { from, to } => need = need.max(from.max(to) as usize + 1),
+                        RowOp::Meta { slot, .. } => need = need.max(slot as usize + 1),
+                        RowOp::Put { .. } => {
+                            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                "a step stores the token's row itself (no Put in its plan)",
+                            )));
+                        }
+                    }
+                }
+                if need > u32::MAX as usize / 4 {
+                    return Err(Error::Unsupported("cache head too large".into()));
+                }
+                self.ensure_head(&mut rec, l, h, need)?;
+            }
+        }
+
+        // Host inputs, one buffer for the step.
+        let qstride = (2 * HPD).div_ceil(align) * align / 2;
+        let max_blocks = plan
+            .iter()
+            .flatten()
+            .map(|s| (s.live + 1).div_ceil(BLOCK))
+            .max()
+            .unwrap_or(1);
+        let mut hdata = HostData::new(align);
+        let ids_at = hdata.push(&[token]);
+        let mut layers_at = Vec::with_capacity(nl);
+        let mut parts_max = 1usize;
+        for (l, heads) in plan.iter().enumerate() {
+            let mut cw = vec![0u32; 2 * nh];
+            let mut words = Vec::new();
+            let mut ranges = Vec::new();
+            let mut thr = Vec::new();
+            let mut tables = Vec::new();
+            // Per head: (put op, first candidate op, thresholds, ACP table) offsets.
+            let mut offs = Vec::with_capacity(nh);
+            let mode = heads[0].acp.mode();
+            for (h, st) in heads.iter().enumerate() {
+                if !st.c_prev.is_finite() {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "c_{t-1} must be finite",
+                    )));
+                }
+                if st.acp.mode() != mode {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "the heads of a layer take one kind of ACP threshold",
+                    )));
+                }
+                if st.evict.len() > st.live {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "a step cannot evict more rows than are live",
+                    )));
+                }
+                split_f64(&[st.c_prev], &mut cw[2 * h..2 * h + 2]);
+                let first = words.len() / 8;
+                for op in &st.ops {
+                    op_words(op, &mut words)?;
+                }
+                let cand = words.len();
+                let thr0 = thr.len();
+                let mut prev = f64::INFINITY;
+                for e in &st.evict {
+                    if e.at_or_below.is_nan() || e.at_or_below > prev {
+                        return Err(Error::Input(foxedge_core::Error::BadArgument(
+                            "eviction thresholds must not increase",
+                        )));
+                    }
+                    prev = e.at_or_below;
+                    match e.moved {
+                        Some((from, to)) => {
+                            if from.max(to) as usize >= st.live {
+                                return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                    "an eviction moves a row that is not live",
+                                )));
+                            }
+                            op_words(&RowOp::Move { from, to }, &mut words)?;
+                        }
+                        None => words.extend([3, 0, 0, 0, 0, 0, 0, 0]),
+                    }
+                    let mut t = [0u32; 2];
+                    if e.at_or_below == f64::INFINITY {
+                        t = [f32::INFINITY.to_bits(), 0];
+                    } else if e.at_or_below.is_finite() {
+                        split_f64(&[e.at_or_below], &mut t);
+                    } else {
+                        t = [f32::NEG_INFINITY.to_bits(), 0];
+                    }
+                    thr.extend(t);
+                }
+                let table = match &st.acp {
+                    StepAcp::Delta(d) => {
+                        if d.len() != st.evict.len() + 1 || d.iter().any(|x| !x.is_finite()) {
+                            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                                "one finite ACP threshold per possible number of evictions",
+                            )));
+                        }
+                        let t0 = tables.len();
+                        let mut w = vec![0u32; 2 * d.len()];
+                        split_f64(d, &mut w);
+                        tables.extend(w);
+                        Some(t0)
+                    }
+                    _ => None,
+                };
+                // The token's row; gate_step.comp sets its slot and c.
+                let put = words.len();
+                op_words(
+                    &RowOp::Put {
+                        token: 0,
+                        slot: st.live as u32,
+                        c: 0.0,
+                        pos: st.pos,
+                    },
+                    &mut words,
+                )?;
+                offs.push((put, cand, thr0, table));
+                let cap = self.heads[l][h].as_ref().map_or(0, |b| b.cap);
+                let n_ops = st.ops.len() + st.evict.len() + 1;
+                ranges.extend([first as u32, n_ops as u32, h as u32, cap as u32]);
+            }
+            let ops_at = hdata.push(&words);
+            let thr_at = hdata.push(&thr);
+            let tab_at = hdata.push(&tables);
+            let entries: usize = heads.iter().map(|s| s.live + 1).sum();
+            let n_max = heads.iter().map(|s| s.live + 1).max().unwrap_or(1);
+            let chunk = auto_split(entries)
+                .max(n_max.div_ceil(MAXC))
+                .div_ceil(BLOCK)
+                * BLOCK;
+            let mut groups = Vec::new();
+            let mut rc = vec![0u32; 12 * nh];
+            for h0 in (0..nh).step_by(HPD) {
+                let h1 = (h0 + HPD).min(nh);
+                let mut info = Vec::new();
+                let mut par = Vec::new();
+                let mut qinfo = Vec::new();
+                let mut parts = 0usize;
+                let mut chunks = 1usize;
+                for (h, st) in heads.iter().enumerate().take(h1).skip(h0) {
+                    let live = st.live + 1;
+                    let cap = self.heads[l][h].as_ref().map_or(0, |b| b.cap);
+                    let kept0 = (l * nh + h) * max_blocks;
+                    info.extend([
+                        live as u32,
+                        cap as u32,
+                        kept0 as u32,
+                        ((l * nh + h) | (h << 16)) as u32,
+                    ]);
+                    par.extend(st.acp.par()?);
+                    let nch = live.div_ceil(chunk);
+                    chunks = chunks.max(nch);
+                    qinfo.extend([
+                        live as u32,
+                        cap as u32,
+                        parts as u32,
+                        kept0 as u32,
+                        (h - h0) as u32,
+                        0,
+                        0,
+                        0,
+                    ]);
+                    parts += nch;
+                }
+                parts_max = parts_max.max(parts);
+                let g = Group {
+                    h0,
+                    h1,
+                    ranges: hdata.push(&ranges[4 * h0..4 * h1]),
+                    info: hdata.push(&info),
+                    par: hdata.push(&par),
+                    qinfo: hdata.push(&qinfo),
+                    chunks,
+                };
+                for h in h0..h1 {
+                    let (put, cand, thr0, table) = offs[h];
+                    let i = h - h0;
+                    rc[12 * h..12 * h + 12].copy_from_slice(&[
+                        (ops_at.0 + put) as u32,
+                        heads[h].evict.len() as u32,
+                        (ops_at.0 + cand) as u32,
+                        (thr_at.0 + thr0) as u32,
+                        heads[h].live as u32,
+                        (g.info.0 + 4 * i) as u32,
+                        (g.qinfo.0 + 8 * i) as u32,
+                        table.map_or(u32::MAX, |t| (tab_at.0 + t) as u32),
+                        (g.par.0 + 4 * i) as u32,
+                        (l * nh + h) as u32,
+                        0,
+                        0,
+                    ]);
+                }
+                groups.push(g);
+            }
+            layers_at.push(LayerAt {
+                cprev: hdata.push(&cw),
+                rc: hdata.push(&rc),
+                ops: ops_at,
+                mode,
+                chunk,
+                groups,
+            });
+        }
+        let gw = self.gates_words(1);
+        let need = Need {
+            up: hdata.words.len(),
+            rb: nl * gw + 6 * nl * nh,
+            kept: nl * nh * max_blocks,
+            parts: parts_max,
+        };
+        self.fused_bufs(need, qstride * nh.div_ceil(HPD) * 2)?;
+        let b = self
+            .fused
+            .as_ref()
+            .ok_or_else(|| internal("no step buffers"))?;
+        {
+            let mut w = b.up.write().map_err(|e| Error::Vulkan(e.to_string()))?;
+            w[..hdata.words.len()].copy_from_slice(&hdata.words);
+        }
+        stats.bytes_uploaded += hdata.words.len() as u64 * 4;
+        let up = b.up.clone();
+
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        rec.embed(&model.embeddings, &view(&up, ids_at), 1, &s.h)?;
+        let kernel = crate::decode::kernel(&ctx, &crate::DecodeTuning::default(), hd, false)?;
+        let gate_pipe = ctx.pipeline("gate_step", GATE_STEP, &[])?;
+        let acp_pipe = ctx.pipeline("acp_blocks", ACP_BLOCKS, &[(0, hd as u32)])?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            chunk: u32,
+            block: u32,
+            scale_log2: f32,
+            pad: u32,
+        }
+        for (l, la) in layers_at.iter().enumerate() {
+            self.record_pre(&mut rec, l, 1)?;
+            self.record_gates_out(&mut rec, l, 1, &b.rb, l * gw)?;
+            let s = self
+                .scratch
+                .as_ref()
+                .ok_or_else(|| internal("no scratch"))?;
+            rec.run(
+                &gate_pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, s.lf.clone()),
+                    WriteDescriptorSet::buffer(1, view(&up, la.cprev)),
+                    WriteDescriptorSet::buffer(2, b.qc.clone()),
+                    WriteDescriptorSet::buffer(3, up.clone()),
+                    WriteDescriptorSet::buffer(4, view(&up, la.rc)),
+                    WriteDescriptorSet::buffer(5, b.acp.clone()),
+                    WriteDescriptorSet::buffer(6, self.flag.clone()),
+                ],
+                [nh as u32, qstride as u32],
+                [nh.div_ceil(64) as u32, 1, 1],
+            )?;
+            let ct_at = nl * gw + 4 * nl * nh + 2 * l * nh;
+            for (gi, g) in la.groups.iter().enumerate() {
+                copy(
+                    &mut rec,
+                    &b.qc,
+                    &b.rb,
+                    vec![copy_region(
+                        gi * qstride * 2,
+                        ct_at + 2 * g.h0,
+                        2 * (g.h1 - g.h0),
+                    )],
+                )?;
+            }
+            for (gi, g) in la.groups.iter().enumerate() {
+                let slots = self.head_slots(l, g.h0, g.h1)?;
+                let qc = view(&b.qc, (gi * qstride * 2, 2 * HPD));
+                rec.cache_ops(
+                    hd,
+                    1,
+                    slots[..g.h1 - g.h0].to_vec(),
+                    &s.k,
+                    &s.v,
+                    &view(&up, la.ops),
+                    &view(&up, g.ranges),
+                )?;
+                #[derive(BufferContents, Clone, Copy)]
+                #[repr(C)]
+                struct A {
+                    block: u32,
+                    mode: u32,
+                }
+                rec.run(
+                    &acp_pipe,
+                    vec![
+                        WriteDescriptorSet::buffer_array(0, 0, slots.clone()),
+                        WriteDescriptorSet::buffer(1, qc.clone()),
+                        WriteDescriptorSet::buffer(2, s.nrm.clone()),
+                        WriteDescriptorSet::buffer(3, view(&up, g.info)),
+                        WriteDescriptorSet::buffer(4, view(&up, g.par)),
+                        WriteDescriptorSet::buffer(5, b.kept.clone()),
+                        WriteDescriptorSet::buffer(6, b.acp.clone()),
+                    ],
+                    A {
+                        block: BLOCK as u32,
+                        mode: la.mode,
+                    },
+                    [(g.h1 - g.h0) as u32, 1, 1],
+                )?;
+                let q_views = (g.h1 - g.h0) * hd;
+                rec.b.fill_buffer(b.counters.clone(), 0)?;
+                rec.run(
+                    &kernel.pipe,
+                    vec![
+                        WriteDescriptorSet::buffer(0, view(&s.q, (g.h0 * hd, q_views))),
+                        WriteDescriptorSet::buffer_array(1, 0, slots),
+                        WriteDescriptorSet::buffer(2, view(&up, g.qinfo)),
+                        WriteDescriptorSet::buffer(3, qc),
+                        WriteDescriptorSet::buffer(4, b.kept.clone()),
+                        WriteDescriptorSet::buffer(5, b.ml.clone()),
+                        WriteDescriptorSet::buffer(6, b.po.clone()),
+                        WriteDescriptorSet::buffer(7, view(&s.o, (g.h0 * hd, q_views))),
+                        WriteDescriptorSet::buffer(8, view(&s.lse, (0, g.h1 - g.h0))),
+                        WriteDescriptorSet::buffer(9, b.counters.clone()),
+                        WriteDescriptorSet::buffer(10, self.flag.clone()),
+                    ],
+                    P {
+                        chunk: la.chunk as u32,
+                        block: BLOCK as u32,
+                        scale_log2: (1.0 / (hd as f32).sqrt()) * std::f32::consts::LOG2_E,
+                        pad: 0,
+                    },
+                    [g.chunks as u32, (g.h1 - g.h0) as u32, 1],
+                )?;
+            }
+            self.record_post(&mut rec, l, 1)?;
+        }
+        copy(
+            &mut rec,
+            &b.acp,
+            &b.rb,
+            vec![copy_region(0, nl * gw, 4 * nl * nh)],
+        )?;
+        stats.bytes_downloaded += (nl * gw + 6 * nl * nh) as u64 * 4;
+        stats.bytes_downloaded += self.record_head(&mut rec, 1, &out, &b.logits, &b.am, &b.out)?;
+        let (rb, hout) = (b.rb.clone(), b.out.clone());
+        self.submit(rec, &mut stats)?;
+        let words = {
+            let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+            w[..nl * gw + 6 * nl * nh].to_vec()
+        };
+        {
+            let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+            read_head(&w, out_rows(&out, 1) * v, out, &mut stats)?;
+        }
+        let res = StepOutput {
+            words,
+            gate_words: gw,
+            hidden: d,
+            heads: nh,
+            layers: nl,
+        };
+        for (l, heads) in plan.iter().enumerate() {
+            let mut st = AttentionStats {
+                heads: Vec::with_capacity(nh),
+            };
+            for (h, sp) in heads.iter().enumerate() {
+                let k = res.evicted(l, h);
+                if k > sp.evict.len() {
+                    return Err(internal("a step evicted more than its plan"));
+                }
+                let live = (sp.live - k + 1) as u64;
+                let (kb, kr) = res.kept(l, h);
+                st.heads.push(HeadStats {
+                    delta: match &sp.acp {
+                        StepAcp::Delta(x) => x.get(k).copied(),
+                        _ => None,
+                    },
+                    total_pairs: live,
+                    total_blocks: live.div_ceil(BLOCK as u64),
+                    kept_pairs: kr,
+                    kept_blocks: kb,
+                });
+            }
+            stats.attention.push(st);
+        }
+        Ok((stats, res))
+    }
+
+    /// The cache buffers of heads `h0..h1` of layer `l`, padded to [`HPD`] with the last.
+    fn head_slots(&self, l: usize, h0: usize, h1: usize) -> Result<Vec<Subbuffer<[u32]>>> {
+        (0..HPD)
+            .map(|i| {
+                let h = (h0 + i).min(h1 - 1);
+                self.heads[l][h].as_ref().map(|b| b.buf.clone())
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| internal("cache head missing"))
+    }
+
+    /// Makes [`Self::fused`] hold at least `need` (grown by half again when it grows).
+    fn fused_bufs(&mut self, need: Need, qc_words: usize) -> Result<()> {
+        if self.fused.as_ref().is_some_and(|b| b.fits(&need)) {
+            return Ok(());
+        }
+        let ctx = self.model.ctx.clone();
+        let sh = self.model.shape;
+        let grow = |x: usize| x + x / 2;
+        let parts = grow(need.parts);
+        self.fused = Some(Bufs {
+            up: ctx.host_buffer(grow(need.up), true)?,
+            rb: ctx.host_buffer(grow(need.rb), false)?,
+            out: ctx.host_buffer(logits_words(1, sh.vocab), false)?,
+            logits: ctx.device_buffer(sh.vocab)?,
+            am: ctx.device_buffer(2)?,
+            qc: ctx.device_buffer(qc_words)?,
+            kept: ctx.device_buffer(grow(need.kept))?,
+            acp: ctx.device_buffer(4 * sh.layers * sh.heads)?,
+            ml: ctx.device_buffer(2 * parts)?,
+            po: ctx.device_buffer(sh.head_dim * parts)?,
+            counters: ctx.device_buffer(HPD)?,
+        });
+        Ok(())
+    }
+}
