@@ -1,6 +1,5 @@
 //! The whole model on a Vulkan device for a [`Session`]: `--backend vulkan` runs every layer
-//! there (foxedge-vulkan's `model`), `auto` does where the device is a GPU (a CPU
-//! implementation such as lavapipe shares the cores the CPU kernels would use).
+//! there (foxedge-vulkan's `model`); `auto` keeps the layers on the CPU (see [`open`]).
 //!
 //! The session keeps its bookkeeping exactly as on the CPU: the gate streams (c in f64), the
 //! retention policy and its evictions, the ACP decisions, and a host shadow of every cache
@@ -140,10 +139,16 @@ fn device_error(e: foxedge_vulkan::Error) -> Error {
 }
 
 /// The device state for a session of `kind` on `model`, or `None` (said once per process)
-/// where the model stays on the CPU: `cpu` and `hybrid` kinds, no device, a CPU device under
-/// `auto`, a model over the budget, a device without the kernels' features.
+/// where the model stays on the CPU: `cpu`, `hybrid` and `auto` kinds, no device, a model
+/// over the budget, a device without the kernels' features.
+///
+/// `auto` keeps the layers on the CPU (its attention placement still uses the GPU where that
+/// wins): on the H200 the whole model on the device decodes the 125M shape at 0.5-0.66x
+/// the CPU's speed and the 760M shape at 1.3-2.0x, because recording and building each
+/// step's command buffer costs the host 11-20 ms a token (BENCHMARKS.md); until a step is
+/// replayed instead of recorded, only `--backend vulkan` asks for it.
 pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
-    if !matches!(kind, BackendKind::Vulkan | BackendKind::Auto) {
+    if kind != BackendKind::Vulkan {
         return None;
     }
     let said = |m: String| {
@@ -161,9 +166,6 @@ pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
             return None;
         }
     };
-    if kind == BackendKind::Auto && vk.info().device_type.eq_ignore_ascii_case("cpu") {
-        return None;
-    }
     let dm = match device_model(model, &vk) {
         Ok(m) => m,
         Err(e) => {

@@ -33,8 +33,8 @@ mod step;
 mod weights;
 
 pub use step::{
-    DeviceStream, Gates, HeadStep, LayerPlan, Output, RowOp, RunStats, StepAcp, StepEvict,
-    StepHead, StepOutput, TokenPlan,
+    DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats, StepAcp,
+    StepEvict, StepHead, StepOutput, TokenPlan,
 };
 pub use weights::DeviceModel;
 

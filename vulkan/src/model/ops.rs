@@ -43,6 +43,8 @@ pub(crate) struct Rec<'c> {
     pub b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
     /// Dispatches recorded.
     pub dispatches: u32,
+    /// When recording began.
+    pub started: std::time::Instant,
 }
 
 impl<'c> Rec<'c> {
@@ -51,6 +53,7 @@ impl<'c> Rec<'c> {
             ctx,
             b: ctx.builder()?,
             dispatches: 0,
+            started: std::time::Instant::now(),
         })
     }
 

@@ -129,6 +129,30 @@ pub struct RunStats {
     pub bytes_downloaded: u64,
     pub submissions: u32,
     pub dispatches: u32,
+    /// Host time of the run's submissions: recording commands, building the command
+    /// buffers (vulkano's barrier pass), submitting, and waiting for the device.
+    pub host: HostTimes,
+}
+
+/// Host time split of submissions (see [`RunStats::host`]); `FOXEDGE_VK_TIMING=1` prints
+/// a stream's totals per submission to stderr when it is dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostTimes {
+    pub record: std::time::Duration,
+    pub build: std::time::Duration,
+    pub submit: std::time::Duration,
+    pub wait: std::time::Duration,
+    pub submissions: u64,
+}
+
+impl HostTimes {
+    pub(crate) fn add(&mut self, o: &HostTimes) {
+        self.record += o.record;
+        self.build += o.build;
+        self.submit += o.submit;
+        self.wait += o.wait;
+        self.submissions += o.submissions;
+    }
 }
 
 /// A cache head on the device in the decode kernel's layout.
@@ -159,6 +183,29 @@ struct Scratch {
     o1: Subbuffer<[u32]>,
 }
 
+impl Drop for DeviceStream {
+    fn drop(&mut self) {
+        if std::env::var_os("FOXEDGE_VK_TIMING").is_none() {
+            return;
+        }
+        for (what, t) in [("all", self.times), ("one-token steps", self.step_times)] {
+            if t.submissions == 0 {
+                continue;
+            }
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / t.submissions as f64;
+            eprintln!(
+                "foxedge-vulkan: {what}: {} submissions, host µs each: record {:.0}, build \
+                 {:.0}, submit {:.0}, wait {:.0}",
+                t.submissions,
+                us(t.record),
+                us(t.build),
+                us(t.submit),
+                us(t.wait)
+            );
+        }
+    }
+}
+
 /// A stream's device state on one model.
 pub struct DeviceStream {
     model: Arc<DeviceModel>,
@@ -173,6 +220,9 @@ pub struct DeviceStream {
     /// Test hook: the submission (counted over runs) that reports a lost device.
     fail_at: Option<u64>,
     submitted: u64,
+    /// Host times of every submission of this stream, and of its one-token steps.
+    times: HostTimes,
+    step_times: HostTimes,
 }
 
 impl std::fmt::Debug for DeviceStream {
@@ -286,6 +336,8 @@ impl DeviceStream {
             flag,
             fail_at: None,
             submitted: 0,
+            times: HostTimes::default(),
+            step_times: HostTimes::default(),
         };
         s.reset()?;
         Ok(s)
@@ -305,6 +357,11 @@ impl DeviceStream {
         Ok(())
     }
 
+    /// Host times of every submission of this stream so far.
+    pub fn host_times(&self) -> HostTimes {
+        self.times
+    }
+
     /// Makes the `k`-th submission from now (0: the next) fail as a lost device would,
     /// without submitting it: tests of a caller's fallback use it.
     #[doc(hidden)]
@@ -321,7 +378,17 @@ impl DeviceStream {
             self.fail_at = None;
             return Err(Error::DeviceLost);
         }
-        self.model.ctx.submit(rec.b)?;
+        let record = rec.started.elapsed();
+        let [build, submit, wait] = self.model.ctx.submit_timed(rec.b)?;
+        let t = HostTimes {
+            record,
+            build,
+            submit,
+            wait,
+            submissions: 1,
+        };
+        stats.host.add(&t);
+        self.times.add(&t);
         stats.submissions += 1;
         Ok(())
     }

@@ -633,6 +633,7 @@ impl DeviceStream {
         stats.bytes_downloaded += self.record_head(&mut rec, 1, &out, &b.logits, &b.am, &b.out)?;
         let (rb, hout) = (b.rb.clone(), b.out.clone());
         self.submit(rec, &mut stats)?;
+        self.step_times.add(&stats.host);
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
             w[..nl * gw + 6 * nl * nh].to_vec()
