@@ -1,12 +1,11 @@
-//! Cache-line-aligned f32 storage for K and V rows.
+//! Cache-line-aligned storage for K and V rows (f32 or f16).
 //!
-//! The CPU kernels load a row of `head_dim` f32 as whole vectors (16 lanes with AVX-512, 8
-//! with AVX2). An f32 buffer from the global allocator is only sure to start on a 16-byte
-//! boundary (glibc), so with AVX-512 every such load of a row can straddle two 64-byte
-//! cache lines. [`AlignedF32`]
-//! starts on a 64-byte boundary: with `head_dim` a multiple of 16, every row of a
-//! `[rows, head_dim]` buffer (and every head of a `[heads, n, head_dim]` one) starts a
-//! cache line.
+//! The CPU kernels load a row of `head_dim` values as whole vectors (16 f32 lanes with
+//! AVX-512, 8 with AVX2). A buffer from the global allocator is only sure to start on a
+//! 16-byte boundary (glibc), so with AVX-512 every such load of a row can straddle two
+//! 64-byte cache lines. [`Aligned`] starts on a 64-byte boundary: with `head_dim` a multiple
+//! of 16 (f32) or 32 (f16), every row of a `[rows, head_dim]` buffer (and every head of a
+//! `[heads, n, head_dim]` one) starts a cache line.
 //!
 //! Measured on the dev VM (AVX-512, decode of 16 heads x 1K entries with ACP, the kept
 //! tail resident in L2, 2026-11-28): K and V at a 64-byte boundary ran 0-5% faster than at
@@ -16,111 +15,151 @@
 
 use std::collections::TryReserveError;
 use std::fmt;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
-/// f32 per cache line.
-const LANES: usize = 16;
-
-/// One 64-byte cache line of f32.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([f32; LANES]);
-
-const ZERO: Line = Line([0.0; LANES]);
-
-/// A growable f32 buffer whose first value is on a 64-byte boundary; derefs to `[f32]`.
+/// An element type of [`Aligned`]: `f32` or `half::f16`.
 ///
-/// Invariant: `len <= LANES * lines.len()`, and `lines.len()` is the fewest lines that hold
-/// `len` values (values past `len` in the last line are unobservable).
-#[derive(Clone, Default)]
-pub struct AlignedF32 {
-    lines: Vec<Line>,
-    len: usize,
+/// # Safety
+/// Implementors are plain data: no padding, alignment at most 64, size dividing 64, and
+/// every bit pattern (all-zero bytes in particular) a valid value.
+pub unsafe trait Elem:
+    Copy + Default + PartialEq + fmt::Debug + Send + Sync + 'static
+{
 }
 
-impl AlignedF32 {
+// SAFETY: 4 bytes, alignment 4, every bit pattern is an f32.
+unsafe impl Elem for f32 {}
+// SAFETY: 2 bytes, alignment 2, every bit pattern is an f16.
+unsafe impl Elem for half::f16 {}
+
+/// One 64-byte cache line.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+const ZERO: Line = Line([0; 64]);
+
+/// A growable buffer of `T` whose first value is on a 64-byte boundary; derefs to `[T]`.
+///
+/// Invariant: `len <= per_line * lines.len()` (`per_line = 64 / size_of::<T>()`), and
+/// `lines.len()` is the fewest lines that hold `len` values (values past `len` in the last
+/// line are unobservable).
+#[derive(Clone)]
+pub struct Aligned<T: Elem> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+/// 64-byte-aligned f32 rows.
+pub type AlignedF32 = Aligned<f32>;
+
+impl<T: Elem> Default for Aligned<T> {
+    fn default() -> Self {
+        Aligned {
+            lines: Vec::new(),
+            len: 0,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: Elem> Aligned<T> {
+    /// Values per cache line.
+    const PER_LINE: usize = 64 / std::mem::size_of::<T>();
+
     /// An empty buffer (no allocation).
-    pub fn new() -> AlignedF32 {
-        AlignedF32::default()
+    pub fn new() -> Self {
+        Self::default()
     }
 
     /// An empty buffer with room for `n` values.
-    pub fn with_capacity(n: usize) -> AlignedF32 {
-        AlignedF32 {
-            lines: Vec::with_capacity(n.div_ceil(LANES)),
+    pub fn with_capacity(n: usize) -> Self {
+        Aligned {
+            lines: Vec::with_capacity(n.div_ceil(Self::PER_LINE)),
             len: 0,
+            _t: PhantomData,
         }
     }
 
     /// Values it can hold without reallocating.
     pub fn capacity(&self) -> usize {
-        self.lines.capacity() * LANES
+        self.lines.capacity() * Self::PER_LINE
     }
 
     /// Makes room for `additional` more values; on success, appends of that many values
     /// do not allocate.
     pub fn try_reserve(&mut self, additional: usize) -> Result<(), TryReserveError> {
-        let want = self.len.saturating_add(additional).div_ceil(LANES);
+        let want = self.len.saturating_add(additional).div_ceil(Self::PER_LINE);
         self.lines
             .try_reserve(want.saturating_sub(self.lines.len()))
     }
 
-    /// Appends `src`.
-    pub fn extend_from_slice(&mut self, src: &[f32]) {
-        let (at, len) = (self.len, self.len + src.len());
-        self.lines.resize(len.div_ceil(LANES), ZERO);
+    /// Grows by `n` values (`T::default()`) and returns them.
+    pub fn extend_zeroed(&mut self, n: usize) -> &mut [T] {
+        let (at, len) = (self.len, self.len + n);
+        self.lines.resize(len.div_ceil(Self::PER_LINE), ZERO);
         self.len = len;
-        self[at..].copy_from_slice(src);
+        let new = &mut self[at..];
+        new.fill(T::default());
+        new
+    }
+
+    /// Appends `src`.
+    pub fn extend_from_slice(&mut self, src: &[T]) {
+        self.extend_zeroed(src.len()).copy_from_slice(src);
     }
 
     /// Keeps the first `n` values (no-op when it holds `n` or fewer); keeps the capacity.
     pub fn truncate(&mut self, n: usize) {
         if n < self.len {
             self.len = n;
-            self.lines.truncate(n.div_ceil(LANES));
+            self.lines.truncate(n.div_ceil(Self::PER_LINE));
         }
     }
 }
 
-impl Deref for AlignedF32 {
-    type Target = [f32];
+impl<T: Elem> Deref for Aligned<T> {
+    type Target = [T];
 
-    fn deref(&self) -> &[f32] {
-        // SAFETY: `Line` is `repr(C)` over `[f32; 16]` (64 bytes, no padding), so `lines`
-        // is `16 * lines.len()` initialized, contiguous f32 starting at its (non-null,
-        // 64-byte-aligned) pointer, and `len <= 16 * lines.len()` (the invariant).
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len) }
+    fn deref(&self) -> &[T] {
+        // SAFETY: `Line` is 64 plain bytes (`repr(C)`, no padding) and `T` is plain data
+        // whose size divides 64 (`Elem`), so `lines` is `PER_LINE * lines.len()`
+        // initialized, contiguous `T` starting at its (non-null, 64-byte-aligned) pointer,
+        // and `len <= PER_LINE * lines.len()` (the invariant).
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<T>(), self.len) }
     }
 }
 
-impl DerefMut for AlignedF32 {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<T: Elem> DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         // SAFETY: as in `deref`; the slice borrows `self` mutably, so it is the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<T>(), self.len) }
     }
 }
 
-impl From<&[f32]> for AlignedF32 {
-    fn from(src: &[f32]) -> AlignedF32 {
-        let mut a = AlignedF32::with_capacity(src.len());
+impl<T: Elem> From<&[T]> for Aligned<T> {
+    fn from(src: &[T]) -> Self {
+        let mut a = Self::with_capacity(src.len());
         a.extend_from_slice(src);
         a
     }
 }
 
-impl From<Vec<f32>> for AlignedF32 {
-    fn from(src: Vec<f32>) -> AlignedF32 {
-        AlignedF32::from(&src[..])
+impl<T: Elem> From<Vec<T>> for Aligned<T> {
+    fn from(src: Vec<T>) -> Self {
+        Self::from(&src[..])
     }
 }
 
-impl PartialEq for AlignedF32 {
-    fn eq(&self, other: &AlignedF32) -> bool {
+impl<T: Elem> PartialEq for Aligned<T> {
+    fn eq(&self, other: &Self) -> bool {
         self[..] == other[..]
     }
 }
 
-impl fmt::Debug for AlignedF32 {
+impl<T: Elem> fmt::Debug for Aligned<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.iter()).finish()
     }
@@ -162,6 +201,21 @@ mod tests {
         }
         assert_eq!((a.capacity(), a.as_ptr()), (cap, ptr));
         assert!(a.try_reserve(usize::MAX).is_err());
+    }
+
+    #[test]
+    fn f16_rows_start_on_a_cache_line() {
+        let mut a = Aligned::<half::f16>::new();
+        let src: Vec<half::f16> = (0..70).map(|i| half::f16::from_f32(i as f32)).collect();
+        a.extend_from_slice(&src[..33]);
+        a.extend_from_slice(&src[33..]);
+        assert_eq!(&a[..], &src[..]);
+        assert!((a.as_ptr() as usize).is_multiple_of(64));
+        a.try_reserve(100).unwrap();
+        assert!(a.capacity() >= 170);
+        a.truncate(5);
+        assert_eq!(a.extend_zeroed(2), &[half::f16::ZERO; 2]);
+        assert_eq!(a.len(), 7);
     }
 
     proptest! {

@@ -10,9 +10,10 @@
 
 use crate::error::{Error, Result};
 use foxedge_core::contract::{
-    Acp, AttentionStats, CacheHead, DecodeArgs, HeadStats, HeadSync, Journal, PrefillArgs,
-    PrefillOptions,
+    Acp, AttentionStats, CacheHead, ContinueArgs, ContinueOptions, DecodeArgs, HeadStats, HeadSync,
+    Journal, PrefillArgs, PrefillOptions, Storage,
 };
+use half::f16;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -239,15 +240,25 @@ impl<'a> PrefillCall<'a> {
     }
 }
 
-/// Queries of one step against the retained cache (which already holds their own keys).
+/// A chunk of new tokens against the retained cache and, causally, themselves (the
+/// kernels' [`ContinueArgs`]: `q`, `k`, `v`, `out`: `[t, heads, head_dim]`). `acp` is
+/// `Off`, `Bound` (one `U` per head) or `Threshold` (one `delta` per head).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ContinueCall<'a, T: Storage = f32> {
+    pub args: ContinueArgs<'a, T>,
+    pub acp: Acp<'a>,
+}
+
+/// Queries of one step against the retained cache (which already holds their own keys),
+/// whose K and V rows are stored as `T` (f32 or f16).
 ///
 /// `args` is the kernels' call: `q`, `out`: `[heads, n_queries, head_dim]`. `acp` is `Off`,
 /// `Bound` (one `U` per head) or `Threshold` (one `delta` per head); the other decode
 /// options (tiles, the flash-decoding split) are each backend's. What the contract's
 /// arguments lack is `sync`: the owner's change tracking of each head.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct DecodeCall<'a> {
-    pub args: DecodeArgs<'a, f32, f32>,
+pub(crate) struct DecodeCall<'a, T: Storage = f32> {
+    pub args: DecodeArgs<'a, f32, T>,
     /// One per head of `args`, or empty: the heads carry no change tracking (a backend
     /// that mirrors caches must then treat every row as new).
     pub sync: &'a [HeadSync<'a>],
@@ -256,20 +267,20 @@ pub(crate) struct DecodeCall<'a> {
 
 /// The heads `idx` of a decode call, gathered ([`DecodeCall::part`]): queries and
 /// per-head pruning values are copied, cache heads stay views.
-pub(crate) struct DecodePart<'c> {
+pub(crate) struct DecodePart<'c, T: Storage = f32> {
     q: Vec<f32>,
     q_c: Vec<f64>,
     q_pos: Option<Vec<u64>>,
-    heads: Vec<CacheHead<'c, f32>>,
+    heads: Vec<CacheHead<'c, T>>,
     sync: Vec<HeadSync<'c>>,
     /// The heads' bounds or thresholds, where the call's `acp` has them.
     per_head: Vec<f64>,
 }
 
-impl<'c> DecodeCall<'c> {
+impl<'c, T: Storage> DecodeCall<'c, T> {
     /// Heads `idx` (each `< heads`) of this call, to run as a call of their own
     /// ([`DecodePart::call`]).
-    pub(crate) fn part(&self, idx: &[usize]) -> DecodePart<'c> {
+    pub(crate) fn part(&self, idx: &[usize]) -> DecodePart<'c, T> {
         let a = &self.args;
         let (nq, d) = (a.n_queries, a.head_dim);
         let rows = |x: &[f64], per: usize| -> Vec<f64> {
@@ -302,9 +313,9 @@ impl<'c> DecodeCall<'c> {
     }
 }
 
-impl DecodePart<'_> {
+impl<T: Storage> DecodePart<'_, T> {
     /// The part as a call, pruned as `whole` was.
-    pub(crate) fn call<'a>(&'a self, whole: &DecodeCall<'a>) -> DecodeCall<'a> {
+    pub(crate) fn call<'a>(&'a self, whole: &DecodeCall<'a, T>) -> DecodeCall<'a, T> {
         let acp = match whole.acp {
             Acp::Bound { ln_eps, .. } => Acp::Bound {
                 u: &self.per_head,
@@ -412,6 +423,23 @@ pub(crate) trait AttentionBackend: Send + Sync + fmt::Debug {
             stats,
         }))
     }
+    /// [`Self::decode`] over f16 cache rows. Default: the CPU kernel.
+    fn decode_f16(&self, call: &DecodeCall<'_, f16>, out: &mut [f32]) -> Result<AttentionStats> {
+        CpuBackend.decode_f16(call, out)
+    }
+    /// Continuation prefill ([`ContinueCall`]). Default: the CPU kernel (no device kernel
+    /// exists yet; the cache rows it reads are the session's own).
+    fn prefill_continue(&self, call: &ContinueCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        CpuBackend.prefill_continue(call, out)
+    }
+    /// [`Self::prefill_continue`] over f16 cache rows. Default: the CPU kernel.
+    fn prefill_continue_f16(
+        &self,
+        call: &ContinueCall<'_, f16>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        CpuBackend.prefill_continue_f16(call, out)
+    }
     /// The cache heads with these [`HeadSync::id`]s are gone (their session was reset or
     /// dropped): a backend that mirrors them may free the mirrors. Default: nothing kept.
     fn release_cache(&self, _ids: &[u64]) {}
@@ -431,11 +459,87 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
-        let opts = foxedge_core::contract::DecodeOptions {
-            acp: call.acp,
-            ..Default::default()
-        };
-        foxedge_cpu::decode(&call.args, &opts, out, None).map_err(kernel_error)
+        cpu_decode(call, out)
+    }
+
+    fn decode_f16(&self, call: &DecodeCall<'_, f16>, out: &mut [f32]) -> Result<AttentionStats> {
+        cpu_decode(call, out)
+    }
+
+    fn prefill_continue(&self, call: &ContinueCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        cpu_continue(call, out)
+    }
+
+    fn prefill_continue_f16(
+        &self,
+        call: &ContinueCall<'_, f16>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        cpu_continue(call, out)
+    }
+}
+
+fn cpu_decode<T: Storage>(call: &DecodeCall<'_, T>, out: &mut [f32]) -> Result<AttentionStats> {
+    let opts = foxedge_core::contract::DecodeOptions {
+        acp: call.acp,
+        ..Default::default()
+    };
+    foxedge_cpu::decode(&call.args, &opts, out, None).map_err(kernel_error)
+}
+
+fn cpu_continue<T: Storage>(call: &ContinueCall<'_, T>, out: &mut [f32]) -> Result<AttentionStats> {
+    let opts = ContinueOptions {
+        acp: call.acp,
+        ..Default::default()
+    };
+    foxedge_cpu::prefill_continue(&call.args, &opts, out).map_err(kernel_error)
+}
+
+/// A cache storage type (f32 or f16) and the backend methods that take calls over it.
+pub(crate) trait KvElem: Storage {
+    fn decode(
+        b: &dyn AttentionBackend,
+        call: &DecodeCall<'_, Self>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats>;
+    fn prefill_continue(
+        b: &dyn AttentionBackend,
+        call: &ContinueCall<'_, Self>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats>;
+}
+
+impl KvElem for f32 {
+    fn decode(
+        b: &dyn AttentionBackend,
+        call: &DecodeCall<'_>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        b.decode(call, out)
+    }
+    fn prefill_continue(
+        b: &dyn AttentionBackend,
+        call: &ContinueCall<'_>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        b.prefill_continue(call, out)
+    }
+}
+
+impl KvElem for f16 {
+    fn decode(
+        b: &dyn AttentionBackend,
+        call: &DecodeCall<'_, f16>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        b.decode_f16(call, out)
+    }
+    fn prefill_continue(
+        b: &dyn AttentionBackend,
+        call: &ContinueCall<'_, f16>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
+        b.prefill_continue_f16(call, out)
     }
 }
 

@@ -111,7 +111,10 @@ pub(crate) fn prefill_decisions(call: &PrefillCall<'_>) -> Result<Boundary> {
 /// Kept (query, entry) pairs of head `h` of a decode call: the head's entries that
 /// [`acp::decode_kept_entries`] keeps in [`BLOCK`]-entry blocks under the threshold
 /// [`acp::decode_delta`], times the queries.
-pub(crate) fn decode_kept(call: &DecodeCall<'_>, h: usize) -> Result<u64> {
+pub(crate) fn decode_kept<T: foxedge_core::contract::Storage>(
+    call: &DecodeCall<'_, T>,
+    h: usize,
+) -> Result<u64> {
     let nq = call.args.n_queries;
     let heads = call.args.heads;
     let head = heads

@@ -23,11 +23,18 @@
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
+use super::forward::{Layout, Member, Scratch, decode_step, layer_forward};
 use super::*;
+use crate::backend::PrefillCall;
+use crate::config::{HiddenAct, OgateAct};
+use crate::model::{LayerWeights, QK_EPS};
+use crate::ops;
+use foxedge_core::contract::Acp;
 use foxedge_vulkan::model::{
     self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
     ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead, TokenPlan,
 };
+use half::f16;
 use std::sync::{Mutex, OnceLock, Weak};
 
 /// ACP block of the device's decode decisions (foxedge-cpu's default `block_k`).
@@ -382,7 +389,7 @@ impl Keeper<'_> {
                 for (h, hc) in heads.iter_mut().enumerate() {
                     let c = c_rows[r * nh + h];
                     let pos = pos0 + r as u64;
-                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos);
+                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos)?;
                     moves[h].push(RowOp::Put {
                         token: r as u32,
                         slot: (hc.len() - 1) as u32,
@@ -494,6 +501,22 @@ impl Session {
     ) -> Result<()> {
         let fresh = self.layers[0].gates[0].is_empty();
         let v = self.model.info().vocab;
+        // The device's prefill of a fresh chunk attends all of the chunk's keys: past what
+        // the budget holds, the rest continues token by token, as the CPU's queries see.
+        let room = self.room_without_forced_eviction();
+        if fresh && ids.len() > room {
+            let (a, b) = ids.split_at(room);
+            let (sa, sb) = (scores.map(|s| &s[..room]), scores.map(|s| &s[room..]));
+            let (la, lb) = match logits {
+                Some(l) if all_rows => {
+                    let (x, y) = l.split_at_mut(room * v);
+                    (Some(x), Some(y))
+                }
+                l => (None, l),
+            };
+            self.device_chunk(a, sa, la, all_rows)?;
+            return self.forward_chunk(b, sb, lb, all_rows, None);
+        }
         if !fresh && ids.len() > 1 {
             // A continuation attends the cache token by token: one run per token.
             for (r, id) in ids.iter().enumerate() {
@@ -785,7 +808,15 @@ impl Session {
             if l < done {
                 self.replay_layer(&model, l, &mut h, t, shift, &mut s)?;
             } else {
-                self.layer_forward(&model, l, &mut h, t, pos0, scores, &mut s)?;
+                let mut me = [Member {
+                    s: self,
+                    ids,
+                    scores,
+                    logits: None,
+                    hidden: None,
+                }];
+                let lay = Layout::new(&me);
+                layer_forward(&model, l, &mut h, &mut me, &lay, &[pos0], &mut s)?;
             }
         }
         self.stats.tokens += t as u64;
@@ -881,23 +912,16 @@ impl Session {
                     Acp::Bound { u: &u_step, ln_eps }
                 }
             };
-            let heads: Vec<CacheHead<'_, f32>> = state
-                .heads
-                .iter()
-                .map(|hc| CacheHead {
-                    k: &hc.k,
-                    v: &hc.v,
-                    c: &hc.c,
-                    pos: None,
-                })
-                .collect();
-            let sync: Vec<HeadSync<'_>> = state.heads.iter().map(HeadCache::sync).collect();
-            let call = DecodeCall {
-                args: DecodeArgs::one_query(hd, &s.q[..d], &c_t, &heads),
-                sync: &sync,
-                acp,
+            let (b, heads, q, o) = (
+                self.backend.as_ref(),
+                &state.heads,
+                &s.q[..d],
+                &mut s.o[..d],
+            );
+            let st = match self.opts.cache_dtype {
+                CacheDtype::F32 => decode_step::<f32>(b, heads, hd, q, &c_t, acp, o)?,
+                CacheDtype::F16 => decode_step::<f16>(b, heads, hd, q, &c_t, acp, o)?,
             };
-            let st = self.backend.decode(&call, &mut s.o[..d])?;
             self.stats.kept_pairs += st.kept_pairs();
             self.stats.total_pairs += st.total_pairs();
         }
@@ -928,6 +952,15 @@ impl Session {
         }
         model.linear(&lw.down, &s.act, t, h, true)?;
         Ok(())
+    }
+
+    /// Tokens a fresh stream can take before the budget forces an eviction (at least 1).
+    fn room_without_forced_eviction(&self) -> usize {
+        let cfg = &self.policy_cfg;
+        let per_layer = cfg
+            .layer_budget
+            .map_or(usize::MAX, |b| b / cfg.heads.max(1));
+        cfg.head_limit().min(per_layer).max(1)
     }
 
     /// Makes the `k`-th device submission from now fail as a lost device would (tests of

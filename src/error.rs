@@ -21,6 +21,38 @@ pub enum ErrorKind {
     BackendUnavailable,
     /// A broken internal invariant (a bug): reported instead of panicking.
     Internal,
+    /// A session file that cannot be restored ([`SessionFileError`] says why).
+    BadSessionFile,
+}
+
+/// Why a session file was refused ([`Error::SessionFile`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SessionFileError {
+    /// The bytes do not start with the session file magic.
+    NotASessionFile,
+    /// A format version (or flags) this build does not read.
+    Version,
+    /// The file ends before its declared length.
+    Truncated,
+    /// The checksum does not match the contents: the file is damaged.
+    Checksum,
+    /// The file was saved from another model (identity or shape).
+    OtherModel,
+    /// The checksum matches but a value is impossible (a state no stream can reach).
+    Corrupt,
+}
+
+impl fmt::Display for SessionFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SessionFileError::NotASessionFile => "not a session file",
+            SessionFileError::Version => "unsupported format version",
+            SessionFileError::Truncated => "truncated",
+            SessionFileError::Checksum => "checksum mismatch",
+            SessionFileError::OtherModel => "saved from another model",
+            SessionFileError::Corrupt => "corrupt",
+        })
+    }
 }
 
 /// Every failure the facade reports.
@@ -46,6 +78,11 @@ pub enum Error {
     Internal(String),
     /// A tokenizer file is malformed, inconsistent or missing its partner; `file` names it.
     Tokenizer { file: String, message: String },
+    /// A session file was refused; the caller's session is unchanged.
+    SessionFile {
+        reason: SessionFileError,
+        message: String,
+    },
     /// The model directory has no tokenizer files and its vocabulary is not the 256 bytes:
     /// the model runs on ids, but text cannot be encoded or decoded.
     NoTokenizer { dir: PathBuf, vocab: usize },
@@ -64,6 +101,7 @@ impl Error {
             Error::Internal(_) => ErrorKind::Internal,
             Error::Tokenizer { .. } => ErrorKind::BadModel,
             Error::NoTokenizer { .. } => ErrorKind::Unsupported,
+            Error::SessionFile { .. } => ErrorKind::BadSessionFile,
         }
     }
 
@@ -100,6 +138,7 @@ impl Error {
             Error::Io { path, source } => format!("{}: {source}", path.display()),
             Error::OutOfMemory { what, bytes } => format!("{what} needs {bytes} bytes"),
             Error::Tokenizer { file, message } => format!("tokenizer file {file}: {message}"),
+            Error::SessionFile { reason, message } => format!("{reason}: {message}"),
             Error::NoTokenizer { dir, vocab } => format!(
                 "no tokenizer: {} has no tokenizer.json and no vocab.json + merges.txt, and its \
                  vocabulary of {vocab} is not the 256 bytes (token ids still work)",
@@ -119,6 +158,7 @@ impl fmt::Display for Error {
             Error::BackendUnavailable(_) => "backend unavailable: ",
             Error::Internal(_) => "internal error: ",
             Error::Tokenizer { .. } => "bad ",
+            Error::SessionFile { .. } => "bad session file: ",
             Error::Io { .. } | Error::NoTokenizer { .. } => "",
         };
         write!(f, "{class}{}", self.message())

@@ -41,12 +41,12 @@ mod test_device;
 
 pub use backend::BackendKind;
 pub use config::Config;
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, Result, SessionFileError};
 pub use foxedge_core::quant::WeightFormat;
 pub use generate::{GenerateOptions, Generation, StopReason};
 pub use model::{LoadProgress, Model, ModelInfo, ModelOptions};
 pub use sample::{Rng, Sampler, SamplerConfig, sample};
-pub use session::{Budget, Session, SessionOptions, SessionStats};
+pub use session::{Budget, CacheDtype, Session, SessionOptions, SessionStats};
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerSource};
 
 /// The bundled tiny model's directory relative to the repository root.

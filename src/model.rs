@@ -149,6 +149,8 @@ pub struct Model {
     /// Threads of a large product (resolved: >= 1).
     threads: usize,
     options: ModelOptions,
+    /// [`Model::identity`].
+    identity: u64,
 }
 
 impl Model {
@@ -193,7 +195,18 @@ impl Model {
             dir.join("model.safetensors")
         };
         let file = WeightFile::open(&st)?;
-        Self::from_parts(config, file, dir, *opts, progress)
+        let identity = identity(&text, &st, opts)?;
+        let mut model = Self::from_parts(config, file, dir, *opts, progress)?;
+        model.identity = identity;
+        Ok(model)
+    }
+
+    /// A 64-bit identity of the model as loaded: XXH3-64 of `config.json`'s bytes, the
+    /// safetensors header (its length prefix and JSON), the weight file's size and the
+    /// formats the weights are held in ([`ModelOptions`]). Session files carry it, so a
+    /// session is never restored onto another model or another quantization of it.
+    pub fn identity(&self) -> u64 {
+        self.identity
     }
 
     fn from_parts(
@@ -325,6 +338,7 @@ impl Model {
             threads,
             options,
             tokenizer: OnceLock::new(),
+            identity: 0,
         };
         model.params = params
             + model
@@ -488,6 +502,33 @@ impl Model {
 
 /// eps of the QK-norm, re-exported for sessions.
 pub(crate) const QK_EPS: f64 = QK_NORM_EPS;
+
+/// [`Model::identity`] of a config text, a safetensors file (already opened and checked by
+/// [`WeightFile::open`], so its header length is sane) and the load options' formats.
+fn identity(config: &str, weights: &Path, opts: &ModelOptions) -> Result<u64> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(weights).map_err(|e| Error::io(weights, e))?;
+    let size = f.metadata().map_err(|e| Error::io(weights, e))?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|e| Error::io(weights, e))?;
+    let n = u64::from_le_bytes(len).min(size.saturating_sub(8));
+    let mut header = Vec::new();
+    f.take(n)
+        .read_to_end(&mut header)
+        .map_err(|e| Error::io(weights, e))?;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"foxedge model identity 1");
+    h.update(&(config.len() as u64).to_le_bytes());
+    h.update(config.as_bytes());
+    h.update(&len);
+    h.update(&header);
+    h.update(&size.to_le_bytes());
+    for f in [opts.weights, opts.vocab_format()] {
+        h.update(f.map_or("stored", |f| f.name()).as_bytes());
+        h.update(b"\0");
+    }
+    Ok(h.digest())
+}
 
 #[cfg(test)]
 mod tests {

@@ -36,13 +36,14 @@
 //! Backends hold no stream state (the session owns the cache), so nothing is lost.
 
 use crate::backend::{
-    AttentionBackend, BackendKind, CpuBackend, DecodeCall, PrefillCall, is_device_failure,
+    AttentionBackend, BackendKind, CpuBackend, DecodeCall, KvElem, PrefillCall, is_device_failure,
     merge_stats,
 };
 use crate::calibration::{self, Calibration};
 use crate::decisions::{Boundary, decode_kept, prefill_decisions};
 use crate::error::{Error, Result};
 use foxedge_core::contract::{Acp, AttentionStats};
+use half::f16;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -446,9 +447,9 @@ impl Placement {
     }
 
     /// A decode split: the sides' queries are gathered, their cache heads are views.
-    fn decode_split(
+    fn decode_split<T: KvElem>(
         &self,
-        call: &DecodeCall<'_>,
+        call: &DecodeCall<'_, T>,
         share: f64,
         out: &mut [f32],
     ) -> Result<(AttentionStats, Split)> {
@@ -471,12 +472,12 @@ impl Placement {
         let (gres, cres) = self.beside(
             |start| {
                 start();
-                gpu.decode(&g, &mut g_out)
+                T::decode(gpu, &g, &mut g_out)
             },
-            || CpuBackend.decode(&c, &mut c_out),
+            || T::decode(&CpuBackend, &c, &mut c_out),
         );
         let cs = cres?;
-        let gs = self.or_cpu(gres, || CpuBackend.decode(&g, &mut g_out))?;
+        let gs = self.or_cpu(gres, || T::decode(&CpuBackend, &g, &mut g_out))?;
         for (part, heads) in [(&g_out, &split.gpu_heads), (&c_out, &split.cpu_heads)] {
             for (rows, &h) in part.chunks_exact(nq * d).zip(heads) {
                 out[h * nq * d..(h + 1) * nq * d].copy_from_slice(rows);
@@ -527,6 +528,25 @@ impl AttentionBackend for Placement {
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        self.decode_any(call, out)
+    }
+
+    fn decode_f16(&self, call: &DecodeCall<'_, f16>, out: &mut [f32]) -> Result<AttentionStats> {
+        self.decode_any(call, out)
+    }
+
+    fn release_cache(&self, ids: &[u64]) {
+        self.gpu.backend.release_cache(ids);
+    }
+}
+
+impl Placement {
+    /// A decode step over `T` cache rows, placed as the module docs say.
+    fn decode_any<T: KvElem>(
+        &self,
+        call: &DecodeCall<'_, T>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
         let a = &call.args;
         let (nh, nq) = (a.heads.len(), a.n_queries);
         if out.len() != nh * nq * a.head_dim {
@@ -535,7 +555,7 @@ impl AttentionBackend for Placement {
             ));
         }
         if self.fell_back() {
-            return CpuBackend.decode(call, out);
+            return T::decode(&CpuBackend, call, out);
         }
         let entered = Instant::now();
         let pairs = a.heads.iter().map(|h| h.c.len() as u64).sum::<u64>() * nq as u64;
@@ -543,22 +563,16 @@ impl AttentionBackend for Placement {
         let choice = self.choose(true, acp, (nh, a.head_dim), pairs)?;
         let t0 = Instant::now();
         let r = match choice.plan {
-            Plan::Cpu => CpuBackend
-                .decode(call, out)
-                .map(|s| (s, Split::whole(nh, false))),
+            Plan::Cpu => T::decode(&CpuBackend, call, out).map(|s| (s, Split::whole(nh, false))),
             Plan::Gpu => {
-                let r = self.gpu.backend.decode(call, out);
+                let r = T::decode(self.gpu.backend.as_ref(), call, out);
                 let on_gpu = r.is_ok();
-                self.or_cpu(r, || CpuBackend.decode(call, out))
+                self.or_cpu(r, || T::decode(&CpuBackend, call, out))
                     .map(|s| (s, Split::whole(nh, on_gpu)))
             }
             Plan::Split => self.decode_split(call, choice.share, out),
         };
         self.finish(&choice, r, t0, entered)
-    }
-
-    fn release_cache(&self, ids: &[u64]) {
-        self.gpu.backend.release_cache(ids);
     }
 }
 

@@ -20,7 +20,8 @@ use crate::backend::{
     is_device_failure,
 };
 use crate::error::{Error, Result};
-use foxedge_core::contract::{AttentionStats, HeadSync};
+use foxedge_core::contract::{AttentionStats, HeadSync, Storage};
+use half::f16;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -175,6 +176,29 @@ impl AttentionBackend for VulkanBackend {
     }
 
     fn decode(&self, call: &DecodeCall<'_>, out: &mut [f32]) -> Result<AttentionStats> {
+        self.decode_any(call, out)
+    }
+
+    /// f16 cache rows stay f16 on the device (the decode kernels read them as packed words).
+    fn decode_f16(&self, call: &DecodeCall<'_, f16>, out: &mut [f32]) -> Result<AttentionStats> {
+        self.decode_any(call, out)
+    }
+
+    fn release_cache(&self, ids: &[u64]) {
+        if let Ok(mut r) = self.resident.lock() {
+            r.forget(ids);
+        }
+    }
+}
+
+impl VulkanBackend {
+    /// A decode step over `T` rows, through the resident mirrors when the heads carry
+    /// change tracking.
+    fn decode_any<T: Storage>(
+        &self,
+        call: &DecodeCall<'_, T>,
+        out: &mut [f32],
+    ) -> Result<AttentionStats> {
         self.check_alive()?;
         let args = &call.args;
         let entries: usize = args.heads.iter().map(|h| h.c.len()).sum();
@@ -196,12 +220,6 @@ impl AttentionBackend for VulkanBackend {
             .map_err(|_| Error::Internal("vulkan resident cache lock poisoned".into()))?;
         r.decode(args, &sync, &opts, out, None)
             .map_err(|e| self.map_err(e))
-    }
-
-    fn release_cache(&self, ids: &[u64]) {
-        if let Ok(mut r) = self.resident.lock() {
-            r.forget(ids);
-        }
     }
 }
 
@@ -265,6 +283,14 @@ impl AttentionBackend for CpuFallback {
         }
         let r = self.gpu.decode(call, out);
         self.or_cpu(r, || CpuBackend.decode(call, out))
+    }
+
+    fn decode_f16(&self, call: &DecodeCall<'_, f16>, out: &mut [f32]) -> Result<AttentionStats> {
+        if self.fell_back() {
+            return CpuBackend.decode_f16(call, out);
+        }
+        let r = self.gpu.decode_f16(call, out);
+        self.or_cpu(r, || CpuBackend.decode_f16(call, out))
     }
 
     fn release_cache(&self, ids: &[u64]) {

@@ -84,7 +84,7 @@ fn generate_json_and_options() {
     assert!(v["decode_tokens"].as_u64().unwrap() >= 1);
     assert!(
         v["peak_cache_bytes"].as_u64().unwrap()
-            <= 16 * 32 * foxedge::session::entry_bytes(64) as u64
+            <= 16 * 32 * foxedge::session::entry_bytes(64, foxedge::CacheDtype::default()) as u64
     );
     // Greedy is deterministic.
     let again = foxedge()
@@ -591,4 +591,49 @@ fn quantize_then_bench_the_model() {
         assert!(row["median_tps"].as_f64().unwrap() > 0.0);
     }
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// `generate --session FILE`: a missing file starts a session and saves it; a later run
+/// restores it and continues the stream (its statistics carry on); a damaged file is a
+/// named error that leaves the file as it was.
+#[test]
+fn generate_session_file_continues_and_refuses_damage() {
+    let dir = synth::temp_dir("cli-session");
+    let file = dir.join("chat.fxs");
+    let run = |prompt: &str| {
+        foxedge()
+            .args(["generate", "--prompt", prompt, "--max-tokens", "8"])
+            .args(["--temperature", "0", "--json", "--cache", "f16"])
+            .args(["--model", model_dir().to_str().unwrap()])
+            .arg("--session")
+            .arg(&file)
+            .output()
+            .unwrap()
+    };
+    let tokens = |out: &std::process::Output| {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        v["tokens"].as_u64().unwrap()
+    };
+    let first = run("def f(x):\n");
+    assert_succeeded(&first);
+    let n1 = tokens(&first);
+    assert!(file.exists() && n1 > 8);
+    let second = run("    return");
+    assert_succeeded(&second);
+    assert!(tokens(&second) > n1, "the restored stream continues");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(&file, &bytes).unwrap();
+    let bad = run("x");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("bad session file: checksum mismatch"), "{err}");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        bytes,
+        "the file is left as it was"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

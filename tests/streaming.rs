@@ -83,7 +83,10 @@ fn budget_window_sinks_are_respected() {
     }
     let st = s.stats();
     assert!(st.evicted_forced > 0);
-    assert!(st.peak_cache_bytes <= 16 * 48 * foxedge::session::entry_bytes(64) as u64);
+    assert!(
+        st.peak_cache_bytes
+            <= 16 * 48 * foxedge::session::entry_bytes(64, foxedge::CacheDtype::default()) as u64
+    );
     // Forced evictions: per head a certificate in (0, 1), or no guarantee; the largest is
     // None exactly when some head has none.
     assert!(
@@ -116,7 +119,7 @@ fn budget_window_sinks_are_respected() {
 fn layer_byte_and_scored_budgets() {
     let model = tiny();
     let ids = input_ids();
-    let eb = foxedge::session::entry_bytes(64);
+    let eb = foxedge::session::entry_bytes(64, foxedge::CacheDtype::default());
     for budget in [Budget::EntriesPerLayer(100), Budget::Bytes(4 * 100 * eb)] {
         let mut s = session(
             &model,

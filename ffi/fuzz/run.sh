@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs each fuzz target for a bounded time (seconds, default 90) with cargo-fuzz on the
 # nightly toolchain (AddressSanitizer + libFuzzer). Seeds come from make_seeds.py.
-# Usage: ffi/fuzz/run.sh [SECONDS] [TARGET...]   (targets: model_open attention_desc tokenizer_files weight_blocks quantized_model)
+# Usage: ffi/fuzz/run.sh [SECONDS] [TARGET...]   (targets: model_open attention_desc tokenizer_files weight_blocks quantized_model session_file)
 set -euo pipefail
 cd "$(dirname "$0")"
 secs="${1:-90}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(model_open attention_desc tokenizer_files weight_blocks quantized_model)
+[ ${#targets[@]} -gt 0 ] || targets=(model_open attention_desc tokenizer_files weight_blocks quantized_model session_file)
 python3 make_seeds.py
 for t in "${targets[@]}"; do
   mkdir -p "artifacts/$t"

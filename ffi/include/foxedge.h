@@ -83,6 +83,10 @@ enum fx_status
   // A caller's output buffer is too small; the call wrote the size it needs (and nothing
   // else) so the caller can retry with a larger one.
   FX_ERR_BUFFER_TOO_SMALL = -10,
+  // A session file (or buffer) cannot be restored: not a session file, another format
+  // version, truncated, damaged (checksum), saved from another model, or corrupt. The
+  // session it was restored into is unchanged.
+  FX_ERR_BAD_SESSION_FILE = -11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -253,6 +257,25 @@ typedef int32_t fx_weight_format;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// How a session's cache stores K and V rows (compute is f32 either way).
+enum fx_cache_dtype
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // 4 bytes per value.
+  FX_CACHE_F32 = 0,
+  // 2 bytes per value (IEEE half): half the cache memory.
+  FX_CACHE_F16 = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fx_cache_dtype fx_cache_dtype;
+#else
+typedef int32_t fx_cache_dtype;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A loaded model (opaque). Immutable: share it freely across threads.
 struct fx_model;
 
@@ -417,6 +440,9 @@ struct fx_session_options {
   // Threads of the session's own pool, which runs its attention kernels and dense layers
   // (at most 1024); 0 (default): the library's shared pool, one thread per core.
   size_t n_threads;
+  // An `fx_cache_dtype` value: how the cache stores K and V rows. Added after
+  // `n_threads`: a caller's older, shorter struct gets the default.
+  fx_cache_dtype cache_dtype;
 };
 
 // Sizes of a loaded model.
@@ -564,6 +590,26 @@ fx_status fx_attention_forward(const struct fx_attention_desc *desc,
                                void *out,
                                struct fx_attention_stats *stats);
 
+// Feeds `n_tokens[i]` tokens (`tokens[i]`) to `sessions[i]` for `i < n`, in one step: the
+// model's dense layers run once over every session's rows, attention per session over its
+// own cache (each with its own options, budget and statistics). Sessions may prefill while
+// others decode. When `logits_out` is not NULL it receives `n * vocab_size` floats: row `i`
+// the next-token logits after session `i`'s last token.
+//
+// All sessions must be distinct handles of one model, unscored and usable; the call checks
+// this, and every token, before any session changes. A later internal error leaves every
+// session of the batch unusable until `fx_session_reset`.
+//
+// # Safety
+// `sessions` must hold `n` pointers, each NULL or a live handle used by no other thread
+// during the call; `tokens` and `n_tokens` `n` values each, `tokens[i]` pointing to
+// `n_tokens[i]` readable int32 values; `logits_out` NULL or `n * vocab_size` writable floats.
+fx_status fx_session_feed_batch(struct fx_session *const *sessions,
+                                size_t n,
+                                const int32_t *const *tokens,
+                                const size_t *n_tokens,
+                                float *logits_out);
+
 // Returns the default sampler parameters: temperature 1, no top-k, top-p, min-p or
 // repetition penalty (window 64), seed 0: a draw from `softmax(logits)`.
 struct fx_sampler_params fx_sampler_params_default(void);
@@ -699,6 +745,59 @@ fx_status fx_session_reset(struct fx_session *s);
 // # Safety
 // `s` must be NULL or a handle from `fx_session_new` not yet freed, used by no other thread.
 void fx_session_free(struct fx_session *s);
+
+// Writes the session's whole state (cache, gates, retention policy, positions, statistics,
+// options and the model's identity) to the file `path`, through a temporary file renamed
+// over it, so a failed save leaves an earlier file whole.
+//
+// # Safety
+// `s` must be NULL or a live handle not being fed concurrently; `path` NULL or
+// NUL-terminated.
+fx_status fx_session_save(const struct fx_session *s, const char *path);
+
+// The session's state as bytes (the file format of `fx_session_save`). `*out_len` receives
+// the size the state needs; with `buf` NULL nothing else happens (a size query). Otherwise
+// `cap` must be at least that size (else `FX_ERR_INVALID_ARGUMENT`, nothing written).
+//
+// # Safety
+// `s` must be NULL or a live handle not being fed concurrently; `buf` NULL or `cap`
+// writable bytes; `out_len` NULL or writable.
+fx_status fx_session_save_buffer(const struct fx_session *s,
+                                 uint8_t *buf,
+                                 size_t cap,
+                                 size_t *out_len);
+
+// Replaces the session's state with that saved in the file `path` (by a session of the same
+// model): its options too, except the backend, which stays this session's. A file that is
+// not a session file, of another version, truncated, damaged, from another model or corrupt
+// is `FX_ERR_BAD_SESSION_FILE`; a missing file `FX_ERR_IO`; either way the session is
+// unchanged.
+//
+// # Safety
+// `s` must be NULL or a live handle used by no other thread during the call; `path` NULL
+// or NUL-terminated.
+fx_status fx_session_restore(struct fx_session *s, const char *path);
+
+// `fx_session_restore` from `len` bytes at `data` (as `fx_session_save_buffer` wrote them).
+//
+// # Safety
+// `s` must be NULL or a live handle used by no other thread during the call; `data` NULL
+// or `len` readable bytes.
+fx_status fx_session_restore_buffer(struct fx_session *s, const uint8_t *data, size_t len);
+
+// A new session over `m` in the state saved in the file `path`, with the options it was
+// saved with (its backend opened anew). On failure `*out` is set to NULL.
+//
+// # Safety
+// `m` must be NULL or a live handle; `path` NULL or NUL-terminated; `out` NULL or writable.
+fx_status fx_session_load(const struct fx_model *m, const char *path, struct fx_session **out);
+
+// A copy of the session that continues on its own (a branch of the conversation). On
+// failure `*out` is set to NULL.
+//
+// # Safety
+// `s` must be NULL or a live handle not being fed concurrently; `out` NULL or writable.
+fx_status fx_session_fork(const struct fx_session *s, struct fx_session **out);
 
 // Returns a static, NUL-terminated description of a status code (never NULL).
 // Unknown codes give "unknown status".

@@ -7,7 +7,8 @@
 #   2. stage an install tree (lib/, include/foxedge/, lib/pkgconfig/foxedge.pc, cargo-c
 #      layout) and compile the header as C11 and C++;
 #   3. build ffi/examples/stream.c (shared library, via pkg-config) and run it on the tiny
-#      model; build ffi/tests/c_errors.c (static library, pkg-config --static) and run it.
+#      model; build ffi/tests/c_errors.c and ffi/tests/c_sessions.c (static library,
+#      pkg-config --static) and run them.
 # Env: CARGO_TARGET_DIR (default ./target), FFI_FEATURES (cargo feature flags for the
 # crates; default none, i.e. with Vulkan, the same build `cargo test --workspace` made;
 # "--no-default-features" builds without Vulkan), PROFILE (debug|release, default debug).
@@ -92,5 +93,11 @@ step "ffi/tests/c_errors.c (static library)"
 gcc -std=c11 "${warn[@]}" -O1 ffi/tests/c_errors.c -o "$bin/c_errors" \
   $(pkg-config --static --cflags --libs foxedge | sed 's/-lfoxedge\b/-l:libfoxedge.a/')
 "$bin/c_errors" models/fox-tiny-pro
+
+step "ffi/tests/c_sessions.c (static library)"
+# shellcheck disable=SC2046
+gcc -std=c11 "${warn[@]}" -O1 ffi/tests/c_sessions.c -o "$bin/c_sessions" \
+  $(pkg-config --static --cflags --libs foxedge | sed 's/-lfoxedge\b/-l:libfoxedge.a/')
+"$bin/c_sessions" models/fox-tiny-pro
 
 step "ok"

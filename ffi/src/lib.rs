@@ -11,14 +11,18 @@
 
 mod abi;
 mod attention;
+mod batch;
 mod sampler;
 mod session;
+mod snapshot;
 mod status;
 mod text;
 
 pub use attention::*;
+pub use batch::*;
 pub use sampler::*;
 pub use session::*;
+pub use snapshot::*;
 pub use status::{fx_last_error, fx_status, fx_status_raw, fx_status_string};
 pub use text::*;
 

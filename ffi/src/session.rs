@@ -5,7 +5,7 @@ use std::mem::size_of;
 use std::ptr;
 use std::sync::Arc;
 
-use facade::{Budget, Model, ModelOptions, Session, SessionOptions, WeightFormat};
+use facade::{Budget, CacheDtype, Model, ModelOptions, Session, SessionOptions, WeightFormat};
 
 use crate::abi::{Versioned, check_buf, check_out, read_opt, write_out};
 use crate::attention::{backend_of, fx_backend, fx_backend_raw};
@@ -23,7 +23,7 @@ pub struct fx_session {
     pub(crate) session: Session,
     /// Set when a call panicked mid-way: the state may be half-updated, so every call but
     /// `fx_session_reset` and `fx_session_free` fails until a reset.
-    poisoned: bool,
+    pub(crate) poisoned: bool,
 }
 
 // The header's thread-safety promises, checked by the compiler: a model is shared by
@@ -145,7 +145,23 @@ pub struct fx_session_options {
     /// Threads of the session's own pool, which runs its attention kernels and dense layers
     /// (at most 1024); 0 (default): the library's shared pool, one thread per core.
     pub n_threads: usize,
+    /// An `fx_cache_dtype` value: how the cache stores K and V rows. Added after
+    /// `n_threads`: a caller's older, shorter struct gets the default.
+    pub cache_dtype: fx_cache_dtype_raw,
 }
+
+/// How a session's cache stores K and V rows (compute is f32 either way).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum fx_cache_dtype {
+    /// 4 bytes per value.
+    FX_CACHE_F32 = 0,
+    /// 2 bytes per value (IEEE half): half the cache memory.
+    FX_CACHE_F16 = 1,
+}
+
+/// The `int32_t` C passes where the header says `fx_cache_dtype`.
+pub type fx_cache_dtype_raw = i32;
 
 /// Counters of a session since creation or the last reset.
 #[repr(C)]
@@ -309,6 +325,10 @@ pub extern "C" fn fx_session_options_default() -> fx_session_options {
         max_entries_per_head: d.max_entries_per_head,
         scored: i32::from(d.scored),
         n_threads: d.threads,
+        cache_dtype: match d.cache_dtype {
+            CacheDtype::F32 => fx_cache_dtype::FX_CACHE_F32,
+            CacheDtype::F16 => fx_cache_dtype::FX_CACHE_F16,
+        } as i32,
     }
 }
 
@@ -348,9 +368,19 @@ fn session_options(o: &fx_session_options) -> FxResult<SessionOptions> {
             )));
         }
     };
+    let cache_dtype = match o.cache_dtype {
+        0 => CacheDtype::F32,
+        1 => CacheDtype::F16,
+        k => {
+            return Err(invalid(format!(
+                "fx_session_options.cache_dtype {k} is not an fx_cache_dtype"
+            )));
+        }
+    };
     // Facade options the C ABI does not expose keep their defaults.
     #[allow(clippy::needless_update)]
     Ok(SessionOptions {
+        cache_dtype,
         backend,
         ln_eps: acp.then_some(o.log_eps),
         certified_eviction,

@@ -37,6 +37,10 @@ pub enum fx_status {
     /// A caller's output buffer is too small; the call wrote the size it needs (and nothing
     /// else) so the caller can retry with a larger one.
     FX_ERR_BUFFER_TOO_SMALL = -10,
+    /// A session file (or buffer) cannot be restored: not a session file, another format
+    /// version, truncated, damaged (checksum), saved from another model, or corrupt. The
+    /// session it was restored into is unchanged.
+    FX_ERR_BAD_SESSION_FILE = -11,
 }
 
 /// The `int32_t` that C passes where the header says `fx_status` (any value is defined).
@@ -45,7 +49,7 @@ pub type fx_status_raw = i32;
 use fx_status::*;
 
 /// Every code, for tests and for `fx_status_string`.
-pub(crate) const ALL_STATUS: [fx_status; 11] = [
+pub(crate) const ALL_STATUS: [fx_status; 12] = [
     FX_OK,
     FX_ERR_NULL_POINTER,
     FX_ERR_INVALID_ARGUMENT,
@@ -57,6 +61,7 @@ pub(crate) const ALL_STATUS: [fx_status; 11] = [
     FX_ERR_IO,
     FX_ERR_BOUND_VIOLATED,
     FX_ERR_BUFFER_TOO_SMALL,
+    FX_ERR_BAD_SESSION_FILE,
 ];
 
 impl fx_status {
@@ -73,6 +78,7 @@ impl fx_status {
             FX_ERR_IO => c"i/o error",
             FX_ERR_BOUND_VIOLATED => c"logit bound violated",
             FX_ERR_BUFFER_TOO_SMALL => c"buffer too small",
+            FX_ERR_BAD_SESSION_FILE => c"bad session file",
         }
     }
 }
@@ -208,6 +214,7 @@ pub(crate) fn map_facade(e: facade::Error) -> Failure {
         K::OutOfMemory => FX_ERR_OUT_OF_MEMORY,
         K::BackendUnavailable => FX_ERR_BACKEND_UNAVAILABLE,
         K::Internal => FX_ERR_INTERNAL,
+        K::BadSessionFile => FX_ERR_BAD_SESSION_FILE,
     };
     fail(status, e.message())
 }
@@ -259,7 +266,7 @@ mod tests {
             assert!(seen.insert(t.to_owned()), "{t:?}");
             assert!(s == FX_OK || (s as i32) < 0);
         }
-        for raw in [1, -11, i32::MIN, i32::MAX] {
+        for raw in [1, -12, i32::MIN, i32::MAX] {
             // SAFETY: as above.
             let t = unsafe { CStr::from_ptr(fx_status_string(raw)) };
             assert_eq!(t.to_str().unwrap(), "unknown status");

@@ -60,7 +60,8 @@ static void test_basics(void) {
                              FX_ERR_INTERNAL,
                              FX_ERR_IO,
                              FX_ERR_BOUND_VIOLATED,
-                             FX_ERR_BUFFER_TOO_SMALL};
+                             FX_ERR_BUFFER_TOO_SMALL,
+                             FX_ERR_BAD_SESSION_FILE};
   size_t n = sizeof codes / sizeof codes[0], i, j;
   int distinct = 1;
   const char *v = fx_version();

@@ -204,6 +204,14 @@ pub struct BenchArgs {
     /// Model bench: ACP off (dense attention)
     #[arg(long)]
     dense: bool,
+    /// Model bench: also decode --gen tokens in N sessions at once (forks of the session
+    /// after the prompt, advanced together by Session::feed_batch); aggregate tokens/s
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    batch: usize,
+    /// Model bench: also time restoring the session after the prompt from its saved bytes
+    /// (tokens in it per second of Session::load_bytes)
+    #[arg(long)]
+    restore: bool,
     /// No progress bar on stderr (also hidden with --json or when stderr is not a terminal)
     #[arg(short, long)]
     quiet: bool,

@@ -4,8 +4,8 @@ use super::{AcpArgs, ModelArg, progress};
 use clap::Args;
 use foxedge::generate::{GenerateOptions, TextGenerator, feed_prompt};
 use foxedge::{
-    BackendKind, Budget, Error, Result, Sampler, SamplerConfig, Session, SessionOptions,
-    SessionStats,
+    BackendKind, Budget, CacheDtype, Error, Result, Sampler, SamplerConfig, Session,
+    SessionOptions, SessionStats,
 };
 use std::io::Write;
 use std::path::PathBuf;
@@ -60,6 +60,14 @@ pub struct GenerateArgs {
     threads: Option<usize>,
     #[command(flatten)]
     sampler: SamplerArgs,
+    /// Storage of the cached K and V rows: f16 (half the memory) or f32
+    #[arg(long = "cache", value_name = "DTYPE", default_value_t = SessionOptions::default().cache_dtype)]
+    cache_dtype: CacheDtype,
+    /// A session file: when it exists, the session is restored from it (with the options
+    /// it was saved with, but this run's backend and threads; BOS is not added again) and
+    /// continues with the prompt; at the end the session is saved back to it
+    #[arg(long, value_name = "FILE")]
+    session: Option<std::path::PathBuf>,
     /// Print the statistics as one JSON object instead of a line
     #[arg(long)]
     json: bool,
@@ -149,7 +157,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (None, Some(f)) => read_text(f)?,
         (None, None) => DEFAULT_PROMPT.to_string(),
     };
-    let ids = tokenizer.encode(&prompt, true)?;
+    // A resumed session continues its stream: BOS only starts a new one.
+    let resumed = a.session.as_deref().filter(|p| p.exists());
+    let ids = tokenizer.encode(&prompt, resumed.is_none())?;
     let opts = SessionOptions {
         backend: a.backend,
         ln_eps: a.acp.ln_eps(),
@@ -157,9 +167,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         window: a.window,
         sinks: a.sinks,
         threads: a.threads.unwrap_or(0),
+        cache_dtype: a.cache_dtype,
         ..SessionOptions::default()
     };
     let mut session = Session::new(model, opts)?;
+    if let Some(p) = resumed {
+        session.restore(p)?;
+    }
     let mut logits = vec![0.0f32; vocab];
     let mut generator = TextGenerator::new(&tokenizer, &gen_opts)?;
 
@@ -184,7 +198,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 .and_then(|_| out.flush())
                 .is_err()
         {
-            return Ok(()); // stdout closed (e.g. piped into `head`): stop quietly
+            // stdout closed (e.g. piped into `head`): stop quietly, keeping the session.
+            return save_session(&session, a.session.as_deref());
         }
         if step.stop.is_some() {
             break;
@@ -203,6 +218,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     }
     writeln!(out).ok();
+    save_session(&session, a.session.as_deref())?;
     let st = session.stats();
     if a.json {
         writeln!(out, "{}", stats_json(&st, session.backend())).ok();
@@ -232,6 +248,14 @@ pub fn bound_text(b: Option<f64>) -> String {
     match b {
         Some(b) => format!("{b:.3e}"),
         None => "no guarantee".to_string(),
+    }
+}
+
+/// Saves the session to `path` when one was given (`--session`).
+fn save_session(session: &Session, path: Option<&std::path::Path>) -> Result<()> {
+    match path {
+        Some(p) => session.save(p),
+        None => Ok(()),
     }
 }
 

@@ -1,13 +1,19 @@
 //! f32 / f16 / bf16 weights: widened to f32 in registers (F16C `vcvtph2ps` and 16-bit
 //! shifts on x86-64, NEON `fcvtl` and shifts on aarch64), f32 multiply-adds.
 //!
-//! - One activation row: each weight row is dotted with `x` in turn, so `W` is read as one
-//!   sequential stream (four vector accumulators per row hide the FMA latency).
+//! - One activation row: blocks of 4 weight rows against `x` (`1 x 4` tiles: four
+//!   independent vector accumulators hide the FMA latency), so `W` is read as one
+//!   sequential stream.
 //! - Several rows: tiles of `R` activation rows x `C` weight rows with `R x C` vector
 //!   accumulators along `in`, reduced at the end; each weight vector loaded feeds `R`
 //!   multiply-adds and each activation vector `C`. f16 / bf16 rows are widened to an f32
 //!   panel once per chunk of 64 activation rows.
 //! - More than 64 rows: the `gemm` crate on f32 panels (faster there, measured).
+//!
+//! Up to 64 rows every output `y[t, o]` is summed in one order, whatever the tile shape
+//! and however many rows share the product: one vector accumulator along `in` in steps of
+//! `LANES`, its lanes reduced, then the scalar tail. So a row's outputs are the same bits
+//! alone (a decode step) as among other rows (sessions decoding in one batch).
 
 use super::{Out, split_outputs};
 use crate::simd::{Isa, Vf32, WithSimd, dispatch};
@@ -152,13 +158,7 @@ impl<T: Elem> WithSimd for Job<'_, '_, '_, T> {
             y,
         } = self;
         if rows == 1 {
-            for o in range.clone() {
-                y.put(
-                    0,
-                    o - range.start,
-                    dot::<V, T>(&w[o * inp..(o + 1) * inp], x),
-                );
-            }
+            matvec::<V, T>(w, inp, x, range, y);
         } else if rows > GEMM_ROWS && V::LANES > 1 {
             gemm_panels::<V, T>(w, inp, x, rows, range, y);
         } else if V::MM_COLS == 4 {
@@ -169,34 +169,29 @@ impl<T: Elem> WithSimd for Job<'_, '_, '_, T> {
     }
 }
 
-/// `sum_i w[i] x[i]` with four vector accumulators, then one, then a scalar tail.
+/// One activation row: `1 x 4` tiles over the range's weight rows (then `1 x 1` for the
+/// rest), each output summed as every tile sums it (module docs).
 #[inline(always)]
-fn dot<V: Vf32, T: Elem>(w: &[T], x: &[f32]) -> f32 {
-    let (n, l) = (x.len(), V::LANES);
-    let mut a = [V::splat(0.0); 4];
-    let mut i = 0;
-    while i + 4 * l <= n {
-        for (u, au) in a.iter_mut().enumerate() {
-            let at = i + u * l;
-            *au = T::load::<V>(&w[at..]).fma(V::load(&x[at..]), *au);
-        }
-        i += 4 * l;
+fn matvec<V: Vf32, T: Elem>(
+    w: &[T],
+    inp: usize,
+    x: &[f32],
+    range: core::ops::Range<usize>,
+    y: &mut Out<'_>,
+) {
+    let mut o = range.start;
+    while o < range.end {
+        let cols = if o + 4 <= range.end { 4 } else { 1 };
+        let wb = &w[o * inp..(o + cols) * inp];
+        tiles::<V, T, 4>(x, wb, inp, cols, 0..1, o - range.start, y);
+        o += cols;
     }
-    while i + l <= n {
-        a[0] = T::load::<V>(&w[i..]).fma(V::load(&x[i..]), a[0]);
-        i += l;
-    }
-    let mut s = a[0].add(a[1]).add(a[2].add(a[3])).reduce_sum();
-    for (&wi, &xi) in w[i..n].iter().zip(&x[i..n]) {
-        s += wi.to_f32() * xi;
-    }
-    s
 }
 
 /// Above this many activation rows the `gemm` crate (packed panels, outer-product
 /// micro-kernels) runs the product: on Zen 4 it matched the tiles below at 64 rows and was
 /// 15-25% faster at 512 (f32, one thread).
-const GEMM_ROWS: usize = 64;
+const GEMM_ROWS: usize = super::ROW_EXACT_ROWS;
 /// f16 / bf16 weight rows widened to f32 per `gemm` call.
 const PANEL: usize = 256;
 

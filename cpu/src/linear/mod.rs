@@ -33,6 +33,12 @@ pub use foxedge_core::quant::WeightFormat;
 pub use many::{Product, linear_many, linear_many_with_isa};
 pub use pack::{PACKED_LAYOUT, PackedView, PackedWeights};
 
+/// Up to this many activation rows, each row's outputs are the bits that row gives alone
+/// (a matrix-vector product), in every format and on every instruction set: float
+/// products sum every output in one order up to here (beyond it `gemm` runs them), Q8 / Q4
+/// quantize and sum each row on its own. Sessions decoding in one batch rely on it.
+pub const ROW_EXACT_ROWS: usize = 64;
+
 use crate::simd::Isa;
 use foxedge_core::{Error, Result};
 use half::{bf16, f16};

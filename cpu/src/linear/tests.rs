@@ -476,3 +476,53 @@ proptest! {
         check_float(out, inp, rows.min(5), seed);
     }
 }
+
+/// Up to 64 activation rows, each row's outputs are the same bits whether the row is
+/// alone (a decode step's matrix-vector product) or among others (sessions decoding in one
+/// batch), for every format on every instruction set.
+#[test]
+fn a_row_alone_equals_the_row_among_others() {
+    let (out, inp) = (37, 259);
+    let mut rng = StdRng::seed_from_u64(41);
+    let wf = randn(&mut rng, out * inp, 1.0);
+    let w16: Vec<half::f16> = wf.iter().map(|&v| half::f16::from_f32(v)).collect();
+    let wb16: Vec<half::bf16> = wf.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let q8 = encode(WeightFormat::Q8, &wf, out, inp);
+    let q4 = encode(WeightFormat::Q4, &wf, out, inp);
+    let p8 = PackedWeights::pack(
+        &Weights::from_bytes(WeightFormat::Q8, &q8, out, inp).unwrap(),
+        1,
+    )
+    .unwrap();
+    let p4 = PackedWeights::pack(
+        &Weights::from_bytes(WeightFormat::Q4, &q4, out, inp).unwrap(),
+        1,
+    )
+    .unwrap();
+    let mats: [Matrix<'_>; 5] = [
+        Weights::f32(&wf, out, inp).unwrap().into(),
+        Weights::f16(&w16, out, inp).unwrap().into(),
+        Weights::bf16(&wb16, out, inp).unwrap().into(),
+        (&p8).into(),
+        (&p4).into(),
+    ];
+    for rows in [2, 3, 5, 8, 17, ROW_EXACT_ROWS] {
+        let x = randn(&mut rng, rows * inp, 1.0);
+        let y0 = randn(&mut rng, rows * out, 1.0);
+        for (name, &m) in ["f32", "f16", "bf16", "q8", "q4"].iter().zip(&mats) {
+            for isa in Isa::available() {
+                let mut all = y0.clone();
+                linear_with_isa(isa, m, &x, rows, &mut all, true, 2).unwrap();
+                for t in 0..rows {
+                    let mut one = y0[t * out..(t + 1) * out].to_vec();
+                    let xr = &x[t * inp..(t + 1) * inp];
+                    linear_with_isa(isa, m, xr, 1, &mut one, true, 1).unwrap();
+                    assert!(
+                        same(&one, &all[t * out..(t + 1) * out]),
+                        "{name} {isa:?}: row {t} of {rows}"
+                    );
+                }
+            }
+        }
+    }
+}

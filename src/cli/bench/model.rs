@@ -2,6 +2,11 @@
 //! fresh session is filled with `d` tokens (untimed), then timed: `--prompt` tokens fed in
 //! one call (a prefill at depth 0, a continuation at depth > 0), then `--gen` tokens
 //! decoded one at a time (greedy), so decode runs at context `d + prompt` and up.
+//! With `--batch N` (> 1), `--gen` tokens are also decoded in `N` forks of the session
+//! after the prompt, advanced together ([`Session::feed_batch`]): aggregate tokens/s
+//! (`N * gen` per second). With `--restore`, the session after the prompt is saved to
+//! bytes and loaded back: the tokens it holds per second of loading, to set against
+//! feeding them.
 //! Repeated `--reps` times: median, min and max tokens/s. Also: load time, weight bytes,
 //! resident memory before and after load and at the end (`VmRSS`, `VmHWM` of
 //! `/proc/self/status`) and the cache's peak bytes.
@@ -15,7 +20,7 @@ use std::time::Instant;
 /// tokens/s of one timed part over the repetitions.
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
-    /// `prefill`, `continuation` or `decode`.
+    /// `prefill`, `continuation`, `decode`, `batch decode` or `restore`.
     test: &'static str,
     /// Tokens in the cache when the part starts.
     depth: usize,
@@ -88,9 +93,9 @@ fn argmax(x: &[f32]) -> u32 {
 pub(super) fn run(a: &BenchArgs) -> Result<()> {
     let dir = a.model.dir()?;
     let reps = a.reps.unwrap_or(5);
-    if reps == 0 || a.prompt == 0 {
+    if reps == 0 || a.prompt == 0 || a.batch == 0 {
         return Err(Error::InvalidArgument(
-            "--reps and --prompt must be > 0".into(),
+            "--reps, --prompt and --batch must be > 0".into(),
         ));
     }
     let backend = match a.backend.as_slice() {
@@ -138,7 +143,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     let bar = progress::bar((depths.len() * reps) as u64, "runs", quiet);
     let mut logits = vec![0.0f32; info.vocab];
     for &d in &depths {
-        let (mut pp, mut tg) = (Vec::new(), Vec::new());
+        let (mut pp, mut tg, mut bg, mut rs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             bar.set_message(format!("depth {d}"));
             let mut s = Session::new(model.clone(), opts.clone())?;
@@ -148,6 +153,28 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
             let t = Instant::now();
             s.feed(&ids[d..d + a.prompt], Some(&mut logits))?;
             pp.push(a.prompt as f64 / t.elapsed().as_secs_f64());
+            if a.restore {
+                let bytes = s.save_bytes()?;
+                let t = Instant::now();
+                let r = Session::load_bytes(model.clone(), &bytes)?;
+                rs.push((d + a.prompt) as f64 / t.elapsed().as_secs_f64());
+                drop(r);
+            }
+            if a.batch > 1 && a.gen_tokens > 0 {
+                let mut forks = (0..a.batch).map(|_| s.fork()).collect::<Result<Vec<_>>>()?;
+                let mut out = vec![0.0f32; a.batch * info.vocab];
+                let mut next = vec![argmax(&logits); a.batch];
+                let t = Instant::now();
+                for _ in 0..a.gen_tokens {
+                    let lists: Vec<&[u32]> = next.iter().map(std::slice::from_ref).collect();
+                    let mut refs: Vec<&mut Session> = forks.iter_mut().collect();
+                    Session::feed_batch(&mut refs, &lists, Some(&mut out))?;
+                    for (n, l) in next.iter_mut().zip(out.chunks_exact(info.vocab)) {
+                        *n = argmax(l);
+                    }
+                }
+                bg.push((a.batch * a.gen_tokens) as f64 / t.elapsed().as_secs_f64());
+            }
             if a.gen_tokens > 0 {
                 let t = Instant::now();
                 for _ in 0..a.gen_tokens {
@@ -175,6 +202,13 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         rows.push(row(test, d, a.prompt, pp));
         if a.gen_tokens > 0 {
             rows.push(row("decode", d + a.prompt, a.gen_tokens, tg));
+        }
+        if !bg.is_empty() {
+            let test = "batch decode";
+            rows.push(row(test, d + a.prompt, a.batch * a.gen_tokens, bg));
+        }
+        if !rs.is_empty() {
+            rows.push(row("restore", 0, d + a.prompt, rs));
         }
     }
     bar.finish_and_clear();
