@@ -426,6 +426,28 @@ impl WeightMatrix {
         linear(m, x, rows, y, accumulate, threads).map_err(|e| self.internal(e.into()))
     }
 
+    /// [`WeightMatrix::apply`] for several matrices on the same `x` in one parallel
+    /// region (`foxedge_cpu::linear::linear_many`: bit-identical to one call each).
+    ///
+    /// Errors: [`Error::Internal`] for buffers that do not match the shapes (a caller bug).
+    pub(crate) fn apply_many(
+        products: &mut [(&WeightMatrix, &mut [f32], bool)],
+        x: &[f32],
+        rows: usize,
+        threads: usize,
+    ) -> Result<()> {
+        let mut ps = Vec::with_capacity(products.len());
+        for (m, y, accumulate) in products.iter_mut() {
+            ps.push(foxedge_cpu::linear::Product {
+                w: m.matrix().map_err(|e| m.internal(e))?,
+                y,
+                accumulate: *accumulate,
+            });
+        }
+        foxedge_cpu::linear::linear_many(&mut ps, x, rows, threads)
+            .map_err(|e| Error::Internal(format!("linear_many: {e}")))
+    }
+
     /// Row `r` of `W` as f32 (an embedding lookup): `out.len()` must be `inp`.
     ///
     /// Errors: [`Error::Internal`] for `r >= out` or a wrong `out` length (caller bugs).

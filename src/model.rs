@@ -485,6 +485,24 @@ impl Model {
         m.apply(x, rows, y, accumulate, threads)
     }
 
+    /// `y_k (+)= x W_kᵀ` for several matrices of this model on the same `rows` rows of
+    /// `x`, in one parallel region (one fork-join instead of one per matrix; the results
+    /// equal [`Model::linear`]'s bit for bit), on one thread when all of them together
+    /// are small.
+    pub(crate) fn linear_many(
+        &self,
+        x: &[f32],
+        rows: usize,
+        products: &mut [(&WeightMatrix, &mut [f32], bool)],
+    ) -> Result<()> {
+        let macs = products.iter().fold(0usize, |a, (m, ..)| {
+            let (out, inp) = m.shape();
+            a.saturating_add(rows.saturating_mul(out).saturating_mul(inp))
+        });
+        let threads = if macs < PAR_MIN_MACS { 1 } else { self.threads };
+        WeightMatrix::apply_many(products, x, rows, threads)
+    }
+
     /// The embedding rows of `ids` into `h` (`[ids.len(), D]`).
     pub(crate) fn embed(&self, ids: &[u32], h: &mut [f32]) -> Result<()> {
         let d = self.config.hidden_size;

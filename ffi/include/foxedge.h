@@ -429,7 +429,7 @@ struct fx_session_options {
   size_t window;
   // The first `sinks` tokens of the stream are never evicted.
   size_t sinks;
-  // Tokens per prefill chunk (> 0). Default 16384.
+  // Tokens per prefill chunk (> 0). Default 512.
   size_t prefill_chunk;
   // Cache slots per head when `budget_kind` is FX_BUDGET_NONE: beyond it the oldest
   // entries are force-evicted (and the bound reports it). Default 32768.
@@ -660,7 +660,7 @@ void fx_sampler_free(struct fx_sampler *s);
 struct fx_model_options fx_model_options_default(void);
 
 // Returns the default session options: CPU backend, ACP and certified eviction on with
-// ln eps = -10, no budget, no window, no sinks, prefill chunks of 16384 tokens.
+// ln eps = -10, no budget, no window, no sinks, prefill chunks of 512 tokens, an f32 cache.
 struct fx_session_options fx_session_options_default(void);
 
 // Opens a model: a directory holding `config.json` and `model.safetensors` (or that

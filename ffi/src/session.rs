@@ -134,7 +134,7 @@ pub struct fx_session_options {
     pub window: usize,
     /// The first `sinks` tokens of the stream are never evicted.
     pub sinks: usize,
-    /// Tokens per prefill chunk (> 0). Default 16384.
+    /// Tokens per prefill chunk (> 0). Default 512.
     pub prefill_chunk: usize,
     /// Cache slots per head when `budget_kind` is FX_BUDGET_NONE: beyond it the oldest
     /// entries are force-evicted (and the bound reports it). Default 32768.
@@ -307,7 +307,7 @@ fn model_options(o: &fx_model_options) -> FxResult<ModelOptions> {
 }
 
 /// Returns the default session options: CPU backend, ACP and certified eviction on with
-/// ln eps = -10, no budget, no window, no sinks, prefill chunks of 16384 tokens.
+/// ln eps = -10, no budget, no window, no sinks, prefill chunks of 512 tokens, an f32 cache.
 #[unsafe(no_mangle)]
 pub extern "C" fn fx_session_options_default() -> fx_session_options {
     let d = SessionOptions::default();

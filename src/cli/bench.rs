@@ -212,6 +212,13 @@ pub struct BenchArgs {
     /// (tokens in it per second of Session::load_bytes)
     #[arg(long)]
     restore: bool,
+    /// Model bench: tokens per prefill chunk (the session's transient memory is
+    /// proportional to it) [default: the session default]
+    #[arg(long, value_name = "N")]
+    chunk: Option<usize>,
+    /// Model bench: storage of the cache's K and V rows, f32 or f16
+    #[arg(long = "cache", value_name = "DTYPE", default_value_t = foxedge::SessionOptions::default().cache_dtype)]
+    cache_dtype: foxedge::CacheDtype,
     /// No progress bar on stderr (also hidden with --json or when stderr is not a terminal)
     #[arg(short, long)]
     quiet: bool,

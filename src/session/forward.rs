@@ -41,6 +41,7 @@ pub(super) struct Scratch {
     pub(super) v: Vec<f32>,
     pub(super) kv_raw_last: (Vec<f32>, Vec<f32>),
     pub(super) alpha: Vec<f32>,
+    pub(super) alpha_v: Vec<f32>,
     pub(super) log_f: Vec<f32>,
     pub(super) o: Vec<f32>,
     pub(super) g: Vec<f32>,
@@ -128,6 +129,28 @@ fn dense(
             &mut y[g.start * out..g.end * out],
         );
         model.linear(m, xs, g.len(), ys, accumulate)?;
+    }
+    Ok(())
+}
+
+/// `y_k (+)= x m_kᵀ` over the stacked rows for several matrices reading the same `x`, one
+/// parallel region per group; bit-identical to one [`dense`] call each.
+fn dense_many(
+    model: &Model,
+    groups: &[Range<usize>],
+    x: &[f32],
+    products: &mut [(&WeightMatrix, &mut [f32], bool)],
+) -> Result<()> {
+    let inp = products.first().map_or(0, |p| p.0.shape().1);
+    for g in groups {
+        let mut part: Vec<(&WeightMatrix, &mut [f32], bool)> = products
+            .iter_mut()
+            .map(|(m, y, acc)| {
+                let out = m.shape().0;
+                (*m, &mut y[g.start * out..g.end * out], *acc)
+            })
+            .collect();
+        model.linear_many(&x[g.start * inp..g.end * inp], g.len(), &mut part)?;
     }
     Ok(())
 }
@@ -228,16 +251,31 @@ pub(super) fn layer_forward(
     let (rows, g) = (&lay.rows, &lay.groups[..]);
 
     ops::rmsnorm(h, &lw.attn_norm, cfg.norm_eps, &mut s.x);
-    dense(model, g, &lw.q_proj, &s.x, &mut s.q, false)?;
-    for (which, proj, out, last) in [
-        (0, &lw.k_proj, &mut s.k, &mut s.kv_raw_last.0),
-        (1, &lw.v_proj, &mut s.v, &mut s.kv_raw_last.1),
+    // Every matrix that reads the normed rows, in one parallel region per row group.
+    let mut pre: Vec<(&WeightMatrix, &mut [f32], bool)> = vec![
+        (&lw.q_proj, &mut s.q, false),
+        (lw.k_proj.linear(), &mut s.k, false),
+        (lw.v_proj.linear(), &mut s.v, false),
+        (&lw.fgate_w, &mut s.log_f, false),
+    ];
+    if let Some(ws) = lw.k_proj.shift() {
+        pre.push((ws, &mut s.alpha, false));
+    }
+    if let Some(ws) = lw.v_proj.shift() {
+        pre.push((ws, &mut s.alpha_v, false));
+    }
+    if let Some(og) = &lw.ogate {
+        pre.push((og, &mut s.g, false));
+    }
+    dense_many(model, g, &s.x, &mut pre)?;
+    drop(pre);
+    for (which, proj, out, alpha, last) in [
+        (0, &lw.k_proj, &mut s.k, &s.alpha, &mut s.kv_raw_last.0),
+        (1, &lw.v_proj, &mut s.v, &s.alpha_v, &mut s.kv_raw_last.1),
     ] {
-        dense(model, g, proj.linear(), &s.x, out, false)?;
-        if let Some(ws) = proj.shift() {
+        if proj.shift().is_some() {
             // α = sigmoid(x·Wsᵀ) weights the previous token's raw projection; each
             // member's first row takes its own stream's last raw projection.
-            dense(model, g, ws, &s.x, &mut s.alpha, false)?;
             for (m, &r0) in members.iter_mut().zip(rows) {
                 let n = m.ids.len();
                 let state = &mut m.s.layers[l];
@@ -249,7 +287,7 @@ pub(super) fn layer_forward(
                 last.copy_from_slice(&out[(r0 + n - 1) * d..(r0 + n) * d]);
                 for r in (r0..r0 + n).rev() {
                     for hh in 0..nh {
-                        let a = ops::sigmoid(s.alpha[r * nh + hh]);
+                        let a = ops::sigmoid(alpha[r * nh + hh]);
                         for c in hh * hd..(hh + 1) * hd {
                             let prev = if r == r0 { st[c] } else { out[(r - 1) * d + c] };
                             out[r * d + c] = a * prev + (1.0 - a) * out[r * d + c];
@@ -264,7 +302,6 @@ pub(super) fn layer_forward(
         ops::group_rmsnorm_inplace(&mut s.q, qn, hd, QK_EPS);
         ops::group_rmsnorm_inplace(&mut s.k, kn, hd, QK_EPS);
     }
-    dense(model, g, &lw.fgate_w, &s.x, &mut s.log_f, false)?;
     let bias = &lw.fgate_b;
     for (i, z) in s.log_f.iter_mut().enumerate() {
         *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
@@ -291,8 +328,7 @@ pub(super) fn layer_forward(
     if let Some(on) = &lw.output_norm {
         ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
     }
-    if let Some(og) = &lw.ogate {
-        dense(model, g, og, &s.x, &mut s.g, false)?;
+    if lw.ogate.is_some() {
         for (o, &g) in s.o.iter_mut().zip(&s.g) {
             let a = match cfg.ogate_act {
                 OgateAct::Sigmoid => ops::sigmoid(g),
@@ -621,6 +657,7 @@ impl Scratch {
             v: vec![0.0; t * d],
             kv_raw_last: (vec![0.0; d], vec![0.0; d]),
             alpha: vec![0.0; t * nh],
+            alpha_v: vec![0.0; t * nh],
             log_f: vec![0.0; t * nh],
             o: vec![0.0; t * d],
             g: vec![0.0; t * d],

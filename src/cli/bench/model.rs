@@ -47,6 +47,9 @@ struct Report {
     threads: usize,
     backend: String,
     acp: bool,
+    /// Tokens per prefill chunk and the cache's row storage.
+    chunk: usize,
+    cache: String,
     load_seconds: f64,
     /// Resident memory (bytes) before opening the model, right after, and at most.
     rss_before_load: Option<u64>,
@@ -134,8 +137,9 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     let opts = SessionOptions {
         backend,
         ln_eps: (!a.dense).then_some(a.log_eps),
-        prefill_chunk: n.max(1),
+        prefill_chunk: a.chunk.unwrap_or(SessionOptions::default().prefill_chunk),
         max_entries_per_head: n.max(1),
+        cache_dtype: a.cache_dtype,
         ..SessionOptions::default()
     };
     let mut rows = Vec::new();
@@ -217,6 +221,8 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
     let report = Report {
         model: dir.display().to_string(),
         params: info.params,
+        chunk: opts.prefill_chunk,
+        cache: opts.cache_dtype.to_string(),
         dense_weights: dense.to_string(),
         vocab_weights: vocab.to_string(),
         weight_bytes: model.weight_bytes(),
