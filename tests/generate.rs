@@ -17,7 +17,8 @@ const EOT: u32 = 50256;
 
 /// A FoX Pro model of vocabulary 50257 in the official layout (built once).
 fn official() -> Arc<Model> {
-    static M: OnceLock<Arc<Model>> = OnceLock::new();
+    // The directory lives as long as the model: its tokenizer is read from it on demand.
+    static M: OnceLock<(common::synth::TestDir, Arc<Model>)> = OnceLock::new();
     M.get_or_init(|| {
         let s = Synth {
             vocab: 50257,
@@ -30,8 +31,10 @@ fn official() -> Arc<Model> {
         };
         let dir = write_model_dtype(&s, "generate-official", "F32");
         write_official_tokenizer(&dir);
-        Arc::new(Model::open(&dir).unwrap())
+        let model = Arc::new(Model::open(&dir).unwrap());
+        (dir, model)
     })
+    .1
     .clone()
 }
 

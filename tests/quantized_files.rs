@@ -6,10 +6,10 @@ mod common;
 
 use common::synth::*;
 use foxedge::{ErrorKind, Model, ModelOptions, WeightFormat};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A synthetic model saved with its dense layers in `f`: (directory, file bytes).
-fn quantized(f: WeightFormat, tag: &str) -> (PathBuf, Vec<u8>) {
+fn quantized(f: WeightFormat, tag: &str) -> (TestDir, Vec<u8>) {
     let src = write_model(&Synth::default(), &format!("{tag}-src"));
     let opts = ModelOptions {
         weights: Some(f),
@@ -18,7 +18,7 @@ fn quantized(f: WeightFormat, tag: &str) -> (PathBuf, Vec<u8>) {
     let model = Model::open_with(&src, &opts).expect("synthetic model quantizes");
     let dir = temp_dir(tag);
     model.save(&dir, &|_, _| {}).expect("save");
-    std::fs::remove_dir_all(&src).ok();
+    drop(src);
     let bytes = read(&dir.join("model.safetensors"));
     (dir, bytes)
 }

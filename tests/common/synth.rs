@@ -33,14 +33,38 @@ impl Default for Synth {
     }
 }
 
-/// A new empty directory under the system temp dir.
-pub fn temp_dir(tag: &str) -> PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("foxedge-test-{}-{tag}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A directory of a test under the system temp dir, removed with everything in it when
+/// dropped; it derefs to its path.
+#[derive(Debug)]
+pub struct TestDir(tempfile::TempDir);
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<Path> for TestDir {
+    fn as_ref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TestDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.path().as_os_str()
+    }
+}
+
+/// A new empty directory under the system temp dir (removed when dropped).
+pub fn temp_dir(tag: &str) -> TestDir {
+    TestDir(
+        tempfile::Builder::new()
+            .prefix(&format!("foxedge-test-{tag}-"))
+            .tempdir()
+            .unwrap(),
+    )
 }
 
 pub fn config_json(s: &Synth) -> String {
@@ -215,11 +239,11 @@ pub fn write_official_tokenizer(dir: &Path) {
 }
 
 /// Writes a synthetic model directory and returns its path.
-pub fn write_model(s: &Synth, tag: &str) -> PathBuf {
+pub fn write_model(s: &Synth, tag: &str) -> TestDir {
     write_model_dtype(s, tag, "F32")
 }
 
-pub fn write_model_dtype(s: &Synth, tag: &str, dtype: &str) -> PathBuf {
+pub fn write_model_dtype(s: &Synth, tag: &str, dtype: &str) -> TestDir {
     let dir = temp_dir(tag);
     std::fs::write(dir.join("config.json"), config_json(s)).unwrap();
     std::fs::write(
@@ -231,7 +255,7 @@ pub fn write_model_dtype(s: &Synth, tag: &str, dtype: &str) -> PathBuf {
 }
 
 /// Copies a model directory's config and replaces its weights file with `bytes`.
-pub fn with_weights(config: &str, bytes: &[u8], tag: &str) -> PathBuf {
+pub fn with_weights(config: &str, bytes: &[u8], tag: &str) -> TestDir {
     let dir = temp_dir(tag);
     std::fs::write(dir.join("config.json"), config).unwrap();
     std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
