@@ -21,8 +21,8 @@
 //! tested against, and [`crate::reference::prefill_continue_f64`] the f64 definition.
 
 use crate::prefill::{
-    KeyCut, M_FLOOR, NON_FINITE, SCRATCH, Scratch, SharedMut, SoftmaxArgs, scale_row, sized,
-    softmax_block, split_f64, tile_mm, transpose,
+    KeyCut, M_FLOOR, NON_FINITE, SCRATCH, Scratch, SharedMut, SoftmaxArgs, normalized_rows,
+    scale_row, sized, softmax_block, split_f64, tile_mm, transpose,
 };
 use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
 use foxedge_core::contract::{
@@ -337,17 +337,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
         }
 
         // o_i = acc_i / l_i, scaled across queries, then transposed into row order.
-        let inv = sized(&mut scr.alpha, nqp);
-        for (i, (x, &li)) in inv.iter_mut().zip(l.iter()).enumerate() {
-            *x = if i < nq && li > 0.0 { 1.0 / li } else { 0.0 };
-        }
-        for r in acc.chunks_exact_mut(nqp) {
-            for (x, y) in r.chunks_exact_mut(V::LANES).zip(inv.chunks_exact(V::LANES)) {
-                V::load(x).mul(V::load(y)).store(x);
-            }
-        }
-        let rows = sized(&mut scr.row, nq * d);
-        transpose::<V>(acc, nqp, rows, d, d, nq);
+        let rows = normalized_rows::<V>(acc, nqp, l, nq, d, &mut scr.alpha, &mut scr.row);
         for (i, row) in rows.chunks_exact(d).enumerate() {
             if !(l[i] > 0.0 && l[i].is_finite() && m[i].is_finite()) {
                 ctx.non_finite.store(true, Ordering::Relaxed);

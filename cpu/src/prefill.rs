@@ -437,17 +437,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
 
         // o_i = acc_i / l_i; rows that attended nothing (padding) get 0 and lse -inf.
         // Scaled in place across queries, then transposed in blocks into row order.
-        let inv = sized(&mut scr.alpha, nqp);
-        for (i, (x, &li)) in inv.iter_mut().zip(l.iter()).enumerate() {
-            *x = if i < nq && li > 0.0 { 1.0 / li } else { 0.0 };
-        }
-        for r in acc.chunks_exact_mut(nqp) {
-            for (x, a) in r.chunks_exact_mut(V::LANES).zip(inv.chunks_exact(V::LANES)) {
-                V::load(x).mul(V::load(a)).store(x);
-            }
-        }
-        let rows = sized(&mut scr.row, nq * d);
-        transpose::<V>(acc, nqp, rows, d, d, nq);
+        let rows = normalized_rows::<V>(acc, nqp, l, nq, d, &mut scr.alpha, &mut scr.row);
         for (i, row) in rows.chunks_exact(d).enumerate() {
             if p0 + i >= ks && !(l[i] > 0.0 && l[i].is_finite() && m[i].is_finite()) {
                 ctx.non_finite.store(true, Ordering::Relaxed);
@@ -729,6 +719,33 @@ pub(crate) fn softmax_block<V: Vf32>(a: SoftmaxArgs<'_>) {
             V::load(x).mul(V::load(al)).store(x);
         }
     }
+}
+
+/// `o_i = acc_i / l_i` for the `nq` queries of a tile (`acc` `[d][nqp]`, queries across;
+/// a row with `l_i = 0`, padding or nothing attended, gives 0), scaled in place, then
+/// transposed into row order `[nq][d]` in `row`, which is returned. `inv` is scratch.
+#[inline(always)]
+pub(crate) fn normalized_rows<'r, V: Vf32>(
+    acc: &mut [f32],
+    nqp: usize,
+    l: &[f32],
+    nq: usize,
+    d: usize,
+    inv: &mut Vec<f32>,
+    row: &'r mut Vec<f32>,
+) -> &'r [f32] {
+    let inv = sized(inv, nqp);
+    for (i, (x, &li)) in inv.iter_mut().zip(l.iter()).enumerate() {
+        *x = if i < nq && li > 0.0 { 1.0 / li } else { 0.0 };
+    }
+    for r in acc.chunks_exact_mut(nqp) {
+        for (x, a) in r.chunks_exact_mut(V::LANES).zip(inv.chunks_exact(V::LANES)) {
+            V::load(x).mul(V::load(a)).store(x);
+        }
+    }
+    let rows = sized(row, nq * d);
+    transpose::<V>(acc, nqp, rows, d, d, nq);
+    rows
 }
 
 /// `dst[c * ldd + r] = src[r * lds + c]` for `r < rows`, `c < cols`, in 8 x 8 blocks

@@ -15,7 +15,7 @@
 //! `LANES`, its lanes reduced, then the scalar tail. So a row's outputs are the same bits
 //! alone (a decode step) as among other rows (sessions decoding in one batch).
 
-use super::{Out, split_outputs};
+use super::Out;
 use crate::simd::{Isa, Vf32, WithSimd, dispatch};
 use half::{bf16, f16};
 
@@ -90,23 +90,6 @@ pub(super) fn reference<T: Elem>(w: &[T], inp: usize, x: &[f32], rows: usize, y:
             y.put(t, o, s);
         }
     }
-}
-
-/// `y (+)= x wᵀ` for `w` `[out, inp]`, outputs split over `threads`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn linear<T: Elem>(
-    isa: Isa,
-    w: &[T],
-    out: usize,
-    inp: usize,
-    x: &[f32],
-    rows: usize,
-    y: Out<'_>,
-    threads: usize,
-) {
-    split_outputs(out, rows, GRANULE, threads, y, |range, y| {
-        range_of(isa, w, inp, x, rows, range, y)
-    });
 }
 
 /// Outputs per task boundary of the float kernels (a multiple of every tile width).

@@ -11,9 +11,9 @@
 //! sums are exact and the f32 operations the same, so every kernel returns the reference's
 //! bits (padding blocks add `0 * 0`).
 
+use super::Out;
 use super::act::QuantRows;
 use super::pack::{GROUP, HEAD, PackedView, block_bytes, tile_bytes};
-use super::{Out, split_outputs};
 use crate::simd::Isa;
 use foxedge_core::quant::{BlockQ4, BlockQ8, Q4_BYTES, Q4_LEVELS, Q8_BYTES, WeightFormat};
 use half::f16;
@@ -62,15 +62,8 @@ pub(super) fn reference(f: WeightFormat, bytes: &[u8], out: usize, xq: &QuantRow
 /// One instruction set's kernel for one row group of a [`PackedView`].
 pub(super) trait GroupKernel {
     /// `out[r][j]` for activation rows `t0 + r` (`r < R`) and the 16 rows `j` of the
-    /// group whose tiles are `tiles` (`pairs` tiles), Q8.
-    fn q8<const R: usize>(
-        tiles: &[u8],
-        pairs: usize,
-        xq: &QuantRows,
-        t0: usize,
-    ) -> [[f32; GROUP]; R];
-    /// As [`GroupKernel::q8`], Q4.
-    fn q4<const R: usize>(
+    /// group whose tiles are `tiles` (`pairs` tiles), Q4 blocks if `Q4`, else Q8.
+    fn kernel<const R: usize, const Q4: bool>(
         tiles: &[u8],
         pairs: usize,
         xq: &QuantRows,
@@ -110,30 +103,22 @@ pub(super) fn drive<K: GroupKernel>(
             let mut t = c0;
             while t + 4 <= c1 {
                 let v = match p.format() {
-                    WeightFormat::Q8 => K::q8::<4>(tiles, p.pairs(), xq, t),
-                    _ => K::q4::<4>(tiles, p.pairs(), xq, t),
+                    WeightFormat::Q8 => K::kernel::<4, false>(tiles, p.pairs(), xq, t),
+                    _ => K::kernel::<4, true>(tiles, p.pairs(), xq, t),
                 };
                 store(t, g, &v);
                 t += 4;
             }
             while t < c1 {
                 let v = match p.format() {
-                    WeightFormat::Q8 => K::q8::<1>(tiles, p.pairs(), xq, t),
-                    _ => K::q4::<1>(tiles, p.pairs(), xq, t),
+                    WeightFormat::Q8 => K::kernel::<1, false>(tiles, p.pairs(), xq, t),
+                    _ => K::kernel::<1, true>(tiles, p.pairs(), xq, t),
                 };
                 store(t, g, &v);
                 t += 1;
             }
         }
     }
-}
-
-/// `y (+)= x Wᵀ` for packed `W` and quantized `x`, outputs split over `threads`.
-pub(super) fn packed(isa: Isa, p: &PackedView<'_>, xq: &QuantRows, y: Out<'_>, threads: usize) {
-    let rows = xq.d.len() / xq.blocks;
-    split_outputs(p.out(), rows, GROUP, threads, y, |range, y| {
-        packed_range(isa, p, xq, range, y)
-    });
 }
 
 /// Outputs `range` (starting at a multiple of [`GROUP`]) of the packed product, with the
@@ -221,21 +206,12 @@ impl Portable {
 
 impl GroupKernel for Portable {
     #[inline(always)]
-    fn q8<const R: usize>(
+    fn kernel<const R: usize, const Q4: bool>(
         tiles: &[u8],
         pairs: usize,
         xq: &QuantRows,
         t0: usize,
     ) -> [[f32; GROUP]; R] {
-        Self::group::<R, false>(tiles, pairs, xq, t0)
-    }
-    #[inline(always)]
-    fn q4<const R: usize>(
-        tiles: &[u8],
-        pairs: usize,
-        xq: &QuantRows,
-        t0: usize,
-    ) -> [[f32; GROUP]; R] {
-        Self::group::<R, true>(tiles, pairs, xq, t0)
+        Self::group::<R, Q4>(tiles, pairs, xq, t0)
     }
 }

@@ -242,34 +242,17 @@ pub fn linear_with_isa<'a>(
     accumulate: bool,
     threads: usize,
 ) -> Result<()> {
-    let m = w.into();
-    let (out, inp) = m.shape();
-    check_len("linear input x", rows.checked_mul(inp), x.len())?;
-    check_len("linear output y", rows.checked_mul(out), y.len())?;
-    if rows == 0 {
-        return Ok(());
-    }
-    let out_y = Out {
-        y,
-        ld: out,
-        accumulate,
-    };
-    match m {
-        Matrix::Stored(w) => match w.data {
-            Data::F32(d) => float::linear(isa, d, out, inp, x, rows, out_y, threads),
-            Data::F16(d) => float::linear(isa, d, out, inp, x, rows, out_y, threads),
-            Data::Bf16(d) => float::linear(isa, d, out, inp, x, rows, out_y, threads),
-            Data::Blocks(f, b) => {
-                let xq = act::QuantRows::new(isa, x, rows, inp, inp.div_ceil(32));
-                int8::reference(f, b, out, &xq, out_y);
-            }
-        },
-        Matrix::Packed(p) => {
-            let xq = act::QuantRows::new(isa, x, rows, inp, p.padded_blocks());
-            int8::packed(isa, &p, &xq, out_y, threads);
-        }
-    }
-    Ok(())
+    linear_many_with_isa(
+        isa,
+        &mut [Product {
+            w: w.into(),
+            y,
+            accumulate,
+        }],
+        x,
+        rows,
+        threads,
+    )
 }
 
 /// `Ok` when a buffer of `got` elements has the `expected` length (None: the shape's
@@ -300,49 +283,5 @@ impl Out<'_> {
     fn put(&mut self, t: usize, o: usize, v: f32) {
         let slot = &mut self.y[t * self.ld + o];
         *slot = if self.accumulate { *slot + v } else { v };
-    }
-}
-
-/// Runs `task(range, out)` over `n` outputs split into at most `threads` contiguous
-/// ranges (multiples of `granule`, the last one ragged); the task stores output `o` of
-/// row `t` with `out.put(t, o - range.start, v)`. With one range it runs on the calling
-/// thread and writes `y` in place; otherwise each task fills its own buffer
-/// (`[rows, range.len()]`) on the rayon pool, which is then stored into `y`.
-fn split_outputs<F>(n: usize, rows: usize, granule: usize, threads: usize, y: Out<'_>, task: F)
-where
-    F: Fn(core::ops::Range<usize>, &mut Out<'_>) + Sync,
-{
-    use rayon::prelude::*;
-    let per = n.div_ceil(threads.max(1)).next_multiple_of(granule);
-    if per >= n {
-        let mut y = y;
-        task(0..n, &mut y);
-        return;
-    }
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(per))
-        .into_par_iter()
-        .map(|c| {
-            let r = c * per..n.min((c + 1) * per);
-            let mut buf = vec![0.0f32; rows * r.len()];
-            let ld = r.len();
-            task(
-                r.clone(),
-                &mut Out {
-                    y: &mut buf,
-                    ld,
-                    accumulate: false,
-                },
-            );
-            (r.start, buf)
-        })
-        .collect();
-    let mut y = y;
-    for (o0, buf) in parts {
-        let w = buf.len() / rows;
-        for (t, row) in buf.chunks_exact(w).enumerate() {
-            for (j, &v) in row.iter().enumerate() {
-                y.put(t, o0 + j, v);
-            }
-        }
     }
 }

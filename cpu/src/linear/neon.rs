@@ -234,22 +234,13 @@ impl<D: Dot> Neon<D> {
 
 impl<D: Dot> GroupKernel for Neon<D> {
     #[inline(always)]
-    fn q8<const R: usize>(
+    fn kernel<const R: usize, const Q4: bool>(
         tiles: &[u8],
         pairs: usize,
         xq: &QuantRows,
         t0: usize,
     ) -> [[f32; GROUP]; R] {
-        Self::rows::<R, false>(tiles, pairs, xq, t0)
-    }
-    #[inline(always)]
-    fn q4<const R: usize>(
-        tiles: &[u8],
-        pairs: usize,
-        xq: &QuantRows,
-        t0: usize,
-    ) -> [[f32; GROUP]; R] {
-        Self::rows::<R, true>(tiles, pairs, xq, t0)
+        Self::rows::<R, Q4>(tiles, pairs, xq, t0)
     }
 }
 

@@ -190,22 +190,13 @@ impl Vnni {
 
 impl GroupKernel for Vnni {
     #[inline(always)]
-    fn q8<const R: usize>(
+    fn kernel<const R: usize, const Q4: bool>(
         tiles: &[u8],
         pairs: usize,
         xq: &QuantRows,
         t0: usize,
     ) -> [[f32; GROUP]; R] {
-        Self::group::<R, false>(tiles, pairs, xq, t0)
-    }
-    #[inline(always)]
-    fn q4<const R: usize>(
-        tiles: &[u8],
-        pairs: usize,
-        xq: &QuantRows,
-        t0: usize,
-    ) -> [[f32; GROUP]; R] {
-        Self::group::<R, true>(tiles, pairs, xq, t0)
+        Self::group::<R, Q4>(tiles, pairs, xq, t0)
     }
 }
 
@@ -324,22 +315,13 @@ impl Avx2 {
 
 impl GroupKernel for Avx2 {
     #[inline(always)]
-    fn q8<const R: usize>(
+    fn kernel<const R: usize, const Q4: bool>(
         tiles: &[u8],
         pairs: usize,
         xq: &QuantRows,
         t0: usize,
     ) -> [[f32; GROUP]; R] {
-        Self::group::<R, false>(tiles, pairs, xq, t0)
-    }
-    #[inline(always)]
-    fn q4<const R: usize>(
-        tiles: &[u8],
-        pairs: usize,
-        xq: &QuantRows,
-        t0: usize,
-    ) -> [[f32; GROUP]; R] {
-        Self::group::<R, true>(tiles, pairs, xq, t0)
+        Self::group::<R, Q4>(tiles, pairs, xq, t0)
     }
 }
 
