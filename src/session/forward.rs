@@ -307,21 +307,42 @@ pub(super) fn layer_forward(
         *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
     }
 
-    // Attention: each member over its own cache (in row order, splitting off its output).
+    // Attention: each member over its own cache, members in parallel (one parallel region
+    // for the whole batch; each member's kernel splits further over its heads).
+    let mut ios: Vec<Option<Io<'_>>> = (0..members.len()).map(|_| None).collect();
     let mut o_rest = &mut s.o[..];
     for i in lay.order() {
-        let m = &mut members[i];
-        let (r0, n) = (rows[i], m.ids.len());
+        let (r0, n) = (rows[i], members[i].ids.len());
         let (o, rest) = o_rest.split_at_mut(n * d);
         o_rest = rest;
-        let io = Io {
+        ios[i] = Some(Io {
             q: &s.q[r0 * d..(r0 + n) * d],
             k: &s.k[r0 * d..(r0 + n) * d],
             v: &s.v[r0 * d..(r0 + n) * d],
             log_f: &s.log_f[r0 * nh..(r0 + n) * nh],
             o,
-        };
-        m.s.attention(model, l, pos0[i], m.scores, io)?;
+        });
+    }
+    let attend = |(i, (m, io)): (usize, (&mut Member<'_>, Option<Io<'_>>))| match io {
+        Some(io) => m.s.attention(model, l, pos0[i], m.scores, io),
+        None => Err(Error::Internal(format!("member {i} has no rows"))),
+    };
+    if members.len() == 1 {
+        members
+            .iter_mut()
+            .zip(ios)
+            .enumerate()
+            .try_for_each(attend)?;
+    } else {
+        use rayon::prelude::*;
+        // Every member runs (as fed alone); the first error in member order is returned.
+        let done: Vec<Result<()>> = members
+            .par_iter_mut()
+            .zip(ios)
+            .enumerate()
+            .map(attend)
+            .collect();
+        done.into_iter().collect::<Result<()>>()?;
     }
 
     // Output norm / gate (spec §3.7), then o_proj into the residual.
