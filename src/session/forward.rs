@@ -223,6 +223,31 @@ pub(super) fn forward(model: &Model, members: &mut [Member<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// Rows with at least this many in a step run their element-wise ops (gates, activations)
+/// split over the threads; fewer (decode steps) run on the calling thread.
+const PAR_ELEMENTWISE_ROWS: usize = 32;
+
+/// `f(out row, in row)` for the `t` rows of `out` (`ow` values a row) and `inp` (`iw`),
+/// split over rayon's threads from [`PAR_ELEMENTWISE_ROWS`] rows on. Each row is computed
+/// alone, so the result does not depend on the split.
+fn by_rows<F>(t: usize, ow: usize, out: &mut [f32], iw: usize, inp: &[f32], f: F)
+where
+    F: Fn((&mut [f32], &[f32])) + Sync + Send,
+{
+    let (out, inp) = (&mut out[..t * ow], &inp[..t * iw]);
+    if t < PAR_ELEMENTWISE_ROWS {
+        out.chunks_exact_mut(ow)
+            .zip(inp.chunks_exact(iw))
+            .for_each(f);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(ow)
+            .zip(inp.par_chunks(iw))
+            .with_min_len(8)
+            .for_each(f);
+    }
+}
+
 /// Copies each member's rows of the residual stream `h` into its hidden buffer, block `l`.
 fn save_hidden(members: &mut [Member<'_>], rows: &[usize], h: &[f32], l: usize, d: usize) {
     for (m, &r0) in members.iter_mut().zip(rows) {
@@ -350,13 +375,15 @@ pub(super) fn layer_forward(
         ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
     }
     if lw.ogate.is_some() {
-        for (o, &g) in s.o.iter_mut().zip(&s.g) {
-            let a = match cfg.ogate_act {
-                OgateAct::Sigmoid => ops::sigmoid(g),
-                OgateAct::Silu => ops::silu(g),
-            };
-            *o *= a;
-        }
+        let gate = |(o, g): (&mut [f32], &[f32])| {
+            for (o, &g) in o.iter_mut().zip(g) {
+                *o *= match cfg.ogate_act {
+                    OgateAct::Sigmoid => ops::sigmoid(g),
+                    OgateAct::Silu => ops::silu(g),
+                };
+            }
+        };
+        by_rows(lay.t, d, &mut s.o, d, &s.g, gate);
     }
     dense(model, g, &lw.o_proj, &s.o, h, true)?;
 
@@ -364,15 +391,16 @@ pub(super) fn layer_forward(
     let i = info.intermediate;
     ops::rmsnorm(h, &lw.mlp_norm, cfg.norm_eps, &mut s.x);
     dense(model, g, &lw.gate_up, &s.x, &mut s.gu, false)?;
-    for r in 0..lay.t {
-        let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
-        for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
+    let act = |(a, gu): (&mut [f32], &[f32])| {
+        let (g, u) = gu.split_at(i);
+        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
             *a = match cfg.hidden_act {
                 HiddenAct::Swish => ops::silu(g),
                 HiddenAct::Sigmoid => ops::sigmoid(g),
             } * u;
         }
-    }
+    };
+    by_rows(lay.t, i, &mut s.act, 2 * i, &s.gu, act);
     dense(model, g, &lw.down, &s.act, h, true)?;
     Ok(())
 }
