@@ -204,7 +204,8 @@ impl<'c> Rec<'c> {
     }
 
     /// [`Rec::matvec`] of Q8 / Q4 weights (`mvq.glsl`): a workgroup per group of 16 rows,
-    /// 16 threads per block column, at most one per block of a row.
+    /// 16 x LANES threads, LANES a power of two: at most one per block of a row, 64, and
+    /// the device's workgroup limit.
     fn matvec_blocks(
         &mut self,
         m: &Mat,
@@ -215,8 +216,8 @@ impl<'c> Rec<'c> {
         acc: bool,
     ) -> Result<()> {
         let (name, spv) = MVQ[usize::from(m.format == 4)];
-        let lanes = (m.cols / 32).clamp(1, 16);
-        let lanes = 1u32 << lanes.ilog2();
+        let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
+        let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
         let pipe = self.ctx.pipeline(
             name,
             spv,

@@ -125,7 +125,14 @@ fn check_product(
     }
 }
 
-const SHAPES: [(usize, usize); 5] = [(16, 32), (37, 96), (300, 256), (70, 1792), (5, 64)];
+const SHAPES: [(usize, usize); 6] = [
+    (16, 32),
+    (37, 96),
+    (300, 256),
+    (70, 1792),
+    (5, 64),
+    (33, 4096),
+];
 
 #[test]
 fn block_matvec_matches_the_f64_product_of_the_dequantized_matrix() {
