@@ -91,7 +91,7 @@ fn device_model(model: &Arc<Model>, vk: &foxedge_vulkan::Vulkan) -> Result<Arc<D
         return Ok(m.clone());
     }
     let weights = weights_of(model).ok_or_else(|| {
-        Error::Unsupported("the device model runs f32, f16 and bf16 weights, not Q8 / Q4".into())
+        Error::Unsupported("a weight matrix is not held in a layout the device reads".into())
     })?;
     let dm = vk
         .load_model(shape_of(model), &weights, budget_from_env()?)
@@ -225,8 +225,8 @@ fn shape_of(model: &Model) -> ModelShape {
     }
 }
 
-/// The model's tensors as the device takes them: its f32 / f16 / bf16 matrices as held;
-/// None when a matrix is in a block format (Q8 / Q4), which then stays on the CPU.
+/// The model's tensors as the device takes them: its matrices as held (f32 / f16 / bf16
+/// elements, Q8 / Q4 packed tiles); None when one is in no layout the device reads.
 fn weights_of(model: &Model) -> Option<ModelWeights<'_>> {
     let w = crate::matrix::WeightMatrix::device_weights;
     let mut layers = Vec::with_capacity(model.layers.len());
