@@ -1079,6 +1079,71 @@ mod tests {
         }
     }
 
+    /// 200 decode tokens after an 8-token prompt under a budget with certified eviction:
+    /// each token is one submission of the recorded step, re-recorded only when a buffer
+    /// it binds is re-allocated (the cache heads grow from 64 rows to 128), and the stream
+    /// (logits within 2e-3, evictions, cache positions) is the CPU's. On this stream a gate
+    /// drop at token 137 makes the policy evict more rows of one head than a step lists
+    /// (`STEP_EVICTIONS` past the forced ones), so the session leaves the device there and
+    /// continues on the CPU: the check covers both parts.
+    #[test]
+    fn replayed_steps_across_cache_growth_keep_the_stream() {
+        let test = "replayed_steps_across_cache_growth_keep_the_stream";
+        let opts = SessionOptions {
+            budget: Some(Budget::EntriesPerHead(160)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        assert!(opts.certified_eviction);
+        let Some((mut cpu, mut gpu)) = pair(test, &opts) else {
+            return;
+        };
+        let ids = ids();
+        let v = cpu.model().info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        cpu.feed(&ids[..8], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..8], Some(&mut b)).unwrap();
+        let recorded = |s: &Session| {
+            s.device
+                .as_ref()
+                .map_or(0, |d| d.stream.host_times().recorded)
+        };
+        let heads_bytes = |s: &Session| s.device.as_ref().map_or(0, |d| d.stream.bytes());
+        assert_eq!(recorded(&gpu), 0);
+        let (mut bytes0, mut bytes1, mut r) = (0, 0, 0);
+        for (i, &t) in ids[8..208].iter().enumerate() {
+            let subs = gpu.stats().device_submissions;
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+            if !gpu.on_device() {
+                continue;
+            }
+            assert_eq!(gpu.stats().device_submissions - subs, 1, "token {i}");
+            if i == 0 {
+                bytes0 = heads_bytes(&gpu);
+            }
+            bytes1 = heads_bytes(&gpu);
+            r = recorded(&gpu);
+        }
+        assert!(bytes1 > bytes0, "the cache heads must grow");
+        // The first step, the heads' growths, a few growths of the step's inputs.
+        assert!((2..=12).contains(&r), "{r} recordings for 200 steps");
+        let (sc, sg) = (cpu.stats(), gpu.stats());
+        assert!(
+            sc.evicted_forced + sc.evicted_certified > 0,
+            "the budget must evict"
+        );
+        assert_eq!(sg.evicted_forced, sc.evicted_forced);
+        assert_eq!(sg.evicted_certified, sc.evicted_certified);
+        for l in 0..4 {
+            for h in 0..4 {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
+        }
+    }
+
     /// `same_ops` accepts exactly the device's first `k` planned evictions (their moves;
     /// none for a last row) followed by the token's row at slot `live - k`.
     #[test]

@@ -57,6 +57,16 @@ impl<'c> Rec<'c> {
         })
     }
 
+    /// A recording to be submitted many times ([`Context::builder_reusable`]).
+    pub fn reusable(ctx: &'c Arc<Context>) -> Result<Self> {
+        Ok(Self {
+            ctx,
+            b: ctx.builder_reusable()?,
+            dispatches: 0,
+            started: std::time::Instant::now(),
+        })
+    }
+
     /// Binds `pipe` with `bufs` at bindings 0.. (buffer arrays: several at one binding), pushes
     /// `push`, dispatches `groups`.
     pub fn run<P: BufferContents + Copy>(
