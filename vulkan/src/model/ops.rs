@@ -32,8 +32,8 @@ static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
 /// Threads per workgroup and per row of the matrix-vector kernel.
-const MV_WGS: u32 = 256;
-const MV_TPR: u32 = 32;
+pub(super) const MV_WGS: u32 = 256;
+pub(super) const MV_TPR: u32 = 32;
 /// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
 const MM_TILE: u32 = 64;
 

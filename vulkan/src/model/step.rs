@@ -642,8 +642,12 @@ impl DeviceStream {
             qkn,
         ];
         rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-        for (m, col) in &lw.pre {
-            rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+        if n == 1 {
+            rec.matvec_many(&lw.pre, &s.x, &s.p)?;
+        } else {
+            for (m, col) in &lw.pre {
+                rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+            }
         }
         rec.attn_pre(
             spec,

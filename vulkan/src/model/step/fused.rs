@@ -229,6 +229,16 @@ struct LayerAt {
     groups: Vec<Group>,
 }
 
+/// `FOXEDGE_VK_REPLAY=0` records every step afresh (for measuring what replay saves).
+fn replay_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_REPLAY")
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    })
+}
+
 /// Words of one row operation (`cache_ops.comp`: two uvec4).
 const OP_WORDS: usize = 8;
 
@@ -598,7 +608,7 @@ impl DeviceStream {
         stats.bytes_uploaded += (fx.words.len() + var.words.len()) as u64 * 4;
 
         let mut t = HostTimes::default();
-        if self.replay.as_ref().is_none_or(|r| r.key != key) {
+        if !replay_enabled() || self.replay.as_ref().is_none_or(|r| r.key != key) {
             self.replay = None;
             let (r, build) = self.record_step(&kernel, &layers_at, ids_at, key, &out)?;
             self.replay = Some(r);
