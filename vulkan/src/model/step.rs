@@ -397,18 +397,20 @@ impl DeviceStream {
             build: t0.elapsed(),
             ..HostTimes::default()
         };
-        self.submit_built(cb, dispatches, t, stats)
+        self.submit_built(cb, dispatches, t, stats, false)
     }
 
     /// Submits a built command buffer of `dispatches` dispatches whose recording took
     /// `t` (record, build, recorded), or reports the device lost where
-    /// [`Self::fail_after`] says so.
+    /// [`Self::fail_after`] says so. `untracked`: without vulkano's resource tracking
+    /// ([`crate::device::Context::submit_untracked`]; a replayed step).
     fn submit_built(
         &mut self,
         cb: Arc<PrimaryAutoCommandBuffer>,
         dispatches: u32,
         mut t: HostTimes,
         stats: &mut RunStats,
+        untracked: bool,
     ) -> Result<()> {
         let at = self.submitted;
         self.submitted += 1;
@@ -417,7 +419,13 @@ impl DeviceStream {
             self.fail_at = None;
             return Err(Error::DeviceLost);
         }
-        let [submit, wait] = self.model.ctx.submit_built(cb)?;
+        let [submit, wait] = if untracked {
+            // SAFETY: a stream submits from one thread and waits for each submission; the
+            // host touches the buffers of a replayed step only between its submissions.
+            unsafe { self.model.ctx.submit_untracked(cb) }?
+        } else {
+            self.model.ctx.submit_built(cb)?
+        };
         t.submit = submit;
         t.wait = wait;
         t.submissions = 1;

@@ -239,6 +239,17 @@ fn replay_enabled() -> bool {
     })
 }
 
+/// `FOXEDGE_VK_UNTRACKED=0` submits a replayed step through vulkano's futures (resource
+/// tracking per submission) instead of a plain queue submission.
+fn untracked_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_UNTRACKED")
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    })
+}
+
 /// Words of one row operation (`cache_ops.comp`: two uvec4).
 const OP_WORDS: usize = 8;
 
@@ -629,7 +640,7 @@ impl DeviceStream {
                 .ok_or_else(|| internal("no step buffers"))?;
             (b.rb.clone(), b.out.clone())
         };
-        self.submit_built(cb, dispatches, t, &mut stats)?;
+        self.submit_built(cb, dispatches, t, &mut stats, untracked_enabled())?;
         self.step_times.add(&stats.host);
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
