@@ -817,6 +817,78 @@ impl DeviceStream {
         }
     }
 
+    /// Replaces the rows of head `h` of layer `l` with the host's: K and V (`[rows][head_dim]`
+    /// each), `c` (relative to the head's gate origin) and stream positions; one submission
+    /// of its own (not counted in a run's). A caller whose bookkeeping made other row
+    /// operations than the device (a step's evictions past those its plan listed) puts the
+    /// device's head back in step with its own this way.
+    ///
+    /// Errors: lengths that do not match ([`Error::Input`]), a non-finite `c`, device
+    /// failures.
+    pub fn load_head(
+        &mut self,
+        l: usize,
+        h: usize,
+        k: &[f32],
+        v: &[f32],
+        c: &[f64],
+        pos: &[u64],
+    ) -> Result<()> {
+        let sh = self.model.shape;
+        let hd = sh.head_dim;
+        let n = c.len();
+        if l >= sh.layers || h >= sh.heads {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "load_head: no such layer or head",
+            )));
+        }
+        for (what, got, expected) in [
+            ("load_head: keys (rows * head_dim)", k.len(), n * hd),
+            ("load_head: values (rows * head_dim)", v.len(), n * hd),
+            ("load_head: positions (one per row)", pos.len(), n),
+        ] {
+            if got != expected {
+                return Err(foxedge_core::Error::BadLength {
+                    what,
+                    expected,
+                    got,
+                }
+                .into());
+            }
+        }
+        if c.iter().any(|x| !x.is_finite()) {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "cache c_j must be finite",
+            )));
+        }
+        let ctx = self.model.ctx.clone();
+        let mut rec = Rec::new(&ctx)?;
+        let hb = self.ensure_head(&mut rec, l, h, n.max(1))?;
+        let mut words: Vec<u32> = Vec::with_capacity(2 * n * hd + 4 * n);
+        words.extend(k.iter().map(|x| x.to_bits()));
+        words.extend(v.iter().map(|x| x.to_bits()));
+        crate::decode::meta_words(c, Some(pos), &mut words);
+        let src = ctx.host_buffer(words.len(), true)?;
+        src.write()
+            .map_err(|e| Error::Vulkan(e.to_string()))?
+            .get_mut(..words.len())
+            .ok_or_else(|| internal("staging buffer too small"))?
+            .copy_from_slice(&words);
+        if n > 0 {
+            copy(
+                &mut rec,
+                &src,
+                &hb.buf,
+                vec![
+                    copy_region(0, 0, n * hd),
+                    copy_region(n * hd, v_off(hb.cap, hd, false), n * hd),
+                    copy_region(2 * n * hd, meta_off(hb.cap, hd, false), 4 * n),
+                ],
+            )?;
+        }
+        ctx.submit(rec.b)
+    }
+
     /// Grows head `h` of layer `l` to hold `need` rows (doubling, rows copied on the
     /// device); creates it at the first use.
     fn ensure_head(
