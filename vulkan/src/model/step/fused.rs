@@ -710,6 +710,9 @@ impl DeviceStream {
         let ops = up.clone().slice(key.var_at as u64..);
         let mut rec = super::Rec::reusable(ctx)?;
         rec.b.fill_buffer(self.flag.clone(), 0)?;
+        // Zero once: each decode dispatch leaves its merge counters at zero (the merging
+        // workgroup resets its query's; single-chunk queries never count).
+        rec.b.fill_buffer(b.counters.clone(), 0)?;
         let s = self
             .scratch
             .as_ref()
@@ -795,7 +798,6 @@ impl DeviceStream {
                     [(g.h1 - g.h0) as u32, 1, 1],
                 )?;
                 let q_views = (g.h1 - g.h0) * hd;
-                rec.b.fill_buffer(b.counters.clone(), 0)?;
                 rec.run(
                     &kernel.pipe,
                     vec![
