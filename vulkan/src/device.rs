@@ -14,6 +14,7 @@ use vulkano::command_buffer::{
     AutoCommandBufferBuilder, CommandBufferUsage, CopyBufferInfo, PrimaryAutoCommandBuffer,
     PrimaryCommandBufferAbstract,
 };
+use vulkano::command_buffer::{CommandBufferSubmitInfo, SubmitInfo};
 use vulkano::descriptor_set::allocator::StandardDescriptorSetAllocator;
 use vulkano::device::physical::{PhysicalDevice, PhysicalDeviceType, SubgroupFeatures};
 use vulkano::device::{
@@ -26,6 +27,7 @@ use vulkano::pipeline::layout::PipelineDescriptorSetLayoutCreateInfo;
 use vulkano::pipeline::{ComputePipeline, PipelineLayout, PipelineShaderStageCreateInfo};
 use vulkano::shader::{ShaderModule, ShaderModuleCreateInfo, ShaderStages, SpecializationConstant};
 use vulkano::sync::GpuFuture;
+use vulkano::sync::fence::{Fence, FenceCreateInfo};
 use vulkano::{Version, VulkanLibrary};
 
 /// Environment variable that selects the device: an index or a name substring.
@@ -546,6 +548,16 @@ impl Context {
         )?)
     }
 
+    /// A builder of a command buffer that is submitted many times (one at a time), for
+    /// [`Self::submit_built`].
+    pub fn builder_reusable(&self) -> Result<AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>> {
+        Ok(AutoCommandBufferBuilder::primary(
+            self.cmd.clone(),
+            self.queue.queue_family_index(),
+            CommandBufferUsage::MultipleSubmit,
+        )?)
+    }
+
     /// Submits and waits.
     pub fn submit(&self, b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>) -> Result<()> {
         self.submit_timed(b).map(|_| ())
@@ -560,6 +572,17 @@ impl Context {
     ) -> Result<[std::time::Duration; 3]> {
         let t0 = std::time::Instant::now();
         let cb = b.build()?;
+        let build = t0.elapsed();
+        let [submit, wait] = self.submit_built(cb)?;
+        Ok([build, submit, wait])
+    }
+
+    /// Submits a built command buffer and waits; returns the host time of submitting it
+    /// (resource locking, fence, queue submit) and of waiting for the fence.
+    pub fn submit_built(
+        &self,
+        cb: Arc<PrimaryAutoCommandBuffer>,
+    ) -> Result<[std::time::Duration; 2]> {
         let t1 = std::time::Instant::now();
         let fence = cb
             .execute(self.queue.clone())
@@ -577,7 +600,44 @@ impl Context {
         fence.wait(None)?;
         drop(fence);
         let t3 = std::time::Instant::now();
-        Ok([t1 - t0, t2 - t1, t3 - t2])
+        Ok([t2 - t1, t3 - t2])
+    }
+
+    /// [`Self::submit_built`] without a `GpuFuture`: one queue submission with a fence,
+    /// skipping vulkano's per-submission check and lock of every buffer the command buffer
+    /// uses (a cost that grows with its bindings: most of a replayed decode step's host
+    /// time). Returns the host time of submitting and of waiting.
+    ///
+    /// # Safety
+    /// While this runs, nothing else may use `cb` nor access the buffers it uses (from
+    /// the host or in another submission): vulkano does not know they are in use. It
+    /// returns once the device has finished, so a caller that submits from one thread and
+    /// touches those buffers only between its calls meets this.
+    pub unsafe fn submit_untracked(
+        &self,
+        cb: Arc<PrimaryAutoCommandBuffer>,
+    ) -> Result<[std::time::Duration; 2]> {
+        let t1 = std::time::Instant::now();
+        let fence = Arc::new(Fence::new(self.device.clone(), FenceCreateInfo::default())?);
+        let info = SubmitInfo {
+            command_buffers: vec![CommandBufferSubmitInfo::new(cb)],
+            ..Default::default()
+        };
+        // SAFETY: the caller guarantees that nothing else uses the command buffer or its
+        // resources until this returns; the command buffer (MultipleSubmit) is not pending
+        // (the previous submission's fence was waited for); it and the fence are kept alive
+        // (held here) until the fence is signaled below.
+        unsafe { self.queue.with(|mut q| q.submit(&[info], Some(&fence))) }?;
+        let t2 = std::time::Instant::now();
+        let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
+        if spin > 0 {
+            let until = t2 + std::time::Duration::from_nanos(spin);
+            while !fence.is_signaled()? && std::time::Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        fence.wait(None)?;
+        Ok([t2 - t1, t2.elapsed()])
     }
 
     /// Uploads words into new device-local buffers, one copy command each, one submit.

@@ -4,7 +4,8 @@
 //! (docs/FOX_MODEL_SPEC.md, section 3):
 //!
 //! - embedding gather (`embed.comp`), RMSNorm (`rmsnorm.comp`);
-//! - projections: matrix-vector products for one token (`mv.glsl`) and tiled matrix
+//! - projections: matrix-vector products for one token (`mv.glsl`; the projections of one
+//!   normed row in one dispatch, `mvn.glsl`) and tiled matrix
 //!   products for a chunk (`mm.glsl`), weights f32, f16 or bf16 (`wfmt.glsl`, widened to
 //!   f32 in registers; accumulation in f32); Q8 / Q4 blocks in their packed layout
 //!   (`qblk.glsl`, `mvq.glsl`, `mmq.glsl`: dequantized in registers or into shared memory,
@@ -31,6 +32,7 @@
 //! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
 mod ops;
+mod projections;
 mod step;
 mod weights;
 

@@ -41,8 +41,8 @@ static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
 /// Threads per workgroup and per row of the matrix-vector kernel.
-const MV_WGS: u32 = 256;
-const MV_TPR: u32 = 32;
+pub(super) const MV_WGS: u32 = 256;
+pub(super) const MV_TPR: u32 = 32;
 /// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
 const MM_TILE: u32 = 64;
 
@@ -61,6 +61,16 @@ impl<'c> Rec<'c> {
         Ok(Self {
             ctx,
             b: ctx.builder()?,
+            dispatches: 0,
+            started: std::time::Instant::now(),
+        })
+    }
+
+    /// A recording to be submitted many times ([`Context::builder_reusable`]).
+    pub fn reusable(ctx: &'c Arc<Context>) -> Result<Self> {
+        Ok(Self {
+            ctx,
+            b: ctx.builder_reusable()?,
             dispatches: 0,
             started: std::time::Instant::now(),
         })
