@@ -20,8 +20,9 @@ const SLOTS: usize = 8;
 
 impl Rec<'_> {
     /// `y[off + r] = (W x)[r]` for every `(W, off)` of `mats` (one token, `x` at float 0):
-    /// one dispatch per [`SLOTS`] weight chunks when the matrices share a format and a row
-    /// length, else one per chunk ([`Rec::matvec`]).
+    /// one dispatch per [`SLOTS`] weight chunks when the matrices share a float format
+    /// (f32, f16, bf16) and a row length, else one per matrix ([`Rec::matvec`], which also
+    /// runs the Q8 / Q4 block formats).
     pub fn matvec_many(
         &mut self,
         mats: &[(Mat, usize)],
@@ -31,9 +32,10 @@ impl Rec<'_> {
         let Some((m0, _)) = mats.first() else {
             return Ok(());
         };
-        if mats
-            .iter()
-            .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
+        if m0.format as usize >= MVN.len()
+            || mats
+                .iter()
+                .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
         {
             for (m, off) in mats {
                 self.matvec(m, x, 0, y, *off, false)?;
