@@ -18,7 +18,9 @@
 //! that makes each (`RetentionPolicy::next_evictions`), their swap-delete moves and the ACP
 //! threshold for each count; the device computes `c_t`, evicts what it makes, stores and
 //! attends (evictions before the token's attention, as on the CPU). Afterwards the session
-//! runs its policy on the gates read back and checks it made the device's operations.
+//! runs its policy on the gates read back and checks it made the device's operations; a
+//! head where it made others (evictions past the listed candidates) is loaded from the
+//! host's rows.
 //!
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
@@ -91,7 +93,7 @@ fn device_model(model: &Arc<Model>, vk: &foxedge_vulkan::Vulkan) -> Result<Arc<D
         return Ok(m.clone());
     }
     let weights = weights_of(model).ok_or_else(|| {
-        Error::Unsupported("the device model runs f32, f16 and bf16 weights, not Q8 / Q4".into())
+        Error::Unsupported("a weight matrix is not held in a layout the device reads".into())
     })?;
     let dm = vk
         .load_model(shape_of(model), &weights, budget_from_env()?)
@@ -225,8 +227,8 @@ fn shape_of(model: &Model) -> ModelShape {
     }
 }
 
-/// The model's tensors as the device takes them: its f32 / f16 / bf16 matrices as held;
-/// None when a matrix is in a block format (Q8 / Q4), which then stays on the CPU.
+/// The model's tensors as the device takes them: its matrices as held (f32 / f16 / bf16
+/// elements, Q8 / Q4 packed tiles); None when one is in no layout the device reads.
 fn weights_of(model: &Model) -> Option<ModelWeights<'_>> {
     let w = crate::matrix::WeightMatrix::device_weights;
     let mut layers = Vec::with_capacity(model.layers.len());
@@ -737,19 +739,21 @@ impl Session {
             scores,
             acp_on_device: true,
         };
-        let mut same = true;
+        // Heads whose operations the device made differently from the policy.
+        let mut differ = Vec::new();
         for (l, heads) in plan.iter().enumerate() {
             let made = keeper.plan(&got.gates(l))?;
             let LayerPlan::Tokens(steps) = made else {
                 return Err(Error::Internal("a one-token step planned a chunk".into()));
             };
-            same &= steps.len() == 1
-                && steps[0]
-                    .heads
-                    .iter()
-                    .zip(heads)
-                    .enumerate()
-                    .all(|(h, (hs, sp))| same_ops(&hs.ops, sp, got.evicted(l, h)));
+            if steps.len() != 1 {
+                return Err(Error::Internal("a one-token step planned several".into()));
+            }
+            for (h, (hs, sp)) in steps[0].heads.iter().zip(heads).enumerate() {
+                if !same_ops(&hs.ops, sp, got.evicted(l, h)) {
+                    differ.push((l, h));
+                }
+            }
             // The device's c_t is the f64 sum to its double-float precision (2^-48 relative).
             for (h, g) in keeper.sess.layers[l].gates.iter().enumerate() {
                 let (dev_c, host_c) = (got.c_t(l, h), g.current());
@@ -771,19 +775,52 @@ impl Session {
         self.stats.device_bytes_uploaded = dev.bytes_uploaded;
         self.stats.device_runs = dev.runs;
         self.stats.device_submissions += u64::from(rs.submissions);
-        if same {
-            self.device = Some(dev);
-        } else {
-            // The device decided an eviction threshold on the other side of the host's
-            // (f64 rounding) or past its candidates: this token's attention differs by
-            // less than the certificate's eps, and the device's cache is not the host's.
-            eprintln!(
-                "foxedge: the device's evictions differ from the retention policy's; the \
-                 session continues on the CPU"
-            );
-            self.stats.device_layers = 0;
+        // The device decided an eviction threshold on the other side of the host's (f64
+        // rounding), or the policy evicted past the candidates the plan listed (a large
+        // gate drop): this token's attention differs by less than the certificate's eps,
+        // and those heads of the device's cache are not the host's. They are loaded from
+        // the host's rows; where that fails the session continues on the CPU.
+        match differ
+            .iter()
+            .try_for_each(|&(l, h)| self.reload_head(&mut dev, l, h))
+        {
+            Ok(()) => self.device = Some(dev),
+            Err(e) => {
+                eprintln!(
+                    "foxedge: the device's evictions differ from the retention policy's \
+                     ({e}); the session continues on the CPU"
+                );
+                self.stats.device_layers = 0;
+            }
         }
         Ok(())
+    }
+
+    /// Loads head `h` of layer `l` of the device's cache from the session's rows.
+    fn reload_head(&self, dev: &mut Device, l: usize, h: usize) -> Result<()> {
+        let hc = &self.layers[l].heads[h];
+        let n = hc.len() * self.model.info().head_dim;
+        let (k, v): (Vec<f32>, Vec<f32>) = match self.opts.cache_dtype {
+            CacheDtype::F32 => {
+                let r = hc.view::<f32>()?;
+                (r.k.to_vec(), r.v.to_vec())
+            }
+            CacheDtype::F16 => {
+                let r = hc.view::<f16>()?;
+                (
+                    r.k.iter().map(|x| x.to_f32()).collect(),
+                    r.v.iter().map(|x| x.to_f32()).collect(),
+                )
+            }
+        };
+        let (Some(k), Some(v)) = (k.get(..n), v.get(..n)) else {
+            return Err(Error::Internal(
+                "a cache head holds fewer rows than its c".into(),
+            ));
+        };
+        dev.stream
+            .load_head(l, h, k, v, &hc.c, &hc.pos)
+            .map_err(device_error)
     }
 
     /// The CPU's forward of a chunk whose first `done` layers' bookkeeping the device run
@@ -1072,6 +1109,69 @@ mod tests {
         assert_eq!(gpu.stats().device_layers, 0);
         assert!(gpu.stats().evicted_forced > 0, "the budget must evict");
         assert_eq!(gpu.stats().tokens, cpu.stats().tokens);
+        for l in 0..4 {
+            for h in 0..4 {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
+        }
+    }
+
+    /// 200 decode tokens after an 8-token prompt under a budget with certified eviction:
+    /// each token is one submission of the recorded step, re-recorded only when a buffer
+    /// it binds is re-allocated (the cache heads grow from 64 rows to 128), and the stream
+    /// (logits within 2e-3, evictions, cache positions) is the CPU's. On this stream a gate
+    /// drop at token 137 makes the policy evict more rows of one head than the step listed
+    /// (`STEP_EVICTIONS` past the forced ones): that head is loaded from the host's rows
+    /// and the session stays on the device.
+    #[test]
+    fn replayed_steps_across_cache_growth_keep_the_stream() {
+        let test = "replayed_steps_across_cache_growth_keep_the_stream";
+        let opts = SessionOptions {
+            budget: Some(Budget::EntriesPerHead(160)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        assert!(opts.certified_eviction);
+        let Some((mut cpu, mut gpu)) = pair(test, &opts) else {
+            return;
+        };
+        let ids = ids();
+        let v = cpu.model().info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        cpu.feed(&ids[..8], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..8], Some(&mut b)).unwrap();
+        let recorded = |s: &Session| {
+            s.device
+                .as_ref()
+                .map_or(0, |d| d.stream.host_times().recorded)
+        };
+        let heads_bytes = |s: &Session| s.device.as_ref().map_or(0, |d| d.stream.bytes());
+        assert_eq!(recorded(&gpu), 0);
+        let (mut bytes0, mut bytes1, mut r) = (0, 0, 0);
+        for (i, &t) in ids[8..208].iter().enumerate() {
+            let subs = gpu.stats().device_submissions;
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+            assert!(gpu.on_device(), "token {i}");
+            assert_eq!(gpu.stats().device_submissions - subs, 1, "token {i}");
+            if i == 0 {
+                bytes0 = heads_bytes(&gpu);
+            }
+            bytes1 = heads_bytes(&gpu);
+            r = recorded(&gpu);
+        }
+        assert!(bytes1 > bytes0, "the cache heads must grow");
+        // The first step, the heads' growths, a few growths of the step's inputs.
+        assert!((2..=12).contains(&r), "{r} recordings for 200 steps");
+        let (sc, sg) = (cpu.stats(), gpu.stats());
+        assert!(
+            sc.evicted_forced + sc.evicted_certified > 0,
+            "the budget must evict"
+        );
+        assert_eq!(sg.evicted_forced, sc.evicted_forced);
+        assert_eq!(sg.evicted_certified, sc.evicted_certified);
         for l in 0..4 {
             for h in 0..4 {
                 assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));

@@ -314,8 +314,8 @@ impl WeightMatrix {
         matches!(self.store, Store::Mapped { .. })
     }
 
-    /// The f32 / f16 / bf16 elements as the device takes them, row-major `[out, inp]`;
-    /// None for the packed block formats (the device model has no block kernels yet).
+    /// The weights as the device takes them: f32 / f16 / bf16 elements row-major
+    /// `[out, inp]`, Q8 / Q4 as their packed tiles (the layout the device reads too).
     #[cfg(feature = "vulkan")]
     pub(crate) fn device_weights(&self) -> Option<foxedge_vulkan::model::Weights<'_>> {
         use foxedge_vulkan::model::Weights as W;
@@ -340,7 +340,8 @@ impl WeightMatrix {
                         ([], m, []) => Some(W::Bf16(m)),
                         _ => None,
                     },
-                    _ => None,
+                    WeightFormat::Q8 => Some(W::Q8(b)),
+                    WeightFormat::Q4 => Some(W::Q4(b)),
                 }
             }
             Store::F32(v) => Some(W::F32(v)),
@@ -348,7 +349,10 @@ impl WeightMatrix {
                 Some(W::F16(v[..].reinterpret_cast()))
             }
             Store::Half(v) => Some(W::Bf16(v[..].reinterpret_cast())),
-            Store::Packed(_) => None,
+            Store::Packed(p) => match self.format {
+                WeightFormat::Q4 => Some(W::Q4(p.view().tiles())),
+                _ => Some(W::Q8(p.view().tiles())),
+            },
         }
     }
 

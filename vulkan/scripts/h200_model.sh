@@ -3,8 +3,11 @@
 # FoX-Pro models (125M and 760M, tools/make_fox_model.py), `foxedge generate` on the
 # cpu and vulkan backends (prefill of a PROMPT-byte prompt, then DECODE greedy tokens), the
 # device's read bandwidth (examples/vk_bandwidth: a compute shader streaming a buffer), and a table with the decode bandwidth
-# bound: (weight bytes read per token + cache bytes per token) / bandwidth. The facade holds
-# weights as f32, so the device reads 4 bytes per weight. The models are byte-level (vocab
+# bound: (weight bytes read per token + cache bytes per token) / bandwidth. The models are
+# written in f32; WEIGHTS=f16|bf16|q8|q4 passes `--weights WEIGHTS` to both backends (held
+# in that format, the device reading 4, 2, 2, 34/32 or 18/32 bytes per weight; the bound
+# uses the format's bytes; the forget-gate and shift projections, a few per mille of the
+# weights, stay f32 and are counted at the format's size). The models are byte-level (vocab
 # 256, as `foxedge generate` streams bytes): the official shapes otherwise, without the
 # 50257-row LM head.
 #
@@ -14,7 +17,7 @@
 #   cargo build --release -p foxedge --bin foxedge
 #   cargo build --release -p foxedge-vulkan --example vk_bandwidth
 #   mkdir -p .vkbin && cp target/release/foxedge target/release/examples/vk_bandwidth .vkbin/
-# Usage (repository root): bash vulkan/scripts/h200_model.sh [PROMPT=2048] [DECODE=128] ["125m 760m"]
+# Usage (repository root): [WEIGHTS=q8] bash vulkan/scripts/h200_model.sh [PROMPT=2048] [DECODE=128] ["125m 760m"]
 # Logs and JSON in $OUT (default /tmp/vk_out); FOXEDGE_BIN and VK_BANDWIDTH_BIN name other
 # binaries (e.g. debug builds for a dry run on lavapipe with the size "tiny").
 set -uo pipefail
@@ -25,6 +28,10 @@ mkdir -p "$out" "$work"
 prompt_n="${1:-2048}"
 decode_n="${2:-128}"
 sizes="${3:-125m 760m}"
+weights="${WEIGHTS:-}"
+wargs=()
+[ -n "$weights" ] && wargs=(--weights "$weights")
+tag="${weights:+-$weights}"
 
 for f in .gl/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
 ldconfig 2>/dev/null || true
@@ -61,23 +68,27 @@ for size in $sizes; do
   for be in cpu vulkan; do
     echo "== $size $be"
     if ! "$bin" generate --model "$dir" --prompt "$prompt" --max-tokens "$decode_n" \
-        --backend "$be" --temperature 0 --json >"$out/$size-$be.txt" 2>"$out/$size-$be.err"; then
-      echo "failed: $(tail -3 "$out/$size-$be.err")"
+        --backend "$be" "${wargs[@]}" --temperature 0 --json \
+        >"$out/$size-$be$tag.txt" 2>"$out/$size-$be$tag.err"; then
+      echo "failed: $(tail -3 "$out/$size-$be$tag.err")"
       status=1
     fi
-    tail -1 "$out/$size-$be.txt"
+    tail -1 "$out/$size-$be$tag.txt"
   done
 done
 
-python3 - "$out" "$work" "$bw" "$sizes" <<'PY'
+python3 - "$out" "$work" "$bw" "$sizes" "$weights" <<'PY'
 import json, math, struct, sys, os
 out, work, bw, sizes = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, sys.argv[4].split()
+fmt = sys.argv[5] or "f32"
+tag = f"-{sys.argv[5]}" if sys.argv[5] else ""
+bpw = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8": 34 / 32, "q4": 18 / 32}[fmt]
 def stats(path):
     try:
         return json.loads(open(path, "rb").read().strip().splitlines()[-1].decode())
     except Exception:
         return None
-print(f"\nbandwidth {bw/1e9:.0f} GB/s (compute-shader read)")
+print(f"\nbandwidth {bw/1e9:.0f} GB/s (compute-shader read), weights {fmt}")
 print("| model | backend | prefill tok/s | decode tok/s | decode bound tok/s | % of bound | device layers | submissions / decode token | vs cpu prefill | vs cpu decode |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for size in sizes:
@@ -92,13 +103,13 @@ for size in sizes:
     emb = numel("model.embeddings.weight")
     L, H, D = cfg["num_hidden_layers"], cfg["num_heads"], cfg["hidden_size"]
     hd = D // H
-    c, g = stats(os.path.join(out, f"{size}-cpu.txt")), stats(os.path.join(out, f"{size}-vulkan.txt"))
+    c, g = stats(os.path.join(out, f"{size}-cpu{tag}.txt")), stats(os.path.join(out, f"{size}-vulkan{tag}.txt"))
     for name, s in (("cpu", c), ("vulkan", g)):
         if s is None:
             print(f"| {size} | {name} | failed | | | | | | | |")
             continue
         live = s["live_entries"] / max(L * H, 1)
-        per_token = 4 * (total - emb) + L * H * live * (2 * hd * 4 + 16)
+        per_token = bpw * (total - emb) + L * H * live * (2 * hd * 4 + 16)
         bound = bw / per_token
         dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
         dec = dec if isinstance(dec, float) else 0.0

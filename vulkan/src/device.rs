@@ -14,6 +14,7 @@ use vulkano::command_buffer::{
     AutoCommandBufferBuilder, CommandBufferUsage, CopyBufferInfo, PrimaryAutoCommandBuffer,
     PrimaryCommandBufferAbstract,
 };
+use vulkano::command_buffer::{CommandBufferSubmitInfo, SubmitInfo};
 use vulkano::descriptor_set::allocator::StandardDescriptorSetAllocator;
 use vulkano::device::physical::{PhysicalDevice, PhysicalDeviceType, SubgroupFeatures};
 use vulkano::device::{
@@ -26,6 +27,7 @@ use vulkano::pipeline::layout::PipelineDescriptorSetLayoutCreateInfo;
 use vulkano::pipeline::{ComputePipeline, PipelineLayout, PipelineShaderStageCreateInfo};
 use vulkano::shader::{ShaderModule, ShaderModuleCreateInfo, ShaderStages, SpecializationConstant};
 use vulkano::sync::GpuFuture;
+use vulkano::sync::fence::{Fence, FenceCreateInfo};
 use vulkano::{Version, VulkanLibrary};
 
 /// Environment variable that selects the device: an index or a name substring.
@@ -35,6 +37,10 @@ pub const DEVICE_ENV: &str = "FOXEDGE_VULKAN_DEVICE";
 /// default [`SPIN_US_DEFAULT`] on a GPU, 0 on a CPU device, whose own threads need the
 /// cores a poll would take).
 pub const SPIN_ENV: &str = "FOXEDGE_VULKAN_SPIN_US";
+
+/// Environment variable: `nv` runs the tensor-core prefill through VK_NV_cooperative_matrix
+/// even where VK_KHR_cooperative_matrix can run it (to compare the two on one device).
+pub const COOPMAT_ENV: &str = "FOXEDGE_VULKAN_COOPMAT";
 
 /// Default fence poll before blocking, in microseconds: a decode step's wait (0.2-1 ms on
 /// the H100) ends with the thread running rather than waking from a blocked wait.
@@ -73,9 +79,13 @@ pub struct DeviceInfo {
     /// VK_KHR_cooperative_matrix / VK_NV_cooperative_matrix advertised by the device.
     pub cooperative_matrix_khr: bool,
     pub cooperative_matrix_nv: bool,
-    /// The tensor-core prefill kernel (`prefill_cm.comp`) can run: NV cooperative matrix,
-    /// f16 arithmetic and storage, subgroup size a multiple of 16 with shuffles.
+    /// The tensor-core prefill kernel (`prefill_cm.glsl`) can run: KHR or NV cooperative
+    /// matrix, f16 arithmetic and storage, subgroup size a multiple of 16 with shuffles.
+    /// The register-softmax kernel and its layout probe need the NV extension too.
     pub coopmat_prefill: bool,
+    /// It runs through VK_KHR_cooperative_matrix (`prefill_cm_khr.comp`): the device lists
+    /// 16 x 16 x 16 subgroup products of f16 into f32. Otherwise NV (`prefill_cm.comp`).
+    pub coopmat_khr: bool,
     /// VK_KHR_workgroup_memory_explicit_layout (16-bit) enabled: aliased shared-memory
     /// blocks, so `prefill_fa.comp` stages tiles with 16-byte stores.
     pub shared_memory_blocks: bool,
@@ -97,7 +107,7 @@ impl std::fmt::Display for DeviceInfo {
         write!(
             f,
             "{} ({}, Vulkan {}), subgroup size {}, subgroup arithmetic {} shuffle {}, 16-bit storage {}, \
-             cooperative matrix KHR {} / NV {} (tensor-core prefill {}, shared blocks {}), max storage range {} MiB, shared {} KiB, \
+             cooperative matrix KHR {} / NV {} (tensor-core prefill {}{}, shared blocks {}), max storage range {} MiB, shared {} KiB, \
              unified memory {}",
             self.name,
             self.device_type,
@@ -110,6 +120,7 @@ impl std::fmt::Display for DeviceInfo {
             self.cooperative_matrix_khr,
             self.cooperative_matrix_nv,
             self.coopmat_prefill,
+            if self.coopmat_khr { " via KHR" } else { "" },
             self.shared_memory_blocks,
             self.max_storage_buffer_range >> 20,
             self.max_shared_memory >> 10,
@@ -209,6 +220,39 @@ fn instance() -> Result<Arc<Instance>> {
     })
 }
 
+/// Whether `pd` (with VK_KHR_cooperative_matrix) lists the products of `prefill_cm_khr.comp`:
+/// subgroup scope, M = N = K = 16, A and B f16, C and the result f32.
+fn khr_f16_products(pd: &PhysicalDevice) -> bool {
+    use ash::vk;
+    use vulkano::VulkanObject;
+    let f = pd
+        .instance()
+        .fns()
+        .khr_cooperative_matrix
+        .get_physical_device_cooperative_matrix_properties_khr;
+    let mut n = 0u32;
+    // SAFETY: a count query (null array) of a device whose extension list names
+    // VK_KHR_cooperative_matrix, so the instance loaded this function.
+    if unsafe { f(pd.handle(), &mut n, std::ptr::null_mut()) } != vk::Result::SUCCESS {
+        return false;
+    }
+    let mut props = vec![vk::CooperativeMatrixPropertiesKHR::default(); n as usize];
+    // SAFETY: `props` holds `n` default-initialised structures (sType set, pNext null).
+    let r = unsafe { f(pd.handle(), &mut n, props.as_mut_ptr()) };
+    if r != vk::Result::SUCCESS && r != vk::Result::INCOMPLETE {
+        return false;
+    }
+    props.truncate(n as usize);
+    props.iter().any(|p| {
+        (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+            && p.a_type == vk::ComponentTypeKHR::FLOAT16
+            && p.b_type == vk::ComponentTypeKHR::FLOAT16
+            && p.c_type == vk::ComponentTypeKHR::FLOAT32
+            && p.result_type == vk::ComponentTypeKHR::FLOAT32
+            && p.scope == vk::ScopeKHR::SUBGROUP
+    })
+}
+
 impl Context {
     pub fn new(sel: &DeviceSelection) -> Result<Self> {
         let instance = instance()?;
@@ -272,12 +316,12 @@ impl Context {
         let subgroup_arithmetic = sg_stages.intersects(ShaderStages::COMPUTE)
             && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::ARITHMETIC)
             && props.subgroup_size.is_some_and(|s| s >= 2);
-        // Tensor-core path: VK_NV_cooperative_matrix (glslc 2023.2 has only the NV GLSL
-        // extension) with f16 arithmetic and storage, subgroups of a multiple of 16 lanes
-        // with shuffles, 4 subgroups per workgroup.
+        // Tensor-core path: VK_KHR_cooperative_matrix where the device lists the products
+        // the kernel takes, else VK_NV_cooperative_matrix (both enabled where both are
+        // there: the register-softmax kernel is NV only); with f16 arithmetic and storage,
+        // subgroups of a multiple of 16 lanes with shuffles, 4 subgroups per workgroup.
         let sg = props.subgroup_size.unwrap_or(0);
-        let coopmat = ext.nv_cooperative_matrix
-            && sup.cooperative_matrix
+        let coopmat_base = sup.cooperative_matrix
             && sup.shader_float16
             && storage_16bit
             && sg >= 16
@@ -286,10 +330,18 @@ impl Context {
             && sg_stages.intersects(ShaderStages::COMPUTE)
             && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::SHUFFLE)
             && sup.vulkan_memory_model;
+        let coopmat_nv = coopmat_base && ext.nv_cooperative_matrix;
+        let nv_asked =
+            std::env::var(COOPMAT_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("nv"));
+        let coopmat_khr = coopmat_base
+            && ext.khr_cooperative_matrix
+            && !(nv_asked && coopmat_nv)
+            && khr_f16_products(&pd);
+        let coopmat = coopmat_nv || coopmat_khr;
         let subgroup_shuffle = sg_stages.intersects(ShaderStages::COMPUTE)
             && sg_ops.contains(SubgroupFeatures::BASIC | SubgroupFeatures::SHUFFLE)
             && props.subgroup_size.is_some_and(|s| s >= 2);
-        let blocks = coopmat
+        let blocks = coopmat_nv
             && ext.khr_workgroup_memory_explicit_layout
             && sup.workgroup_memory_explicit_layout
             && sup.workgroup_memory_explicit_layout16_bit_access;
@@ -309,7 +361,8 @@ impl Context {
             ..DeviceFeatures::empty()
         };
         let extensions = DeviceExtensions {
-            nv_cooperative_matrix: coopmat,
+            nv_cooperative_matrix: coopmat_nv,
+            khr_cooperative_matrix: coopmat_khr,
             khr_workgroup_memory_explicit_layout: blocks,
             ..DeviceExtensions::empty()
         };
@@ -339,6 +392,7 @@ impl Context {
             cooperative_matrix_khr: ext.khr_cooperative_matrix,
             cooperative_matrix_nv: ext.nv_cooperative_matrix,
             coopmat_prefill: coopmat,
+            coopmat_khr,
             shared_memory_blocks: blocks,
             max_storage_buffer_range: u64::from(props.max_storage_buffer_range),
             max_allocation: props.max_memory_allocation_size.unwrap_or(1 << 30),
@@ -494,6 +548,16 @@ impl Context {
         )?)
     }
 
+    /// A builder of a command buffer that is submitted many times (one at a time), for
+    /// [`Self::submit_built`].
+    pub fn builder_reusable(&self) -> Result<AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>> {
+        Ok(AutoCommandBufferBuilder::primary(
+            self.cmd.clone(),
+            self.queue.queue_family_index(),
+            CommandBufferUsage::MultipleSubmit,
+        )?)
+    }
+
     /// Submits and waits.
     pub fn submit(&self, b: AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>) -> Result<()> {
         self.submit_timed(b).map(|_| ())
@@ -508,6 +572,17 @@ impl Context {
     ) -> Result<[std::time::Duration; 3]> {
         let t0 = std::time::Instant::now();
         let cb = b.build()?;
+        let build = t0.elapsed();
+        let [submit, wait] = self.submit_built(cb)?;
+        Ok([build, submit, wait])
+    }
+
+    /// Submits a built command buffer and waits; returns the host time of submitting it
+    /// (resource locking, fence, queue submit) and of waiting for the fence.
+    pub fn submit_built(
+        &self,
+        cb: Arc<PrimaryAutoCommandBuffer>,
+    ) -> Result<[std::time::Duration; 2]> {
         let t1 = std::time::Instant::now();
         let fence = cb
             .execute(self.queue.clone())
@@ -525,7 +600,44 @@ impl Context {
         fence.wait(None)?;
         drop(fence);
         let t3 = std::time::Instant::now();
-        Ok([t1 - t0, t2 - t1, t3 - t2])
+        Ok([t2 - t1, t3 - t2])
+    }
+
+    /// [`Self::submit_built`] without a `GpuFuture`: one queue submission with a fence,
+    /// skipping vulkano's per-submission check and lock of every buffer the command buffer
+    /// uses (a cost that grows with its bindings: most of a replayed decode step's host
+    /// time). Returns the host time of submitting and of waiting.
+    ///
+    /// # Safety
+    /// While this runs, nothing else may use `cb` nor access the buffers it uses (from
+    /// the host or in another submission): vulkano does not know they are in use. It
+    /// returns once the device has finished, so a caller that submits from one thread and
+    /// touches those buffers only between its calls meets this.
+    pub unsafe fn submit_untracked(
+        &self,
+        cb: Arc<PrimaryAutoCommandBuffer>,
+    ) -> Result<[std::time::Duration; 2]> {
+        let t1 = std::time::Instant::now();
+        let fence = Arc::new(Fence::new(self.device.clone(), FenceCreateInfo::default())?);
+        let info = SubmitInfo {
+            command_buffers: vec![CommandBufferSubmitInfo::new(cb)],
+            ..Default::default()
+        };
+        // SAFETY: the caller guarantees that nothing else uses the command buffer or its
+        // resources until this returns; the command buffer (MultipleSubmit) is not pending
+        // (the previous submission's fence was waited for); it and the fence are kept alive
+        // (held here) until the fence is signaled below.
+        unsafe { self.queue.with(|mut q| q.submit(&[info], Some(&fence))) }?;
+        let t2 = std::time::Instant::now();
+        let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
+        if spin > 0 {
+            let until = t2 + std::time::Duration::from_nanos(spin);
+            while !fence.is_signaled()? && std::time::Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        fence.wait(None)?;
+        Ok([t2 - t1, t2.elapsed()])
     }
 
     /// Uploads words into new device-local buffers, one copy command each, one submit.

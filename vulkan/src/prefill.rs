@@ -48,6 +48,7 @@ use vulkano::sync::HostAccessError;
 static PREFILL_F32: &[u8] = include_bytes!("../shaders/prefill_f32.spv");
 static PREFILL_F16: &[u8] = include_bytes!("../shaders/prefill_f16.spv");
 static PREFILL_CM: &[u8] = include_bytes!("../shaders/prefill_cm.spv");
+static PREFILL_CM_KHR: &[u8] = include_bytes!("../shaders/prefill_cm_khr.spv");
 static PREFILL_FA: &[u8] = include_bytes!("../shaders/prefill_fa.spv");
 static PREFILL_FA_NB: &[u8] = include_bytes!("../shaders/prefill_fa_nb.spv");
 static PREFILL_CM_PROBE: &[u8] = include_bytes!("../shaders/prefill_cm_probe.spv");
@@ -66,8 +67,8 @@ pub enum PrefillKernel {
     Auto = 0,
     /// `prefill.glsl`: shared-memory tiles, f32 FMA (any device, any head_dim).
     Scalar = 1,
-    /// `prefill_cm.comp`: NV cooperative matrix (tensor cores), f16 storage, head_dim 64;
-    /// S and P pass through shared memory (any cooperative-matrix layout).
+    /// `prefill_cm.glsl`: KHR or NV cooperative matrix (tensor cores), f16 storage,
+    /// head_dim 64; S and P pass through shared memory (any cooperative-matrix layout).
     CoopMat = 2,
     /// `prefill_fa.glsl`: NV cooperative matrix, f16 storage, head_dim 64, softmax on the
     /// accumulators in registers; needs the accumulator layout it assumes (probed on the
@@ -142,7 +143,9 @@ pub(crate) fn coopmat_layout(ctx: &Context) -> Result<Option<Vec<(u32, u32)>>> {
     let words = match ctx.fa_layout.get() {
         Some(w) => w.clone(),
         None => {
-            let w = if ctx.info.coopmat_prefill && ctx.info.subgroup_size == Some(32) {
+            // The probe and the register-softmax kernel are NV cooperative-matrix shaders.
+            let nv = ctx.info.coopmat_prefill && ctx.info.cooperative_matrix_nv;
+            let w = if nv && ctx.info.subgroup_size == Some(32) {
                 // A failed probe counts as "no layout" from then on; the error is returned once.
                 run_probe(ctx).inspect_err(|_| {
                     let _ = ctx.fa_layout.set(Vec::new());
@@ -560,7 +563,7 @@ pub(crate) fn prepare<T: Storage>(
             foxedge_core::contract::DType::Bf16 => "bf16",
         };
         Error::Unsupported(format!(
-            "{what} needs NV cooperative matrix (device: {}), f16 storage (call: {dtype}) and \
+            "{what} needs KHR or NV cooperative matrix (device: {}), f16 storage (call: {dtype}) and \
              head_dim 64 (call: {d})",
             ctx.info.coopmat_prefill,
         ))
@@ -596,7 +599,11 @@ pub(crate) fn prepare<T: Storage>(
                 bn: 64,
                 tpr: 0,
             },
-            ctx.pipeline("prefill_cm", PREFILL_CM, &[(0, 4 * sg), (2, sg)])?,
+            if ctx.info.coopmat_khr {
+                ctx.pipeline("prefill_cm_khr", PREFILL_CM_KHR, &[(0, 4 * sg), (2, sg)])?
+            } else {
+                ctx.pipeline("prefill_cm", PREFILL_CM, &[(0, 4 * sg), (2, sg)])?
+            },
         ),
         PrefillKernel::Flash => {
             let mut cfg =
@@ -1178,6 +1185,29 @@ fn q_row_of(sh: &AttentionShape, i: usize) -> (usize, usize) {
 mod tests {
     use super::{flash_layout, q_row_of};
     use foxedge_core::{AttentionShape, Layout};
+
+    /// The KHR tensor-core kernel runs on no CI device (lavapipe has no cooperative
+    /// matrices): vulkano must at least parse it, and it must declare KHR matrices only
+    /// (check.sh runs spirv-val on it).
+    #[test]
+    fn the_khr_tensor_core_kernel_is_khr_cooperative_matrix_spirv() {
+        use vulkano::shader::spirv::{Capability, Instruction, Spirv};
+        let words: Vec<u32> = super::PREFILL_CM_KHR
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let spirv = Spirv::new(&words).expect("vulkano parses prefill_cm_khr.spv");
+        let caps: Vec<Capability> = spirv
+            .capabilities()
+            .iter()
+            .filter_map(|i| match i {
+                Instruction::Capability { capability } => Some(*capability),
+                _ => None,
+            })
+            .collect();
+        assert!(caps.contains(&Capability::CooperativeMatrixKHR), "{caps:?}");
+        assert!(!caps.contains(&Capability::CooperativeMatrixNV), "{caps:?}");
+    }
 
     #[test]
     fn q_row_of_inverts_q_at() {

@@ -1,15 +1,19 @@
 //! The device-resident model against a plain f64 FoX forward (docs/FOX_MODEL_SPEC.md,
-//! sections 3 and 6) on random models of several shapes and every weight format: a fresh
+//! sections 3 and 6) on random models of several shapes and every weight format (f32, f16,
+//! bf16, and Q8 / Q4 blocks packed by foxedge-cpu, dequantized by the shaders): a fresh
 //! chunk through the prefill path, then tokens one at a time against the resident cache,
 //! with a budget that evicts the oldest row by swap-delete (the device applies the moves).
 //!
 //! Tolerance: |logit - reference| <= 2e-3 * (1 + |reference|). The device computes in f32
 //! (products of up to 256 terms, attention over up to 60 keys, 2 layers); the reference in
-//! f64 from the same stored weights (f16 / bf16 widened exactly), so the difference is f32
-//! rounding, about 1e-5 relative per op, well inside the bound.
+//! f64 from the same stored weights (f16 / bf16 widened exactly, Q8 / Q4 dequantized
+//! exactly: `d q` fits f32), so the difference is f32 rounding, about 1e-5 relative per op,
+//! well inside the bound.
 
 mod common;
 
+use foxedge_core::quant::WeightFormat;
+use foxedge_cpu::linear::PackedWeights;
 use foxedge_vulkan::model::{
     Act, DeviceStream, Gates, HeadStep, LayerPlan, LayerWeights, ModelOptions, ModelShape,
     ModelWeights, Output, QkNorm, RowOp, TokenPlan, Weights, decode_blocks,
@@ -21,6 +25,8 @@ use std::sync::Arc;
 /// A random model's tensors (f32) and its shape.
 struct Model {
     shape: ModelShape,
+    /// Q8 / Q4: every matrix packed, in the order [`weights`] takes them.
+    packed: Vec<PackedWeights>,
     emb: Vec<f32>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
@@ -51,26 +57,48 @@ enum Fmt {
     F32,
     F16,
     Bf16,
+    Q8,
+    Q4,
 }
 
-/// `x` rounded through the storage format.
-fn stored(x: &[f32], f: Fmt) -> Vec<f32> {
-    match f {
-        Fmt::F32 => x.to_vec(),
-        Fmt::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-        Fmt::Bf16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+/// `x` (`[rows, cols]`) rounded through the storage format; Q8 / Q4 also packed.
+fn stored(x: &[f32], rows: usize, cols: usize, f: Fmt) -> (Vec<f32>, Option<PackedWeights>) {
+    let q = match f {
+        Fmt::F32 => return (x.to_vec(), None),
+        Fmt::F16 => return (x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(), None),
+        Fmt::Bf16 => {
+            return (
+                x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                None,
+            );
+        }
+        Fmt::Q8 => WeightFormat::Q8,
+        Fmt::Q4 => WeightFormat::Q4,
+    };
+    let p = PackedWeights::quantize(q, rows, cols, 1, |r, out: &mut [f32]| {
+        out.copy_from_slice(&x[r * cols..(r + 1) * cols]);
+        Ok::<(), foxedge_core::Error>(())
+    })
+    .unwrap();
+    let mut deq = vec![0.0f32; rows * cols];
+    for (r, row) in deq.chunks_exact_mut(cols).enumerate() {
+        p.view().row(r, row).unwrap();
     }
+    (deq, Some(p))
 }
 
 fn random_model(shape: ModelShape, seed: u64, fmt: Fmt) -> Model {
     let mut r = common::rng(seed);
     let (d, h, i, v) = (shape.hidden, shape.heads, shape.intermediate, shape.vocab);
+    let mut packed = Vec::new();
     let mut mat = |rows: usize, cols: usize| {
-        stored(
-            &common::randn(&mut r, rows * cols, 1.0 / (cols as f32).sqrt()),
-            fmt,
-        )
+        let x = common::randn(&mut r, rows * cols, 1.0 / (cols as f32).sqrt());
+        let (w, p) = stored(&x, rows, cols, fmt);
+        packed.extend(p);
+        w
     };
+    // In the order `weights` takes them.
+    let (emb, lm) = (mat(v, d), mat(v, d));
     let mut layers = Vec::new();
     let mut r2 = common::rng(seed + 1);
     let mut near1 = |n: usize| -> Vec<f32> {
@@ -105,9 +133,10 @@ fn random_model(shape: ModelShape, seed: u64, fmt: Fmt) -> Model {
     }
     Model {
         shape,
-        emb: mat(v, d),
+        packed,
+        emb,
         norm: near1(d),
-        lm: mat(v, d),
+        lm,
         layers,
     }
 }
@@ -140,6 +169,8 @@ fn weights<'a>(m: &'a Model, fmt: Fmt, st: &'a mut Stored) -> ModelWeights<'a> {
             Fmt::F32 => Weights::F32(mats[i]),
             Fmt::F16 => Weights::F16(&st.f16[i]),
             Fmt::Bf16 => Weights::Bf16(&st.bf16[i]),
+            Fmt::Q8 => Weights::Q8(m.packed[i].view().tiles()),
+            Fmt::Q4 => Weights::Q4(m.packed[i].view().tiles()),
         }
     };
     let s = &m.shape;
@@ -501,14 +532,54 @@ fn device_model_matches_the_f64_reference() {
         return;
     };
     for (si, shape) in shapes().into_iter().enumerate() {
-        for fmt in [Fmt::F32, Fmt::F16, Fmt::Bf16] {
+        for fmt in [Fmt::F32, Fmt::F16, Fmt::Bf16, Fmt::Q8, Fmt::Q4] {
             let m = random_model(shape, 40 + si as u64, fmt);
             let mut st = Stored {
                 f16: vec![],
                 bf16: vec![],
             };
             let w = weights(&m, fmt, &mut st);
+            let block = matches!(fmt, Fmt::Q8 | Fmt::Q4);
+            if block && shape.intermediate % 32 != 0 {
+                // The block kernels take rows of whole blocks: down_proj [D, I] is refused.
+                let e = vk
+                    .load_model(shape, &w, ModelOptions::default())
+                    .unwrap_err();
+                assert!(matches!(e, foxedge_vulkan::Error::Unsupported(_)), "{e}");
+                continue;
+            }
             let dm = Arc::new(vk.load_model(shape, &w, ModelOptions::default()).unwrap());
+            // Uploaded as stored: the matrices' bytes (Q8 / Q4: the packed tiles, 34 / 18
+            // bytes per 32 weights, rows padded to 16) and the f32 vectors.
+            let mats = w.embeddings.bytes()
+                + w.lm_head.bytes()
+                + w.layers
+                    .iter()
+                    .flat_map(|l| {
+                        [
+                            Some(l.q),
+                            Some(l.k),
+                            Some(l.v),
+                            l.k_shift,
+                            l.v_shift,
+                            Some(l.fgate),
+                            l.ogate,
+                            Some(l.o),
+                            Some(l.gate_up),
+                            Some(l.down),
+                        ]
+                    })
+                    .flatten()
+                    .map(|x| x.bytes())
+                    .sum::<u64>();
+            let (d, h) = (shape.hidden, shape.heads);
+            let qk = if shape.qk_norm == QkNorm::Shared {
+                shape.head_dim
+            } else {
+                d
+            };
+            let vecs = 4 * (d + shape.layers * (3 * d + h + 2 * qk)) as u64;
+            assert_eq!(dm.bytes(), mats + vecs);
             let mut ds = DeviceStream::new(dm).unwrap();
             let budget = 24;
             let mut book = Book::new(&shape, budget);
@@ -517,7 +588,10 @@ fn device_model_matches_the_f64_reference() {
             let ids: Vec<u32> = (0..60)
                 .map(|_| r.r#gen_range(0..shape.vocab as u32))
                 .collect();
-            let what = format!("shape {si} {}", ["f32", "f16", "bf16"][fmt as usize]);
+            let what = format!(
+                "shape {si} {}",
+                ["f32", "f16", "bf16", "q8", "q4"][fmt as usize]
+            );
 
             // A fresh chunk of 17 tokens (under the budget), every row's logits.
             let n0 = 17;

@@ -4,9 +4,12 @@
 //! (docs/FOX_MODEL_SPEC.md, section 3):
 //!
 //! - embedding gather (`embed.comp`), RMSNorm (`rmsnorm.comp`);
-//! - projections: matrix-vector products for one token (`mv.glsl`) and tiled matrix
+//! - projections: matrix-vector products for one token (`mv.glsl`; the projections of one
+//!   normed row in one dispatch, `mvn.glsl`) and tiled matrix
 //!   products for a chunk (`mm.glsl`), weights f32, f16 or bf16 (`wfmt.glsl`, widened to
-//!   f32 in registers; accumulation in f32);
+//!   f32 in registers; accumulation in f32); Q8 / Q4 blocks in their packed layout
+//!   (`qblk.glsl`, `mvq.glsl`, `mmq.glsl`: dequantized in registers or into shared memory,
+//!   accumulation in f32);
 //! - the token shift of k and v, QK-norm and the forget gate's `log f = logsigmoid(z)`
 //!   (`attn_pre.comp`);
 //! - forgetting attention: the prefill kernel (`prefill.glsl`) over a fresh chunk, the decode
@@ -29,6 +32,7 @@
 //! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
 mod ops;
+mod projections;
 mod step;
 mod weights;
 
@@ -89,35 +93,56 @@ impl ModelShape {
 }
 
 /// A weight matrix `[out, in]` (row-major) or vector in its storage format.
+///
+/// `Q8` / `Q4`: the blocks of `foxedge_core::quant` in foxedge-cpu's packed layout
+/// (`foxedge_cpu::linear::PackedView::tiles`, described in `shaders/qblk.glsl`): rows in
+/// groups of 16, each cut into tiles of 64 weights (two blocks: 16 rows' f16 scales, then
+/// their quants interleaved by 4-byte word); [`packed_bytes`] bytes for `[out, in]`.
 #[derive(Debug, Clone, Copy)]
 pub enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [half::f16]),
     Bf16(&'a [half::bf16]),
+    Q8(&'a [u8]),
+    Q4(&'a [u8]),
+}
+
+/// Bytes of an `out x inp` matrix of the packed Q8 (`q4 == false`) or Q4 layout: groups of
+/// 16 rows times tiles of 64 weights, a tile 64 bytes of scales and 2 x 512 (Q8) or 2 x 256
+/// (Q4) bytes of quants (34 or 18 bytes per 32 weights, rows and blocks padded).
+pub fn packed_bytes(q4: bool, out: usize, inp: usize) -> Option<usize> {
+    let tile = if q4 { 64 + 2 * 256 } else { 64 + 2 * 512 };
+    out.div_ceil(16)
+        .checked_mul(inp.div_ceil(64))
+        .and_then(|n| n.checked_mul(tile))
 }
 
 impl Weights<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Weights::F32(w) => w.len(),
-            Weights::F16(w) => w.len(),
-            Weights::Bf16(w) => w.len(),
-        }
-    }
-
-    /// Format id of the shaders (`wfmt.glsl`): 0 f32, 1 f16, 2 bf16.
+    /// Format id of the shaders: 0 f32, 1 f16, 2 bf16 (`wfmt.glsl`), 3 Q8, 4 Q4
+    /// (`qblk.glsl`).
     pub(crate) fn format(&self) -> u32 {
         match self {
             Weights::F32(_) => 0,
             Weights::F16(_) => 1,
             Weights::Bf16(_) => 2,
+            Weights::Q8(_) => 3,
+            Weights::Q4(_) => 4,
         }
+    }
+
+    /// Whether the weights are Q8 / Q4 blocks.
+    pub(crate) fn is_block(&self) -> bool {
+        self.format() >= 3
     }
 
     /// Bytes of storage.
     pub fn bytes(&self) -> u64 {
-        let e = if self.format() == 0 { 4 } else { 2 };
-        self.len() as u64 * e
+        match self {
+            Weights::F32(w) => w.len() as u64 * 4,
+            Weights::F16(w) => w.len() as u64 * 2,
+            Weights::Bf16(w) => w.len() as u64 * 2,
+            Weights::Q8(b) | Weights::Q4(b) => b.len() as u64,
+        }
     }
 }
 

@@ -23,6 +23,15 @@ static MM: [&[u8]; 3] = [
 ];
 static MV_NAMES: [&str; 3] = ["mv_f32", "mv_f16", "mv_bf16"];
 static MM_NAMES: [&str; 3] = ["mm_f32", "mm_f16", "mm_bf16"];
+/// The block formats' kernels (`mvq.glsl`, `mmq.glsl`), Q8 then Q4 (formats 3, 4).
+static MVQ: [(&str, &[u8]); 2] = [
+    ("mv_q8", include_bytes!("../../shaders/mv_q8.spv")),
+    ("mv_q4", include_bytes!("../../shaders/mv_q4.spv")),
+];
+static MMQ: [(&str, &[u8]); 2] = [
+    ("mm_q8", include_bytes!("../../shaders/mm_q8.spv")),
+    ("mm_q4", include_bytes!("../../shaders/mm_q4.spv")),
+];
 static EMBED: &[u8] = include_bytes!("../../shaders/embed.spv");
 static RMSNORM: &[u8] = include_bytes!("../../shaders/rmsnorm.spv");
 static ATTN_PRE: &[u8] = include_bytes!("../../shaders/attn_pre.spv");
@@ -32,8 +41,8 @@ static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
 /// Threads per workgroup and per row of the matrix-vector kernel.
-const MV_WGS: u32 = 256;
-const MV_TPR: u32 = 32;
+pub(super) const MV_WGS: u32 = 256;
+pub(super) const MV_TPR: u32 = 32;
 /// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
 const MM_TILE: u32 = 64;
 
@@ -52,6 +61,16 @@ impl<'c> Rec<'c> {
         Ok(Self {
             ctx,
             b: ctx.builder()?,
+            dispatches: 0,
+            started: std::time::Instant::now(),
+        })
+    }
+
+    /// A recording to be submitted many times ([`Context::builder_reusable`]).
+    pub fn reusable(ctx: &'c Arc<Context>) -> Result<Self> {
+        Ok(Self {
+            ctx,
+            b: ctx.builder_reusable()?,
             dispatches: 0,
             started: std::time::Instant::now(),
         })
@@ -100,6 +119,9 @@ impl<'c> Rec<'c> {
         y_off: usize,
         acc: bool,
     ) -> Result<()> {
+        if m.format >= 3 {
+            return self.matvec_blocks(m, x, x_off, y, y_off, acc);
+        }
         let f = m.format as usize;
         let pipe = self.ctx.pipeline(
             MV_NAMES[f],
@@ -150,12 +172,109 @@ impl<'c> Rec<'c> {
         ldy: usize,
         acc: bool,
     ) -> Result<()> {
+        if m.format >= 3 {
+            return self.matmul_blocks(m, n, x, y, y_off, ldy, acc);
+        }
         let f = m.format as usize;
         let pipe = self.ctx.pipeline(
             MM_NAMES[f],
             MM[f],
             &[(0, m.cols as u32), (1, u32::from(acc))],
         )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            n: u32,
+            rows: u32,
+            y_off: u32,
+            ldy: u32,
+        }
+        for (w, r0, rows) in &m.chunks {
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, w.clone()),
+                    WriteDescriptorSet::buffer(1, x.clone()),
+                    WriteDescriptorSet::buffer(2, y.clone()),
+                ],
+                P {
+                    n: n as u32,
+                    rows: *rows as u32,
+                    y_off: (y_off + r0) as u32,
+                    ldy: ldy as u32,
+                },
+                [
+                    rows.div_ceil(MM_TILE as usize) as u32,
+                    n.div_ceil(MM_TILE as usize) as u32,
+                    1,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Rec::matvec`] of Q8 / Q4 weights (`mvq.glsl`): a workgroup per group of 16 rows,
+    /// 16 x LANES threads, LANES a power of two: at most one per block of a row, 64, and
+    /// the device's workgroup limit.
+    fn matvec_blocks(
+        &mut self,
+        m: &Mat,
+        x: &Subbuffer<[u32]>,
+        x_off: usize,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let (name, spv) = MVQ[usize::from(m.format == 4)];
+        let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
+        let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
+        let pipe = self.ctx.pipeline(
+            name,
+            spv,
+            &[(0, 16 * lanes), (1, m.cols as u32), (2, u32::from(acc))],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            rows: u32,
+            y_off: u32,
+            x_off4: u32,
+        }
+        for (w, r0, rows) in &m.chunks {
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer(0, w.clone()),
+                    WriteDescriptorSet::buffer(1, x.clone()),
+                    WriteDescriptorSet::buffer(2, y.clone()),
+                ],
+                P {
+                    rows: *rows as u32,
+                    y_off: (y_off + r0) as u32,
+                    x_off4: (x_off / 4) as u32,
+                },
+                [rows.div_ceil(16) as u32, 1, 1],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Rec::matmul`] of Q8 / Q4 weights (`mmq.glsl`, the same tiles as `mm.glsl`).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_blocks(
+        &mut self,
+        m: &Mat,
+        n: usize,
+        x: &Subbuffer<[u32]>,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        ldy: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let (name, spv) = MMQ[usize::from(m.format == 4)];
+        let pipe = self
+            .ctx
+            .pipeline(name, spv, &[(0, m.cols as u32), (1, u32::from(acc))])?;
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {

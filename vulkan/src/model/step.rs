@@ -22,7 +22,7 @@ use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::contract::{AttentionStats, HeadStats, acp};
 use std::sync::Arc;
 use vulkano::buffer::{BufferContents, Subbuffer};
-use vulkano::command_buffer::{BufferCopy, CopyBufferInfo};
+use vulkano::command_buffer::{BufferCopy, CopyBufferInfo, PrimaryAutoCommandBuffer};
 use vulkano::descriptor_set::WriteDescriptorSet;
 
 static PREFILL_F32: &[u8] = include_bytes!("../../shaders/prefill_f32.spv");
@@ -135,7 +135,9 @@ pub struct RunStats {
 }
 
 /// Host time split of submissions (see [`RunStats::host`]); `FOXEDGE_VK_TIMING=1` prints
-/// a stream's totals per submission to stderr when it is dropped.
+/// a stream's totals per submission to stderr when it is dropped. A one-token step that
+/// replays its recorded command buffer spends `record` on its host inputs only, and no
+/// `build`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct HostTimes {
     pub record: std::time::Duration,
@@ -143,6 +145,9 @@ pub struct HostTimes {
     pub submit: std::time::Duration,
     pub wait: std::time::Duration,
     pub submissions: u64,
+    /// Command buffers recorded for one-token steps (each replayed until a buffer it binds
+    /// is re-allocated or its shape changes).
+    pub recorded: u64,
 }
 
 impl HostTimes {
@@ -152,6 +157,7 @@ impl HostTimes {
         self.submit += o.submit;
         self.wait += o.wait;
         self.submissions += o.submissions;
+        self.recorded += o.recorded;
     }
 }
 
@@ -195,12 +201,13 @@ impl Drop for DeviceStream {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / t.submissions as f64;
             eprintln!(
                 "foxedge-vulkan: {what}: {} submissions, host µs each: record {:.0}, build \
-                 {:.0}, submit {:.0}, wait {:.0}",
+                 {:.0}, submit {:.0}, wait {:.0} ({} step command buffers recorded)",
                 t.submissions,
                 us(t.record),
                 us(t.build),
                 us(t.submit),
-                us(t.wait)
+                us(t.wait),
+                t.recorded
             );
         }
     }
@@ -216,6 +223,9 @@ pub struct DeviceStream {
     scratch: Option<Scratch>,
     /// Buffers of [`DeviceStream::step`], kept between steps.
     fused: Option<fused::Bufs>,
+    /// The step's recorded command buffer; dropped whenever a buffer it binds is
+    /// re-allocated ([`Self::invalidate`]).
+    replay: Option<fused::Replay>,
     flag: Subbuffer<[u32]>,
     /// Test hook: the submission (counted over runs) that reports a lost device.
     fail_at: Option<u64>,
@@ -333,6 +343,7 @@ impl DeviceStream {
             shift,
             scratch: None,
             fused: None,
+            replay: None,
             flag,
             fail_at: None,
             submitted: 0,
@@ -354,7 +365,13 @@ impl DeviceStream {
         for l in &mut self.heads {
             l.iter_mut().for_each(|h| *h = None);
         }
+        self.invalidate();
         Ok(())
+    }
+
+    /// Forgets the recorded step: a buffer it binds is being replaced.
+    fn invalidate(&mut self) {
+        self.replay = None;
     }
 
     /// Host times of every submission of this stream so far.
@@ -371,22 +388,47 @@ impl DeviceStream {
 
     /// Submits `rec`, or reports the device lost where [`Self::fail_after`] says so.
     fn submit(&mut self, rec: Rec<'_>, stats: &mut RunStats) -> Result<()> {
+        let record = rec.started.elapsed();
+        let t0 = std::time::Instant::now();
+        let dispatches = rec.dispatches;
+        let cb = rec.b.build()?;
+        let t = HostTimes {
+            record,
+            build: t0.elapsed(),
+            ..HostTimes::default()
+        };
+        self.submit_built(cb, dispatches, t, stats, false)
+    }
+
+    /// Submits a built command buffer of `dispatches` dispatches whose recording took
+    /// `t` (record, build, recorded), or reports the device lost where
+    /// [`Self::fail_after`] says so. `untracked`: without vulkano's resource tracking
+    /// ([`crate::device::Context::submit_untracked`]; a replayed step).
+    fn submit_built(
+        &mut self,
+        cb: Arc<PrimaryAutoCommandBuffer>,
+        dispatches: u32,
+        mut t: HostTimes,
+        stats: &mut RunStats,
+        untracked: bool,
+    ) -> Result<()> {
         let at = self.submitted;
         self.submitted += 1;
-        stats.dispatches += rec.dispatches;
+        stats.dispatches += dispatches;
         if self.fail_at == Some(at) {
             self.fail_at = None;
             return Err(Error::DeviceLost);
         }
-        let record = rec.started.elapsed();
-        let [build, submit, wait] = self.model.ctx.submit_timed(rec.b)?;
-        let t = HostTimes {
-            record,
-            build,
-            submit,
-            wait,
-            submissions: 1,
+        let [submit, wait] = if untracked {
+            // SAFETY: a stream submits from one thread and waits for each submission; the
+            // host touches the buffers of a replayed step only between its submissions.
+            unsafe { self.model.ctx.submit_untracked(cb) }?
+        } else {
+            self.model.ctx.submit_built(cb)?
         };
+        t.submit = submit;
+        t.wait = wait;
+        t.submissions = 1;
         stats.host.add(&t);
         self.times.add(&t);
         stats.submissions += 1;
@@ -418,6 +460,7 @@ impl DeviceStream {
         let ctx = &self.model.ctx;
         let (d, h, i, hd) = (sh.hidden, sh.heads, sh.intermediate, sh.head_dim);
         let b = |w: usize| ctx.device_buffer(w);
+        self.replay = None;
         self.scratch = Some(Scratch {
             n,
             h: b(n * d)?,
@@ -607,8 +650,12 @@ impl DeviceStream {
             qkn,
         ];
         rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-        for (m, col) in &lw.pre {
-            rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+        if n == 1 {
+            rec.matvec_many(&lw.pre, &s.x, &s.p)?;
+        } else {
+            for (m, col) in &lw.pre {
+                rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+            }
         }
         rec.attn_pre(
             spec,
@@ -770,6 +817,78 @@ impl DeviceStream {
         }
     }
 
+    /// Replaces the rows of head `h` of layer `l` with the host's: K and V (`[rows][head_dim]`
+    /// each), `c` (relative to the head's gate origin) and stream positions; one submission
+    /// of its own (not counted in a run's). A caller whose bookkeeping made other row
+    /// operations than the device (a step's evictions past those its plan listed) puts the
+    /// device's head back in step with its own this way.
+    ///
+    /// Errors: lengths that do not match ([`Error::Input`]), a non-finite `c`, device
+    /// failures.
+    pub fn load_head(
+        &mut self,
+        l: usize,
+        h: usize,
+        k: &[f32],
+        v: &[f32],
+        c: &[f64],
+        pos: &[u64],
+    ) -> Result<()> {
+        let sh = self.model.shape;
+        let hd = sh.head_dim;
+        let n = c.len();
+        if l >= sh.layers || h >= sh.heads {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "load_head: no such layer or head",
+            )));
+        }
+        for (what, got, expected) in [
+            ("load_head: keys (rows * head_dim)", k.len(), n * hd),
+            ("load_head: values (rows * head_dim)", v.len(), n * hd),
+            ("load_head: positions (one per row)", pos.len(), n),
+        ] {
+            if got != expected {
+                return Err(foxedge_core::Error::BadLength {
+                    what,
+                    expected,
+                    got,
+                }
+                .into());
+            }
+        }
+        if c.iter().any(|x| !x.is_finite()) {
+            return Err(Error::Input(foxedge_core::Error::BadArgument(
+                "cache c_j must be finite",
+            )));
+        }
+        let ctx = self.model.ctx.clone();
+        let mut rec = Rec::new(&ctx)?;
+        let hb = self.ensure_head(&mut rec, l, h, n.max(1))?;
+        let mut words: Vec<u32> = Vec::with_capacity(2 * n * hd + 4 * n);
+        words.extend(k.iter().map(|x| x.to_bits()));
+        words.extend(v.iter().map(|x| x.to_bits()));
+        crate::decode::meta_words(c, Some(pos), &mut words);
+        let src = ctx.host_buffer(words.len(), true)?;
+        src.write()
+            .map_err(|e| Error::Vulkan(e.to_string()))?
+            .get_mut(..words.len())
+            .ok_or_else(|| internal("staging buffer too small"))?
+            .copy_from_slice(&words);
+        if n > 0 {
+            copy(
+                &mut rec,
+                &src,
+                &hb.buf,
+                vec![
+                    copy_region(0, 0, n * hd),
+                    copy_region(n * hd, v_off(hb.cap, hd, false), n * hd),
+                    copy_region(2 * n * hd, meta_off(hb.cap, hd, false), 4 * n),
+                ],
+            )?;
+        }
+        ctx.submit(rec.b)
+    }
+
     /// Grows head `h` of layer `l` to hold `need` rows (doubling, rows copied on the
     /// device); creates it at the first use.
     fn ensure_head(
@@ -787,6 +906,7 @@ impl DeviceStream {
         }
         let cap = need.max(64).next_power_of_two();
         let buf = ctx.device_buffer(head_words(cap, hd, false))?;
+        self.invalidate();
         if let Some(old) = &self.heads[l][h] {
             let oc = old.cap;
             copy(

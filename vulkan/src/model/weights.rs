@@ -1,7 +1,9 @@
 //! Weights on the device, uploaded once in their storage format: f32 as is, f16 and bf16
-//! two per u32 word (lower half first; the shaders widen them). A matrix larger than one
-//! storage-buffer binding is split into chunks of whole rows, each its own buffer; a product
-//! runs one dispatch per chunk. The total is checked against a budget before anything is
+//! two per u32 word (lower half first; the shaders widen them), Q8 / Q4 as the bytes of
+//! their packed tiles (`shaders/qblk.glsl`; 1.0625 / 0.5625 bytes per weight, the shaders
+//! dequantize). A matrix larger than one storage-buffer binding is split into chunks of
+//! whole rows (whole groups of 16 rows for Q8 / Q4), each its own buffer; a product runs
+//! one dispatch per chunk. The total is checked against a budget before anything is
 //! allocated, so a model that does not fit is [`Error::DoesNotFit`], not a failed
 //! allocation half-way.
 
@@ -15,7 +17,7 @@ use vulkano::memory::MemoryHeapFlags;
 /// A matrix `[rows, cols]` on the device, in row chunks.
 #[derive(Debug, Clone)]
 pub(crate) struct Mat {
-    /// 0 f32, 1 f16, 2 bf16 (`wfmt.glsl`).
+    /// 0 f32, 1 f16, 2 bf16 (`wfmt.glsl`), 3 Q8, 4 Q4 (`qblk.glsl`).
     pub format: u32,
     pub cols: usize,
     /// (buffer, first row, rows).
@@ -75,6 +77,14 @@ fn words(w: &Weights<'_>) -> Vec<u32> {
                 u32::from(p[0].to_bits()) | (u32::from(p.get(1).map_or(0, |x| x.to_bits())) << 16)
             })
             .collect(),
+        Weights::Q8(b) | Weights::Q4(b) => b
+            .chunks(4)
+            .map(|p| {
+                let mut w = [0u8; 4];
+                w[..p.len()].copy_from_slice(p);
+                u32::from_le_bytes(w)
+            })
+            .collect(),
     }
 }
 
@@ -86,10 +96,29 @@ fn bad_len(what: &'static str, expected: usize, got: usize) -> Error {
     })
 }
 
-/// Checks that `w` holds `rows x cols` weights.
+/// Checks that `w` holds `rows x cols` weights (block formats: their packed bytes, and
+/// `cols` a multiple of 32, which the block kernels take whole).
 fn check(w: &Weights<'_>, what: &'static str, rows: usize, cols: usize) -> Result<()> {
-    if w.len() != rows * cols {
-        return Err(bad_len(what, rows * cols, w.len()));
+    let (want, got) = match w {
+        Weights::F32(v) => (rows * cols, v.len()),
+        Weights::F16(v) => (rows * cols, v.len()),
+        Weights::Bf16(v) => (rows * cols, v.len()),
+        Weights::Q8(b) | Weights::Q4(b) => {
+            let want = super::packed_bytes(matches!(w, Weights::Q4(_)), rows, cols).ok_or(
+                Error::Input(foxedge_core::Error::BadShape(
+                    "packed weight byte size overflows usize",
+                )),
+            )?;
+            (want, b.len())
+        }
+    };
+    if want != got {
+        return Err(bad_len(what, want, got));
+    }
+    if w.is_block() && cols % 32 != 0 {
+        return Err(Error::Unsupported(format!(
+            "{what}: the device's Q8 / Q4 kernels need rows of a multiple of 32 weights, not {cols}"
+        )));
     }
     Ok(())
 }
@@ -120,15 +149,19 @@ impl Uploader<'_> {
         Ok(self.ctx.upload(&[&w])?.remove(0))
     }
 
+    /// `w` (checked to be `rows x cols`) in chunks of whole rows, or of whole groups of 16
+    /// rows for block formats.
     fn mat(&mut self, w: &Weights<'_>, rows: usize, cols: usize) -> Result<Mat> {
         let all = words(w);
-        let row_words = all.len() / rows.max(1);
-        let per = (self.limit_words / row_words.max(1)).max(1);
+        // Rows per unit of the layout and the unit's words.
+        let unit = if w.is_block() { 16 } else { 1 };
+        let unit_words = all.len() / rows.div_ceil(unit).max(1);
+        let per = (self.limit_words / unit_words.max(1)).max(1) * unit;
         let mut chunks = Vec::new();
         let mut r0 = 0;
         while r0 < rows {
             let n = per.min(rows - r0);
-            let part = &all[r0 * row_words..(r0 + n) * row_words];
+            let part = &all[r0 / unit * unit_words..(r0 + n).div_ceil(unit) * unit_words];
             chunks.push((self.ctx.upload(&[part])?.remove(0), r0, n));
             r0 += n;
         }
@@ -311,3 +344,6 @@ pub(crate) fn device_heap(ctx: &Context) -> u64 {
         .max()
         .unwrap_or(1 << 30)
 }
+
+#[cfg(test)]
+mod tests;

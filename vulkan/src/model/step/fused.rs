@@ -19,14 +19,16 @@
 //! grown when a step needs more and reused otherwise.
 
 use super::{
-    BLOCK, DeviceStream, Gates, HPD, HostData, MAXC, Output, RowOp, RunStats, copy, copy_region,
-    internal, logits_words, op_words, out_rows, read_head, view,
+    BLOCK, DeviceStream, Gates, HPD, HostData, HostTimes, MAXC, Output, RowOp, RunStats, copy,
+    copy_region, internal, logits_words, op_words, out_rows, read_head, view,
 };
 use crate::decode::{auto_split, storage_align};
 use crate::error::{Error, Result};
 use crate::pack::split_f64;
 use foxedge_core::contract::{AttentionStats, HeadStats};
+use std::sync::Arc;
 use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::command_buffer::PrimaryAutoCommandBuffer;
 use vulkano::descriptor_set::WriteDescriptorSet;
 
 static GATE_STEP: &[u8] = include_bytes!("../../../shaders/gate_step.spv");
@@ -214,17 +216,63 @@ struct Group {
     info: (usize, usize),
     par: (usize, usize),
     qinfo: (usize, usize),
-    chunks: usize,
+    /// Decode workgroups per head: chunks of the largest capacity among the group's heads.
+    grid: u32,
 }
 
-/// Per layer: host-data ranges.
+/// Per layer: host-data ranges (of the step's fixed-size inputs).
 struct LayerAt {
     cprev: (usize, usize),
     rc: (usize, usize),
-    ops: (usize, usize),
     mode: u32,
     chunk: usize,
     groups: Vec<Group>,
+}
+
+/// `FOXEDGE_VK_REPLAY=0` records every step afresh (for measuring what replay saves).
+fn replay_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_REPLAY")
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    })
+}
+
+/// `FOXEDGE_VK_UNTRACKED=0` submits a replayed step through vulkano's futures (resource
+/// tracking per submission) instead of a plain queue submission.
+fn untracked_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_UNTRACKED")
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    })
+}
+
+/// Words of one row operation (`cache_ops.comp`: two uvec4).
+const OP_WORDS: usize = 8;
+
+/// What a recorded step depends on besides the buffers it binds (a re-allocated buffer
+/// drops the recording): the output, the offset of the variable host inputs, the decode
+/// pipeline, and per layer the decode chunk, the ACP mode and each head group's grid.
+#[derive(Debug, Clone, PartialEq)]
+struct Key {
+    out: u8,
+    var_at: usize,
+    decode: usize,
+    layers: Vec<(usize, u32, Vec<u32>)>,
+}
+
+/// A step's command buffer, recorded once and submitted for every token with the same
+/// [`Key`]: everything that changes per token (the token id, `c_{t-1}`, row operations,
+/// eviction thresholds, live rows, ACP thresholds) is in the host inputs it reads.
+pub(super) struct Replay {
+    key: Key,
+    cb: Arc<PrimaryAutoCommandBuffer>,
+    dispatches: u32,
+    /// Bytes it reads back besides the gates (logits or the token, and the flag).
+    head_bytes: u64,
 }
 
 impl DeviceStream {
@@ -280,10 +328,11 @@ impl DeviceStream {
             attention: Vec::with_capacity(nl),
             ..RunStats::default()
         };
-        let mut rec = super::Rec::new(&ctx)?;
-        rec.b.fill_buffer(self.flag.clone(), 0)?;
 
-        // Cache heads large enough for the token's row.
+        // Cache heads large enough for the token's row, grown in a submission of their own:
+        // the recorded step binds the heads' buffers.
+        let mut grow = super::Rec::new(&ctx)?;
+        let mut grew = false;
         for (l, heads) in plan.iter().enumerate() {
             for (h, st) in heads.iter().enumerate() {
                 let mut need = st.live + 1;
@@ -301,20 +350,41 @@ impl DeviceStream {
                 if need > u32::MAX as usize / 4 {
                     return Err(Error::Unsupported("cache head too large".into()));
                 }
-                self.ensure_head(&mut rec, l, h, need)?;
+                let before = self.heads[l][h].as_ref().map(|b| b.cap);
+                grew |= Some(self.ensure_head(&mut grow, l, h, need)?.cap) != before;
             }
         }
+        if grew {
+            let [build, submit, wait] = ctx.submit_timed(grow.b)?;
+            let t = HostTimes {
+                build,
+                submit,
+                wait,
+                ..HostTimes::default()
+            };
+            stats.host.add(&t);
+            self.times.add(&t);
+        }
+        let t0 = std::time::Instant::now();
 
-        // Host inputs, one buffer for the step.
+        // Host inputs, one buffer for the step: first those whose offsets depend on the
+        // model's shape only (bound at fixed views by the recorded step), then the row
+        // operations, eviction thresholds and ACP tables (one view; the fixed part holds
+        // indices into it).
         let qstride = (2 * HPD).div_ceil(align) * align / 2;
-        let max_blocks = plan
+        // ACP flags and decode partials are laid out by the heads' capacities (at least
+        // their live rows and the token's), so their buffers change only when a head grows.
+        let max_blocks = self
+            .heads
             .iter()
             .flatten()
-            .map(|s| (s.live + 1).div_ceil(BLOCK))
+            .flatten()
+            .map(|b| b.cap.div_ceil(BLOCK))
             .max()
             .unwrap_or(1);
-        let mut hdata = HostData::new(align);
-        let ids_at = hdata.push(&[token]);
+        let mut fx = HostData::new(align);
+        let mut var = HostData::new(OP_WORDS);
+        let ids_at = fx.push(&[token]);
         let mut layers_at = Vec::with_capacity(nl);
         let mut parts_max = 1usize;
         for (l, heads) in plan.iter().enumerate() {
@@ -343,7 +413,7 @@ impl DeviceStream {
                     )));
                 }
                 split_f64(&[st.c_prev], &mut cw[2 * h..2 * h + 2]);
-                let first = words.len() / 8;
+                let first = words.len() / OP_WORDS;
                 for op in &st.ops {
                     op_words(op, &mut words)?;
                 }
@@ -409,9 +479,13 @@ impl DeviceStream {
                 let n_ops = st.ops.len() + st.evict.len() + 1;
                 ranges.extend([first as u32, n_ops as u32, h as u32, cap as u32]);
             }
-            let ops_at = hdata.push(&words);
-            let thr_at = hdata.push(&thr);
-            let tab_at = hdata.push(&tables);
+            let ops_at = var.push(&words);
+            let thr_at = var.push(&thr);
+            let tab_at = var.push(&tables);
+            // First operations relative to the operations' view (which starts at `var`).
+            for r in ranges.chunks_mut(4) {
+                r[0] += (ops_at.0 / OP_WORDS) as u32;
+            }
             let entries: usize = heads.iter().map(|s| s.live + 1).sum();
             let n_max = heads.iter().map(|s| s.live + 1).max().unwrap_or(1);
             let chunk = auto_split(entries)
@@ -426,7 +500,8 @@ impl DeviceStream {
                 let mut par = Vec::new();
                 let mut qinfo = Vec::new();
                 let mut parts = 0usize;
-                let mut chunks = 1usize;
+                let mut parts_cap = 0usize;
+                let mut grid = 1usize;
                 for (h, st) in heads.iter().enumerate().take(h1).skip(h0) {
                     let live = st.live + 1;
                     let cap = self.heads[l][h].as_ref().map_or(0, |b| b.cap);
@@ -438,8 +513,6 @@ impl DeviceStream {
                         ((l * nh + h) | (h << 16)) as u32,
                     ]);
                     par.extend(st.acp.par()?);
-                    let nch = live.div_ceil(chunk);
-                    chunks = chunks.max(nch);
                     qinfo.extend([
                         live as u32,
                         cap as u32,
@@ -450,21 +523,26 @@ impl DeviceStream {
                         0,
                         0,
                     ]);
-                    parts += nch;
+                    parts += live.div_ceil(chunk);
+                    // Chunks of the head's capacity: the decode kernel's workgroups past
+                    // its live rows' chunks return at once.
+                    grid = grid.max(cap.div_ceil(chunk));
+                    parts_cap += cap.div_ceil(chunk);
                 }
-                parts_max = parts_max.max(parts);
+                parts_max = parts_max.max(parts).max(parts_cap);
                 let g = Group {
                     h0,
                     h1,
-                    ranges: hdata.push(&ranges[4 * h0..4 * h1]),
-                    info: hdata.push(&info),
-                    par: hdata.push(&par),
-                    qinfo: hdata.push(&qinfo),
-                    chunks,
+                    ranges: fx.push(&ranges[4 * h0..4 * h1]),
+                    info: fx.push(&info),
+                    par: fx.push(&par),
+                    qinfo: fx.push(&qinfo),
+                    grid: grid as u32,
                 };
                 for h in h0..h1 {
                     let (put, cand, thr0, table) = offs[h];
                     let i = h - h0;
+                    // Words 0, 2, 3 and 7 index `var`; made absolute below.
                     rc[12 * h..12 * h + 12].copy_from_slice(&[
                         (ops_at.0 + put) as u32,
                         heads[h].evict.len() as u32,
@@ -483,39 +561,163 @@ impl DeviceStream {
                 groups.push(g);
             }
             layers_at.push(LayerAt {
-                cprev: hdata.push(&cw),
-                rc: hdata.push(&rc),
-                ops: ops_at,
+                cprev: fx.push(&cw),
+                rc: fx.push(&rc),
                 mode,
                 chunk,
                 groups,
             });
         }
+        let var_at = fx.words.len().div_ceil(align) * align;
+        for la in &layers_at {
+            for r in fx.words[la.rc.0..la.rc.0 + 12 * nh].chunks_mut(12) {
+                for i in [0, 2, 3] {
+                    r[i] += var_at as u32;
+                }
+                if r[7] != u32::MAX {
+                    r[7] += var_at as u32;
+                }
+            }
+        }
         let gw = self.gates_words(1);
         let need = Need {
-            up: hdata.words.len(),
+            up: var_at + var.words.len(),
             rb: nl * gw + 6 * nl * nh,
             kept: nl * nh * max_blocks,
             parts: parts_max,
         };
         self.fused_bufs(need, qstride * nh.div_ceil(HPD) * 2)?;
+        let kernel = crate::decode::kernel(&ctx, &crate::DecodeTuning::default(), hd, false)?;
+        let key = Key {
+            out: match &out {
+                Output::Nothing => 0,
+                Output::Last(_) | Output::All(_) => 1,
+                Output::Greedy => 2,
+            },
+            var_at,
+            decode: Arc::as_ptr(&kernel.pipe) as usize,
+            layers: layers_at
+                .iter()
+                .map(|la| {
+                    (
+                        la.chunk,
+                        la.mode,
+                        la.groups.iter().map(|g| g.grid).collect(),
+                    )
+                })
+                .collect(),
+        };
+        {
+            let b = self
+                .fused
+                .as_ref()
+                .ok_or_else(|| internal("no step buffers"))?;
+            let mut w = b.up.write().map_err(|e| Error::Vulkan(e.to_string()))?;
+            w[..fx.words.len()].copy_from_slice(&fx.words);
+            w[var_at..var_at + var.words.len()].copy_from_slice(&var.words);
+        }
+        stats.bytes_uploaded += (fx.words.len() + var.words.len()) as u64 * 4;
+
+        let mut t = HostTimes::default();
+        if !replay_enabled() || self.replay.as_ref().is_none_or(|r| r.key != key) {
+            self.replay = None;
+            let (r, build) = self.record_step(&kernel, &layers_at, ids_at, key, &out)?;
+            self.replay = Some(r);
+            t.build = build;
+            t.recorded = 1;
+        }
+        t.record = t0.elapsed().saturating_sub(t.build);
+        let r = self
+            .replay
+            .as_ref()
+            .ok_or_else(|| internal("no recorded step"))?;
+        let (cb, dispatches) = (r.cb.clone(), r.dispatches);
+        stats.bytes_downloaded += (nl * gw + 6 * nl * nh) as u64 * 4 + r.head_bytes;
+        let (rb, hout) = {
+            let b = self
+                .fused
+                .as_ref()
+                .ok_or_else(|| internal("no step buffers"))?;
+            (b.rb.clone(), b.out.clone())
+        };
+        self.submit_built(cb, dispatches, t, &mut stats, untracked_enabled())?;
+        self.step_times.add(&stats.host);
+        let words = {
+            let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+            w[..nl * gw + 6 * nl * nh].to_vec()
+        };
+        {
+            let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+            read_head(&w, out_rows(&out, 1) * v, out, &mut stats)?;
+        }
+        let res = StepOutput {
+            words,
+            gate_words: gw,
+            hidden: d,
+            heads: nh,
+            layers: nl,
+        };
+        for (l, heads) in plan.iter().enumerate() {
+            let mut st = AttentionStats {
+                heads: Vec::with_capacity(nh),
+            };
+            for (h, sp) in heads.iter().enumerate() {
+                let k = res.evicted(l, h);
+                if k > sp.evict.len() {
+                    return Err(internal("a step evicted more than its plan"));
+                }
+                let live = (sp.live - k + 1) as u64;
+                let (kb, kr) = res.kept(l, h);
+                st.heads.push(HeadStats {
+                    delta: match &sp.acp {
+                        StepAcp::Delta(x) => x.get(k).copied(),
+                        _ => None,
+                    },
+                    total_pairs: live,
+                    total_blocks: live.div_ceil(BLOCK as u64),
+                    kept_pairs: kr,
+                    kept_blocks: kb,
+                });
+            }
+            stats.attention.push(st);
+        }
+        Ok((stats, res))
+    }
+
+    /// Records the step's command buffer for `key` (submitted many times): every layer
+    /// with the host inputs at the offsets `layers` names, the final norm and LM head for
+    /// `out`. Returns it with the time its build took.
+    fn record_step(
+        &self,
+        kernel: &crate::decode::Kernel,
+        layers_at: &[LayerAt],
+        ids_at: (usize, usize),
+        key: Key,
+        out: &Output<'_>,
+    ) -> Result<(Replay, std::time::Duration)> {
+        let model = &self.model;
+        let ctx = &model.ctx;
+        let sh = model.shape;
+        let (nh, hd, nl) = (sh.heads, sh.head_dim, sh.layers);
+        let gw = self.gates_words(1);
+        let align = storage_align(ctx);
+        let qstride = (2 * HPD).div_ceil(align) * align / 2;
         let b = self
             .fused
             .as_ref()
             .ok_or_else(|| internal("no step buffers"))?;
-        {
-            let mut w = b.up.write().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..hdata.words.len()].copy_from_slice(&hdata.words);
-        }
-        stats.bytes_uploaded += hdata.words.len() as u64 * 4;
         let up = b.up.clone();
-
+        let ops = up.clone().slice(key.var_at as u64..);
+        let mut rec = super::Rec::reusable(ctx)?;
+        rec.b.fill_buffer(self.flag.clone(), 0)?;
+        // Zero once: each decode dispatch leaves its merge counters at zero (the merging
+        // workgroup resets its query's; single-chunk queries never count).
+        rec.b.fill_buffer(b.counters.clone(), 0)?;
         let s = self
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
         rec.embed(&model.embeddings, &view(&up, ids_at), 1, &s.h)?;
-        let kernel = crate::decode::kernel(&ctx, &crate::DecodeTuning::default(), hd, false)?;
         let gate_pipe = ctx.pipeline("gate_step", GATE_STEP, &[])?;
         let acp_pipe = ctx.pipeline("acp_blocks", ACP_BLOCKS, &[(0, hd as u32)])?;
         #[derive(BufferContents, Clone, Copy)]
@@ -569,7 +771,7 @@ impl DeviceStream {
                     slots[..g.h1 - g.h0].to_vec(),
                     &s.k,
                     &s.v,
-                    &view(&up, la.ops),
+                    &ops,
                     &view(&up, g.ranges),
                 )?;
                 #[derive(BufferContents, Clone, Copy)]
@@ -596,7 +798,6 @@ impl DeviceStream {
                     [(g.h1 - g.h0) as u32, 1, 1],
                 )?;
                 let q_views = (g.h1 - g.h0) * hd;
-                rec.b.fill_buffer(b.counters.clone(), 0)?;
                 rec.run(
                     &kernel.pipe,
                     vec![
@@ -618,7 +819,7 @@ impl DeviceStream {
                         scale_log2: (1.0 / (hd as f32).sqrt()) * std::f32::consts::LOG2_E,
                         pad: 0,
                     },
-                    [g.chunks as u32, (g.h1 - g.h0) as u32, 1],
+                    [g.grid, (g.h1 - g.h0) as u32, 1],
                 )?;
             }
             self.record_post(&mut rec, l, 1)?;
@@ -629,51 +830,20 @@ impl DeviceStream {
             &b.rb,
             vec![copy_region(0, nl * gw, 4 * nl * nh)],
         )?;
-        stats.bytes_downloaded += (nl * gw + 6 * nl * nh) as u64 * 4;
-        stats.bytes_downloaded += self.record_head(&mut rec, 1, &out, &b.logits, &b.am, &b.out)?;
-        let (rb, hout) = (b.rb.clone(), b.out.clone());
-        self.submit(rec, &mut stats)?;
-        self.step_times.add(&stats.host);
-        let words = {
-            let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..nl * gw + 6 * nl * nh].to_vec()
-        };
-        {
-            let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            read_head(&w, out_rows(&out, 1) * v, out, &mut stats)?;
-        }
-        let res = StepOutput {
-            words,
-            gate_words: gw,
-            hidden: d,
-            heads: nh,
-            layers: nl,
-        };
-        for (l, heads) in plan.iter().enumerate() {
-            let mut st = AttentionStats {
-                heads: Vec::with_capacity(nh),
-            };
-            for (h, sp) in heads.iter().enumerate() {
-                let k = res.evicted(l, h);
-                if k > sp.evict.len() {
-                    return Err(internal("a step evicted more than its plan"));
-                }
-                let live = (sp.live - k + 1) as u64;
-                let (kb, kr) = res.kept(l, h);
-                st.heads.push(HeadStats {
-                    delta: match &sp.acp {
-                        StepAcp::Delta(x) => x.get(k).copied(),
-                        _ => None,
-                    },
-                    total_pairs: live,
-                    total_blocks: live.div_ceil(BLOCK as u64),
-                    kept_pairs: kr,
-                    kept_blocks: kb,
-                });
-            }
-            stats.attention.push(st);
-        }
-        Ok((stats, res))
+        let head_bytes = self.record_head(&mut rec, 1, out, &b.logits, &b.am, &b.out)?;
+        let dispatches = rec.dispatches;
+        let t = std::time::Instant::now();
+        let cb = rec.b.build()?;
+        let build = t.elapsed();
+        Ok((
+            Replay {
+                key,
+                cb,
+                dispatches,
+                head_bytes,
+            },
+            build,
+        ))
     }
 
     /// The cache buffers of heads `h0..h1` of layer `l`, padded to [`HPD`] with the last.
@@ -696,6 +866,7 @@ impl DeviceStream {
         let sh = self.model.shape;
         let grow = |x: usize| x + x / 2;
         let parts = grow(need.parts);
+        self.invalidate();
         self.fused = Some(Bufs {
             up: ctx.host_buffer(grow(need.up), true)?,
             rb: ctx.host_buffer(grow(need.rb), false)?,

@@ -1,0 +1,70 @@
+// Matrix-vector product of decode for block-format weights (QFMT 8: Q8, 4: Q4; qblk.glsl),
+// y[y_off + r] (+)= sum_i W[r, i] x[x_off + i] for r < rows, W [rows, K], dequantized in
+// registers, f32 accumulation: per block, s = sum of its 32 products q x (Q4: level x),
+// then acc += d s. One workgroup per group of 16 rows: thread (lane, j) takes row j and the
+// blocks lane, lane + LANES, ... (the 16 rows' words of a block are 64 consecutive bytes);
+// the LANES partial sums of a row are added in shared memory. Memory-bound: each weight
+// byte is read once.
+#extension GL_EXT_control_flow_attributes : enable
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WGS = 256;  // threads: 16 x LANES, LANES a power of two
+layout(constant_id = 1) const uint K = 256;    // row length, a multiple of 32
+layout(constant_id = 2) const uint ACC = 0;    // 1: add into y
+
+layout(std430, set = 0, binding = 0) readonly buffer Wb { uint W[]; };
+layout(std430, set = 0, binding = 1) readonly buffer Xb { vec4 x[]; };
+layout(std430, set = 0, binding = 2) buffer Yb { float y[]; };
+
+#if QFMT == 8
+const uint QW = 8u;
+#else
+const uint QW = 4u;
+#endif
+#include "qblk.glsl"
+const uint LANES = WGS / 16u;
+const uint NB = K / 32u;                     // blocks of a row
+const uint GW = ((K + 63u) / 64u) * TILE_W;  // words of a row group
+
+layout(push_constant) uniform Push {
+    uint rows;    // rows of this weight binding (whole groups are stored)
+    uint y_off;   // output index of its row 0
+    uint x_off4;  // input offset in vec4
+} pc;
+
+shared float red[WGS];
+
+void main() {
+    load_levels();
+    const uint tid = gl_LocalInvocationID.x;
+    const uint j = tid % 16u;
+    const uint lane = tid / 16u;
+    const uint g = gl_WorkGroupID.x;
+    const uint r = 16u * g + j;
+    float acc = 0.0;
+    for (uint kb = lane; kb < NB; kb += LANES) {
+        const uint tile = q_tile(GW, g, kb);
+        const uint xb = pc.x_off4 + 8u * kb;
+        float s = 0.0;
+#if QFMT == 8
+        [[unroll]] for (uint c = 0; c < 8u; ++c) {
+            s += dot(q8x4(q_word(tile, kb, j, c)), x[xb + c]);
+        }
+#else
+        [[unroll]] for (uint c = 0; c < 4u; ++c) {
+            const uint w = q_word(tile, kb, j, c);
+            s += dot(q4x4(w), x[xb + c]) + dot(q4x4(w >> 4), x[xb + 4u + c]);
+        }
+#endif
+        acc += q_scale(tile, kb, j) * s;
+    }
+    red[tid] = acc;
+    barrier();
+    for (uint s = LANES / 2u; s > 0u; s >>= 1) {
+        if (lane < s) red[tid] += red[tid + 16u * s];
+        barrier();
+    }
+    if (lane == 0u && r < pc.rows) {
+        const uint o = pc.y_off + r;
+        y[o] = (ACC != 0u ? y[o] : 0.0) + red[tid];
+    }
+}

@@ -1,0 +1,98 @@
+//! Decode's projections of one normed row in one dispatch (`mvn.glsl`): the matrices that
+//! read the same input (q, k, v, the k/v shift projections, the forget and output gates)
+//! write their slices of one output row, each output the sum the single-matrix kernel
+//! (`mv.glsl`) makes, in the same order.
+
+use super::ops::{MV_TPR, MV_WGS, Rec};
+use super::weights::Mat;
+use crate::error::Result;
+use vulkano::buffer::{BufferContents, Subbuffer};
+use vulkano::descriptor_set::WriteDescriptorSet;
+
+static MVN: [&[u8]; 3] = [
+    include_bytes!("../../shaders/mvn_f32.spv"),
+    include_bytes!("../../shaders/mvn_f16.spv"),
+    include_bytes!("../../shaders/mvn_bf16.spv"),
+];
+static MVN_NAMES: [&str; 3] = ["mvn_f32", "mvn_f16", "mvn_bf16"];
+/// Weight bindings per dispatch (`SLOTS` in `mvn.glsl`).
+const SLOTS: usize = 8;
+
+impl Rec<'_> {
+    /// `y[off + r] = (W x)[r]` for every `(W, off)` of `mats` (one token, `x` at float 0):
+    /// one dispatch per [`SLOTS`] weight chunks when the matrices share a float format
+    /// (f32, f16, bf16) and a row length, else one per matrix ([`Rec::matvec`], which also
+    /// runs the Q8 / Q4 block formats).
+    pub fn matvec_many(
+        &mut self,
+        mats: &[(Mat, usize)],
+        x: &Subbuffer<[u32]>,
+        y: &Subbuffer<[u32]>,
+    ) -> Result<()> {
+        let Some((m0, _)) = mats.first() else {
+            return Ok(());
+        };
+        if m0.format as usize >= MVN.len()
+            || mats
+                .iter()
+                .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
+        {
+            for (m, off) in mats {
+                self.matvec(m, x, 0, y, *off, false)?;
+            }
+            return Ok(());
+        }
+        let f = m0.format as usize;
+        let pipe = self.ctx.pipeline(
+            MVN_NAMES[f],
+            MVN[f],
+            &[(0, MV_WGS), (1, m0.cols as u32), (2, MV_TPR)],
+        )?;
+        #[derive(BufferContents, Clone, Copy)]
+        #[repr(C)]
+        struct P {
+            rows: [u32; SLOTS],
+            y_off: [u32; SLOTS],
+            first: [u32; SLOTS],
+        }
+        let chunks: Vec<(&Subbuffer<[u32]>, usize, usize)> = mats
+            .iter()
+            .flat_map(|(m, off)| {
+                m.chunks
+                    .iter()
+                    .map(move |(w, r0, rows)| (w, off + r0, *rows))
+            })
+            .collect();
+        let teams = (MV_WGS / MV_TPR) as usize;
+        for group in chunks.chunks(SLOTS) {
+            let mut p = P {
+                rows: [0; SLOTS],
+                y_off: [0; SLOTS],
+                first: [u32::MAX; SLOTS],
+            };
+            let mut groups = 0usize;
+            let mut bufs = Vec::with_capacity(SLOTS);
+            for (i, &(w, off, rows)) in group.iter().enumerate() {
+                p.rows[i] = rows as u32;
+                p.y_off[i] = off as u32;
+                p.first[i] = groups as u32;
+                groups += rows.div_ceil(teams);
+                bufs.push(w.clone());
+            }
+            while bufs.len() < SLOTS {
+                bufs.push(bufs[0].clone());
+            }
+            self.run(
+                &pipe,
+                vec![
+                    WriteDescriptorSet::buffer_array(0, 0, bufs),
+                    WriteDescriptorSet::buffer(1, x.clone()),
+                    WriteDescriptorSet::buffer(2, y.clone()),
+                ],
+                p,
+                [groups as u32, 1, 1],
+            )?;
+        }
+        Ok(())
+    }
+}
