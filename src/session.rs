@@ -271,6 +271,17 @@ struct LayerState {
     peak_live: usize,
 }
 
+/// Runs `f` on a worker thread of `pool`, or of rayon's global pool when None. The forward's
+/// parallel regions (~5 a block) then fork from a worker, whose deque the other workers
+/// steal from, instead of each one being injected from outside the pool while the caller
+/// sleeps until it ends (two thread wake-ups a region).
+fn on_pool<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match pool {
+        Some(p) => p.install(f),
+        None => rayon::scope(|_| f()),
+    }
+}
+
 /// A stream of tokens through a model. `Send`, fed by one caller at a time.
 #[derive(Debug)]
 pub struct Session {
@@ -631,10 +642,10 @@ impl Session {
         logits_out: Option<&mut [f32]>,
         hidden: Option<&mut [f32]>,
     ) -> Result<()> {
-        match self.pool.clone() {
-            Some(pool) => pool.install(|| self.feed_checked(tokens, scores, logits_out, hidden)),
-            None => self.feed_checked(tokens, scores, logits_out, hidden),
-        }
+        let pool = self.pool.clone();
+        on_pool(pool.as_deref(), || {
+            self.feed_checked(tokens, scores, logits_out, hidden)
+        })
     }
 
     fn feed_checked(
@@ -790,10 +801,10 @@ impl Session {
         for s in sessions.iter_mut() {
             s.leave_device();
         }
-        match sessions[0].pool.clone() {
-            Some(pool) => pool.install(|| Session::batch_rounds(&model, sessions, tokens, logits)),
-            None => Session::batch_rounds(&model, sessions, tokens, logits),
-        }
+        let pool = sessions[0].pool.clone();
+        on_pool(pool.as_deref(), || {
+            Session::batch_rounds(&model, sessions, tokens, logits)
+        })
     }
 
     /// The rounds of a checked [`Session::feed_batch`]: one chunk of every session with

@@ -24,7 +24,7 @@ use crate::prefill::{
     KeyCut, M_FLOOR, NON_FINITE, SCRATCH, Scratch, SharedMut, SoftmaxArgs, normalized_rows,
     scale_row, sized, softmax_block, split_f64, tile_mm, transpose,
 };
-use crate::simd::{Isa, Vf32, WithSimd, dispatch, widen};
+use crate::simd::{Isa, Vf32, WithSimd, dispatch, prefetch, widen};
 use foxedge_core::contract::{
     AttentionStats, ContinueArgs, ContinueOptions, HeadStats, Storage, acp,
 };
@@ -82,15 +82,13 @@ pub fn prefill_continue_with_isa<T: Storage, O: Storage>(
         });
     }
 
-    // Tasks (head, query tile), heaviest first: later tiles see more new keys.
+    // Tasks (head, query tile), grouped by head and heaviest first within each (later
+    // tiles see more new keys): a thread walks one head's query tiles while that head's
+    // cache rows stay in its caches, as prefill's tasks do.
     let nqb = t.div_ceil(bq);
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::with_capacity(nh * nqb);
-    for (h, hc) in args.cache.iter().enumerate() {
-        for qb in 0..nqb {
-            tasks.push((hc.c.len() + (qb + 1) * bq, h, qb));
-        }
-    }
-    tasks.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+    let tasks: Vec<(usize, usize)> = (0..nh)
+        .flat_map(|h| (0..nqb).rev().map(move |qb| (h, qb)))
+        .collect();
 
     let ctx = Ctx {
         args,
@@ -106,7 +104,7 @@ pub fn prefill_continue_with_isa<T: Storage, O: Storage>(
     let parts: Vec<(usize, HeadStats)> = tasks
         .par_iter()
         .with_max_len(1)
-        .map(|&(_, h, qb)| {
+        .map(|&(h, qb)| {
             let st = SCRATCH.with(|s| ctx.run_tile(h, qb, &mut s.borrow_mut()));
             (h, st)
         })
@@ -237,8 +235,17 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
         let hc = &a.cache[h];
         let n = hc.c.len();
         let cache_end = a.cache_end.map(|e| e[h]);
+        let pruned = |kb: usize| {
+            delta.is_some_and(|dl| acp::continue_tile_pruned(c_ref, ctx.cache_min[h][kb], dl))
+        };
         for (kb, j0) in (0..n).step_by(bk).enumerate() {
             let nk = (n - j0).min(bk);
+            // The next kept tile's K and V rows start loading while this one runs.
+            if let Some(nb) = (kb + 1..n.div_ceil(bk)).find(|&b| !pruned(b)) {
+                let (a0, a1) = (nb * bk * d, ((nb + 1) * bk).min(n) * d);
+                prefetch(&hc.k[a0..a1]);
+                prefetch(&hc.v[a0..a1]);
+            }
             let hi = sized(&mut scr.hi, nk);
             let mut pairs = 0u64;
             for (j, x) in hi.iter_mut().enumerate() {
@@ -251,7 +258,7 @@ impl<T: Storage, O: Storage> WithSimd for Tile<'_, '_, '_, T, O> {
             }
             st_out.total_pairs += pairs;
             st_out.total_blocks += 1;
-            if delta.is_some_and(|dl| acp::continue_tile_pruned(c_ref, ctx.cache_min[h][kb], dl)) {
+            if pruned(kb) {
                 continue;
             }
             st_out.kept_pairs += pairs;

@@ -223,6 +223,31 @@ pub(super) fn forward(model: &Model, members: &mut [Member<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// Rows with at least this many in a step run their element-wise ops (gates, activations)
+/// split over the threads; fewer (decode steps) run on the calling thread.
+const PAR_ELEMENTWISE_ROWS: usize = 32;
+
+/// `f(out row, in row)` for the `t` rows of `out` (`ow` values a row) and `inp` (`iw`),
+/// split over rayon's threads from [`PAR_ELEMENTWISE_ROWS`] rows on. Each row is computed
+/// alone, so the result does not depend on the split.
+fn by_rows<F>(t: usize, ow: usize, out: &mut [f32], iw: usize, inp: &[f32], f: F)
+where
+    F: Fn((&mut [f32], &[f32])) + Sync + Send,
+{
+    let (out, inp) = (&mut out[..t * ow], &inp[..t * iw]);
+    if t < PAR_ELEMENTWISE_ROWS {
+        out.chunks_exact_mut(ow)
+            .zip(inp.chunks_exact(iw))
+            .for_each(f);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(ow)
+            .zip(inp.par_chunks(iw))
+            .with_min_len(8)
+            .for_each(f);
+    }
+}
+
 /// Copies each member's rows of the residual stream `h` into its hidden buffer, block `l`.
 fn save_hidden(members: &mut [Member<'_>], rows: &[usize], h: &[f32], l: usize, d: usize) {
     for (m, &r0) in members.iter_mut().zip(rows) {
@@ -307,21 +332,42 @@ pub(super) fn layer_forward(
         *z = foxedge_core::gate::logsigmoid(*z + bias[i % nh]);
     }
 
-    // Attention: each member over its own cache (in row order, splitting off its output).
+    // Attention: each member over its own cache, members in parallel (one parallel region
+    // for the whole batch; each member's kernel splits further over its heads).
+    let mut ios: Vec<Option<Io<'_>>> = (0..members.len()).map(|_| None).collect();
     let mut o_rest = &mut s.o[..];
     for i in lay.order() {
-        let m = &mut members[i];
-        let (r0, n) = (rows[i], m.ids.len());
+        let (r0, n) = (rows[i], members[i].ids.len());
         let (o, rest) = o_rest.split_at_mut(n * d);
         o_rest = rest;
-        let io = Io {
+        ios[i] = Some(Io {
             q: &s.q[r0 * d..(r0 + n) * d],
             k: &s.k[r0 * d..(r0 + n) * d],
             v: &s.v[r0 * d..(r0 + n) * d],
             log_f: &s.log_f[r0 * nh..(r0 + n) * nh],
             o,
-        };
-        m.s.attention(model, l, pos0[i], m.scores, io)?;
+        });
+    }
+    let attend = |(i, (m, io)): (usize, (&mut Member<'_>, Option<Io<'_>>))| match io {
+        Some(io) => m.s.attention(model, l, pos0[i], m.scores, io),
+        None => Err(Error::Internal(format!("member {i} has no rows"))),
+    };
+    if members.len() == 1 {
+        members
+            .iter_mut()
+            .zip(ios)
+            .enumerate()
+            .try_for_each(attend)?;
+    } else {
+        use rayon::prelude::*;
+        // Every member runs (as fed alone); the first error in member order is returned.
+        let done: Vec<Result<()>> = members
+            .par_iter_mut()
+            .zip(ios)
+            .enumerate()
+            .map(attend)
+            .collect();
+        done.into_iter().collect::<Result<()>>()?;
     }
 
     // Output norm / gate (spec §3.7), then o_proj into the residual.
@@ -329,13 +375,15 @@ pub(super) fn layer_forward(
         ops::group_rmsnorm_inplace(&mut s.o, on, hd, cfg.norm_eps);
     }
     if lw.ogate.is_some() {
-        for (o, &g) in s.o.iter_mut().zip(&s.g) {
-            let a = match cfg.ogate_act {
-                OgateAct::Sigmoid => ops::sigmoid(g),
-                OgateAct::Silu => ops::silu(g),
-            };
-            *o *= a;
-        }
+        let gate = |(o, g): (&mut [f32], &[f32])| {
+            for (o, &g) in o.iter_mut().zip(g) {
+                *o *= match cfg.ogate_act {
+                    OgateAct::Sigmoid => ops::sigmoid(g),
+                    OgateAct::Silu => ops::silu(g),
+                };
+            }
+        };
+        by_rows(lay.t, d, &mut s.o, d, &s.g, gate);
     }
     dense(model, g, &lw.o_proj, &s.o, h, true)?;
 
@@ -343,15 +391,16 @@ pub(super) fn layer_forward(
     let i = info.intermediate;
     ops::rmsnorm(h, &lw.mlp_norm, cfg.norm_eps, &mut s.x);
     dense(model, g, &lw.gate_up, &s.x, &mut s.gu, false)?;
-    for r in 0..lay.t {
-        let (g, u) = s.gu[r * 2 * i..(r + 1) * 2 * i].split_at(i);
-        for ((a, &g), &u) in s.act[r * i..(r + 1) * i].iter_mut().zip(g).zip(u) {
+    let act = |(a, gu): (&mut [f32], &[f32])| {
+        let (g, u) = gu.split_at(i);
+        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
             *a = match cfg.hidden_act {
                 HiddenAct::Swish => ops::silu(g),
                 HiddenAct::Sigmoid => ops::sigmoid(g),
             } * u;
         }
-    }
+    };
+    by_rows(lay.t, i, &mut s.act, 2 * i, &s.gu, act);
     dense(model, g, &lw.down, &s.act, h, true)?;
     Ok(())
 }
