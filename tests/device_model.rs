@@ -17,7 +17,7 @@ mod common;
 
 use common::synth::{Synth, config_json, safetensors_bytes, tensors, with_weights};
 use common::*;
-use foxedge::{BackendKind, Budget, Model, Session, SessionOptions};
+use foxedge::{Budget, Model, Session, SessionOptions};
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
@@ -31,31 +31,10 @@ fn close(cpu: &[f32], dev: &[f32], what: &str) {
     }
 }
 
-/// A CPU session and a whole-model device session on `model`, or `None` (skipped).
-fn pair(model: &Arc<Model>, opts: &SessionOptions, test: &str) -> Option<(Session, Session)> {
-    let cpu = session(model, opts.clone());
-    let gpu = or_skip(
-        Session::new(
-            model.clone(),
-            SessionOptions {
-                backend: BackendKind::Vulkan,
-                ..opts.clone()
-            },
-        ),
-        test,
-        "Vulkan",
-    )?;
-    if !gpu.on_device() {
-        common::device::missing(test, &"the whole model did not load on the device");
-        return None;
-    }
-    Some((cpu, gpu))
-}
-
 /// A prompt with every row's logits, then `steps` greedy tokens (the CPU's choice fed to
 /// both), compared row by row; returns the two sessions.
 fn compare(model: &Arc<Model>, opts: &SessionOptions, prompt: &[u32], steps: usize, test: &str) {
-    let Some((mut cpu, mut gpu)) = pair(model, opts, test) else {
+    let Some((mut cpu, mut gpu)) = device_pair(model, opts, test) else {
         return;
     };
     let v = model.info().vocab;
@@ -219,7 +198,7 @@ fn a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu() {
     };
     assert!(opts.certified_eviction && opts.ln_eps.is_some());
     let test = "a_512_token_stream_with_certified_eviction_and_a_budget_matches_cpu";
-    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+    let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, test) else {
         return;
     };
     let v = model.info().vocab;
@@ -278,7 +257,7 @@ fn decode_tokens_with_evictions_are_one_submission() {
             ..SessionOptions::default()
         };
         let test = format!("decode_tokens_with_evictions_are_one_submission {i}");
-        let Some((mut cpu, mut gpu)) = pair(&model, &opts, &test) else {
+        let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, &test) else {
             return;
         };
         let v = model.info().vocab;
@@ -343,7 +322,7 @@ fn scored_evictions_take_the_per_layer_path() {
         ..SessionOptions::default()
     };
     let test = "scored_evictions_take_the_per_layer_path";
-    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+    let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, test) else {
         return;
     };
     let v = model.info().vocab;
@@ -397,7 +376,7 @@ fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
         ..SessionOptions::default()
     };
     let test = "prompt_tokens_after_the_first_chunk_are_one_submission_each";
-    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+    let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, test) else {
         return;
     };
     let v = model.info().vocab;
@@ -437,7 +416,7 @@ fn continuation_chunks_on_the_device_match_cpu() {
         sinks: 2,
         ..SessionOptions::default()
     };
-    let Some((mut cpu, mut gpu)) = pair(&model, &opts, test) else {
+    let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, test) else {
         return;
     };
     let v = model.info().vocab;

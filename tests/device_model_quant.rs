@@ -26,7 +26,7 @@
 mod common;
 
 use common::*;
-use foxedge::{BackendKind, Budget, Model, ModelOptions, Session, SessionOptions, WeightFormat};
+use foxedge::{Budget, Model, ModelOptions, SessionOptions, WeightFormat};
 use std::sync::Arc;
 
 /// Relative L2 bounds over a whole run and for one position (module docs).
@@ -39,27 +39,6 @@ fn quantized(f: WeightFormat) -> Arc<Model> {
         ..ModelOptions::default()
     };
     Arc::new(Model::open_with(model_dir(), &opts).expect("bundled model quantizes"))
-}
-
-/// A CPU session and a whole-model device session on `model`, or `None` (skipped).
-fn pair(model: &Arc<Model>, opts: &SessionOptions, test: &str) -> Option<(Session, Session)> {
-    let cpu = session(model, opts.clone());
-    let gpu = common::device::or_skip(
-        Session::new(
-            model.clone(),
-            SessionOptions {
-                backend: BackendKind::Vulkan,
-                ..opts.clone()
-            },
-        ),
-        test,
-        "Vulkan",
-    )?;
-    if !gpu.on_device() {
-        common::device::missing(test, &"the whole model did not load on the device");
-        return None;
-    }
-    Some((cpu, gpu))
 }
 
 /// Relative L2 of `dev` against `cpu`, checked against `tol`; returns it.
@@ -81,7 +60,7 @@ fn quantized_bundled_model_on_the_device_matches_cpu() {
     for f in [WeightFormat::Q8, WeightFormat::Q4] {
         let model = quantized(f);
         let test = format!("quantized_bundled_model_{f}");
-        let Some((mut cpu, mut gpu)) = pair(&model, &dense_opts(), &test) else {
+        let Some((mut cpu, mut gpu)) = device_pair(&model, &dense_opts(), &test) else {
             return;
         };
         let v = model.info().vocab;
@@ -125,7 +104,7 @@ fn a_quantized_512_token_stream_with_certified_eviction_matches_cpu_tokens() {
     for f in [WeightFormat::Q8, WeightFormat::Q4] {
         let model = quantized(f);
         let test = format!("quantized_512_token_stream_{f}");
-        let Some((mut cpu, mut gpu)) = pair(&model, &opts, &test) else {
+        let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, &test) else {
             return;
         };
         let v = model.info().vocab;

@@ -1,7 +1,7 @@
 //! Shared helpers of the integration tests: fixture paths, .npy loading, error metrics.
 #![allow(dead_code)]
 
-use foxedge::{Model, Session, SessionOptions};
+use foxedge::{BackendKind, Model, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -95,4 +95,30 @@ pub fn dense_opts() -> SessionOptions {
 
 pub fn session(model: &Arc<Model>, opts: SessionOptions) -> Session {
     Session::new(model.clone(), opts).expect("session")
+}
+
+/// A CPU session and a whole-model device session on `model` with `opts`, or `None` after
+/// [`device::missing`] (no Vulkan device, or the model did not load on it).
+pub fn device_pair(
+    model: &Arc<Model>,
+    opts: &SessionOptions,
+    test: &str,
+) -> Option<(Session, Session)> {
+    let cpu = session(model, opts.clone());
+    let gpu = device::or_skip(
+        Session::new(
+            model.clone(),
+            SessionOptions {
+                backend: BackendKind::Vulkan,
+                ..opts.clone()
+            },
+        ),
+        test,
+        "Vulkan",
+    )?;
+    if !gpu.on_device() {
+        device::missing(test, &"the whole model did not load on the device");
+        return None;
+    }
+    Some((cpu, gpu))
 }

@@ -110,6 +110,9 @@ impl<'c> Rec<'c> {
     }
 
     /// `y[y_off + r] (+)= W x` for one token (`x` at float `x_off`, a multiple of 4).
+    /// Float formats run `mv.glsl` (teams of `MV_TPR` threads a row); Q8 / Q4 run
+    /// `mvq.glsl`: a workgroup per group of 16 rows, 16 x LANES threads, LANES a power of
+    /// two, at most one per block of a row, 64, and the device's workgroup limit.
     pub fn matvec(
         &mut self,
         m: &Mat,
@@ -119,20 +122,23 @@ impl<'c> Rec<'c> {
         y_off: usize,
         acc: bool,
     ) -> Result<()> {
-        if m.format >= 3 {
-            return self.matvec_blocks(m, x, x_off, y, y_off, acc);
-        }
-        let f = m.format as usize;
-        let pipe = self.ctx.pipeline(
-            MV_NAMES[f],
-            MV[f],
-            &[
+        let (pipe, rows_per_group) = if m.format >= 3 {
+            let (name, spv) = MVQ[usize::from(m.format == 4)];
+            let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
+            let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
+            let spec = [(0, 16 * lanes), (1, m.cols as u32), (2, u32::from(acc))];
+            (self.ctx.pipeline(name, spv, &spec)?, 16)
+        } else {
+            let f = m.format as usize;
+            let spec = [
                 (0, MV_WGS),
                 (1, m.cols as u32),
                 (2, MV_TPR),
                 (3, u32::from(acc)),
-            ],
-        )?;
+            ];
+            let pipe = self.ctx.pipeline(MV_NAMES[f], MV[f], &spec)?;
+            (pipe, (MV_WGS / MV_TPR) as usize)
+        };
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {
@@ -140,7 +146,6 @@ impl<'c> Rec<'c> {
             y_off: u32,
             x_off4: u32,
         }
-        let teams = (MV_WGS / MV_TPR) as usize;
         for (w, r0, rows) in &m.chunks {
             self.run(
                 &pipe,
@@ -154,13 +159,14 @@ impl<'c> Rec<'c> {
                     y_off: (y_off + r0) as u32,
                     x_off4: (x_off / 4) as u32,
                 },
-                [rows.div_ceil(teams) as u32, 1, 1],
+                [rows.div_ceil(rows_per_group) as u32, 1, 1],
             )?;
         }
         Ok(())
     }
 
-    /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats.
+    /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats:
+    /// `mm.glsl` for float formats, `mmq.glsl` (the same tiles) for Q8 / Q4.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &mut self,
@@ -172,106 +178,11 @@ impl<'c> Rec<'c> {
         ldy: usize,
         acc: bool,
     ) -> Result<()> {
-        if m.format >= 3 {
-            return self.matmul_blocks(m, n, x, y, y_off, ldy, acc);
-        }
-        let f = m.format as usize;
-        let pipe = self.ctx.pipeline(
-            MM_NAMES[f],
-            MM[f],
-            &[(0, m.cols as u32), (1, u32::from(acc))],
-        )?;
-        #[derive(BufferContents, Clone, Copy)]
-        #[repr(C)]
-        struct P {
-            n: u32,
-            rows: u32,
-            y_off: u32,
-            ldy: u32,
-        }
-        for (w, r0, rows) in &m.chunks {
-            self.run(
-                &pipe,
-                vec![
-                    WriteDescriptorSet::buffer(0, w.clone()),
-                    WriteDescriptorSet::buffer(1, x.clone()),
-                    WriteDescriptorSet::buffer(2, y.clone()),
-                ],
-                P {
-                    n: n as u32,
-                    rows: *rows as u32,
-                    y_off: (y_off + r0) as u32,
-                    ldy: ldy as u32,
-                },
-                [
-                    rows.div_ceil(MM_TILE as usize) as u32,
-                    n.div_ceil(MM_TILE as usize) as u32,
-                    1,
-                ],
-            )?;
-        }
-        Ok(())
-    }
-
-    /// [`Rec::matvec`] of Q8 / Q4 weights (`mvq.glsl`): a workgroup per group of 16 rows,
-    /// 16 x LANES threads, LANES a power of two: at most one per block of a row, 64, and
-    /// the device's workgroup limit.
-    fn matvec_blocks(
-        &mut self,
-        m: &Mat,
-        x: &Subbuffer<[u32]>,
-        x_off: usize,
-        y: &Subbuffer<[u32]>,
-        y_off: usize,
-        acc: bool,
-    ) -> Result<()> {
-        let (name, spv) = MVQ[usize::from(m.format == 4)];
-        let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
-        let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
-        let pipe = self.ctx.pipeline(
-            name,
-            spv,
-            &[(0, 16 * lanes), (1, m.cols as u32), (2, u32::from(acc))],
-        )?;
-        #[derive(BufferContents, Clone, Copy)]
-        #[repr(C)]
-        struct P {
-            rows: u32,
-            y_off: u32,
-            x_off4: u32,
-        }
-        for (w, r0, rows) in &m.chunks {
-            self.run(
-                &pipe,
-                vec![
-                    WriteDescriptorSet::buffer(0, w.clone()),
-                    WriteDescriptorSet::buffer(1, x.clone()),
-                    WriteDescriptorSet::buffer(2, y.clone()),
-                ],
-                P {
-                    rows: *rows as u32,
-                    y_off: (y_off + r0) as u32,
-                    x_off4: (x_off / 4) as u32,
-                },
-                [rows.div_ceil(16) as u32, 1, 1],
-            )?;
-        }
-        Ok(())
-    }
-
-    /// [`Rec::matmul`] of Q8 / Q4 weights (`mmq.glsl`, the same tiles as `mm.glsl`).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_blocks(
-        &mut self,
-        m: &Mat,
-        n: usize,
-        x: &Subbuffer<[u32]>,
-        y: &Subbuffer<[u32]>,
-        y_off: usize,
-        ldy: usize,
-        acc: bool,
-    ) -> Result<()> {
-        let (name, spv) = MMQ[usize::from(m.format == 4)];
+        let (name, spv) = if m.format >= 3 {
+            MMQ[usize::from(m.format == 4)]
+        } else {
+            (MM_NAMES[m.format as usize], MM[m.format as usize])
+        };
         let pipe = self
             .ctx
             .pipeline(name, spv, &[(0, m.cols as u32), (1, u32::from(acc))])?;
