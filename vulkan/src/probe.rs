@@ -67,24 +67,37 @@ pub(crate) fn read_bandwidth(ctx: &Context, bytes: u64, reps: u32) -> Result<f64
     record(&mut b, 1)?;
     ctx.submit(b)?;
     let reps = reps.max(1);
+    let secs = timed(ctx, |b| record(b, reps))?;
+    Ok(words as f64 * 4.0 * f64::from(reps) / secs)
+}
+
+/// Seconds the device takes to run what `record` records, between two GPU timestamps
+/// (host wall time around the submission where the queue has none).
+fn timed(
+    ctx: &Context,
+    record: impl FnOnce(
+        &mut vulkano::command_buffer::AutoCommandBufferBuilder<
+            vulkano::command_buffer::PrimaryAutoCommandBuffer,
+        >,
+    ) -> Result<()>,
+) -> Result<f64> {
     let stamps = Stamps::new(ctx, 2);
     let mut b = ctx.builder()?;
     if let Some(s) = &stamps {
         s.reset(&mut b)?;
         s.stamp(&mut b, 0)?;
     }
-    record(&mut b, reps)?;
+    record(&mut b)?;
     if let Some(s) = &stamps {
         s.stamp(&mut b, 1)?;
     }
     let t0 = std::time::Instant::now();
     ctx.submit(b)?;
     let wall = t0.elapsed().as_secs_f64();
-    let secs = stamps
+    Ok(stamps
         .and_then(|s| s.gaps_us().first().map(|us| us / 1e6))
         .filter(|&s| s > 0.0)
-        .unwrap_or(wall);
-    Ok(words as f64 * 4.0 * f64::from(reps) / secs)
+        .unwrap_or(wall))
 }
 
 /// Bytes per second moved (read + written) by `reps` copies of a `bytes`-byte buffer,
@@ -98,24 +111,11 @@ pub(crate) fn copy_bandwidth(ctx: &Context, bytes: u64, reps: u32) -> Result<f64
     b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
     ctx.submit(b)?;
     let reps = reps.max(1);
-    let stamps = Stamps::new(ctx, 2);
-    let mut b = ctx.builder()?;
-    if let Some(s) = &stamps {
-        s.reset(&mut b)?;
-        s.stamp(&mut b, 0)?;
-    }
-    for _ in 0..reps {
-        b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
-    }
-    if let Some(s) = &stamps {
-        s.stamp(&mut b, 1)?;
-    }
-    let t0 = std::time::Instant::now();
-    ctx.submit(b)?;
-    let wall = t0.elapsed().as_secs_f64();
-    let secs = stamps
-        .and_then(|s| s.gaps_us().first().map(|us| us / 1e6))
-        .filter(|&s| s > 0.0)
-        .unwrap_or(wall);
+    let secs = timed(ctx, |b| {
+        for _ in 0..reps {
+            b.copy_buffer(CopyBufferInfo::buffers(src.clone(), dst.clone()))?;
+        }
+        Ok(())
+    })?;
     Ok(2.0 * (words as f64 * 4.0) * f64::from(reps) / secs)
 }
