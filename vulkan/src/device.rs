@@ -738,10 +738,19 @@ impl Stamps {
 
     /// Microseconds between consecutive stamps (after the submission completed).
     pub fn gaps_us(&self) -> Vec<f64> {
-        let mut t = vec![0u64; self.n as usize];
+        self.gaps_us_first(self.n)
+    }
+
+    /// Microseconds between consecutive stamps of the first `n` (each written by the
+    /// completed submission; empty if `n` is past the pool).
+    pub fn gaps_us_first(&self, n: u32) -> Vec<f64> {
+        if n > self.n {
+            return Vec::new();
+        }
+        let mut t = vec![0u64; n as usize];
         let ok = self
             .pool
-            .get_results(0..self.n, &mut t, vulkano::query::QueryResultFlags::WAIT)
+            .get_results(0..n, &mut t, vulkano::query::QueryResultFlags::WAIT)
             .is_ok();
         if !ok {
             return Vec::new();

@@ -32,6 +32,7 @@
 //! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
 mod ops;
+mod profile;
 mod projections;
 mod step;
 mod weights;

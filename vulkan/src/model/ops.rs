@@ -2,6 +2,7 @@
 //! binding its buffers and push constants and dispatching. Buffers are u32 words (the
 //! shaders reinterpret them as f32 where they hold floats).
 
+use super::profile::Prof;
 use super::weights::Mat;
 use crate::device::Context;
 use crate::error::{Error, Result};
@@ -54,6 +55,10 @@ pub(crate) struct Rec<'c> {
     pub dispatches: u32,
     /// When recording began.
     pub started: std::time::Instant,
+    /// Kind of the commands [`Rec::run`] records next, for the profile.
+    pub tag: &'static str,
+    /// Timestamps after every command (`FOXEDGE_VK_PROFILE`).
+    pub prof: Option<Prof>,
 }
 
 impl<'c> Rec<'c> {
@@ -63,6 +68,8 @@ impl<'c> Rec<'c> {
             b: ctx.builder()?,
             dispatches: 0,
             started: std::time::Instant::now(),
+            tag: "other",
+            prof: None,
         })
     }
 
@@ -73,7 +80,24 @@ impl<'c> Rec<'c> {
             b: ctx.builder_reusable()?,
             dispatches: 0,
             started: std::time::Instant::now(),
+            tag: "other",
+            prof: None,
         })
+    }
+
+    /// Starts timing every command from here (`cap` timestamps at most); nothing where the
+    /// queue has no timestamps.
+    pub fn profile(&mut self, cap: u32) -> Result<()> {
+        self.prof = Prof::start(self.ctx, cap, &mut self.b)?;
+        Ok(())
+    }
+
+    /// Stamps the end of a command of `kind` when profiling.
+    pub fn mark(&mut self, kind: &'static str) -> Result<()> {
+        match &mut self.prof {
+            Some(p) => p.mark(&mut self.b, kind),
+            None => Ok(()),
+        }
     }
 
     /// Binds `pipe` with `bufs` at bindings 0.. (buffer arrays: several at one binding), pushes
@@ -106,7 +130,7 @@ impl<'c> Rec<'c> {
         // array, cache rows < the head's capacity (checked by the stream before recording).
         unsafe { self.b.dispatch(groups) }?;
         self.dispatches += 1;
-        Ok(())
+        self.mark(self.tag)
     }
 
     /// `y[y_off + r] (+)= W x` for one token (`x` at float `x_off`, a multiple of 4).
@@ -245,6 +269,7 @@ impl<'c> Rec<'c> {
         n: usize,
         h: &Subbuffer<[u32]>,
     ) -> Result<()> {
+        self.tag = "embed";
         let pipe = self
             .ctx
             .pipeline("embed", EMBED, &[(0, e.cols as u32), (1, e.format)])?;
@@ -273,6 +298,7 @@ impl<'c> Rec<'c> {
         eps: f64,
         y: &Subbuffer<[u32]>,
     ) -> Result<()> {
+        self.tag = "rmsnorm";
         let pipe = self.ctx.pipeline("rmsnorm", RMSNORM, &[(0, d as u32)])?;
         self.run(
             &pipe,
@@ -294,6 +320,7 @@ impl<'c> Rec<'c> {
         bufs: [&Subbuffer<[u32]>; 9],
         qk_eps: f64,
     ) -> Result<()> {
+        self.tag = "attn_pre";
         let pipe = self.ctx.pipeline(
             "attn_pre",
             ATTN_PRE,
@@ -336,6 +363,7 @@ impl<'c> Rec<'c> {
         bufs: [&Subbuffer<[u32]>; 4],
         eps: f64,
     ) -> Result<()> {
+        self.tag = "attn_post";
         let pipe = self.ctx.pipeline(
             "attn_post",
             ATTN_POST,
@@ -372,6 +400,7 @@ impl<'c> Rec<'c> {
         gu: &Subbuffer<[u32]>,
         a: &Subbuffer<[u32]>,
     ) -> Result<()> {
+        self.tag = "swiglu";
         let pipe = self
             .ctx
             .pipeline("swiglu", SWIGLU, &[(0, i as u32), (1, act)])?;
@@ -398,6 +427,7 @@ impl<'c> Rec<'c> {
         ops: &Subbuffer<[u32]>,
         ranges: &Subbuffer<[u32]>,
     ) -> Result<()> {
+        self.tag = "cache_ops";
         let pipe = self
             .ctx
             .pipeline("cache_ops", CACHE_OPS, &[(0, hd as u32)])?;
@@ -427,6 +457,7 @@ impl<'c> Rec<'c> {
         n: usize,
         out: &Subbuffer<[u32]>,
     ) -> Result<()> {
+        self.tag = "argmax";
         let pipe = self.ctx.pipeline("argmax", ARGMAX, &[])?;
         self.run(
             &pipe,

@@ -13,6 +13,7 @@ mod fused;
 pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
 
 use super::ops::Rec;
+use super::profile;
 use super::weights::DeviceModel;
 use super::{Act, QkNorm};
 use crate::decode::{auto_split, head_words, meta_off, storage_align, v_off};
@@ -191,6 +192,9 @@ struct Scratch {
 
 impl Drop for DeviceStream {
     fn drop(&mut self) {
+        if !self.profile.is_empty() {
+            eprint!("{}", self.profile.table("one-token steps"));
+        }
         if std::env::var_os("FOXEDGE_VK_TIMING").is_none() {
             return;
         }
@@ -233,6 +237,10 @@ pub struct DeviceStream {
     /// Host times of every submission of this stream, and of its one-token steps.
     times: HostTimes,
     step_times: HostTimes,
+    /// Whether a recorded step times its commands (`FOXEDGE_VK_PROFILE`), and their GPU
+    /// time per kind over the one-token steps.
+    profiling: bool,
+    profile: profile::Profile,
 }
 
 impl std::fmt::Debug for DeviceStream {
@@ -305,7 +313,7 @@ fn copy(
     info.regions.clear();
     info.regions.extend(regions);
     rec.b.copy_buffer(info)?;
-    Ok(())
+    rec.mark("copy")
 }
 
 fn non_finite() -> Error {
@@ -349,6 +357,8 @@ impl DeviceStream {
             submitted: 0,
             times: HostTimes::default(),
             step_times: HostTimes::default(),
+            profiling: profile::enabled(),
+            profile: profile::Profile::default(),
         };
         s.reset()?;
         Ok(s)
@@ -372,6 +382,20 @@ impl DeviceStream {
     /// Forgets the recorded step: a buffer it binds is being replaced.
     fn invalidate(&mut self) {
         self.replay = None;
+    }
+
+    /// Turns the per-command GPU profile of one-token steps on or off (default: as
+    /// `FOXEDGE_VK_PROFILE` says).
+    #[cfg(test)]
+    pub(crate) fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+        self.invalidate();
+    }
+
+    /// GPU time per command kind of the profiled one-token steps.
+    #[cfg(test)]
+    pub(crate) fn gpu_profile(&self) -> &profile::Profile {
+        &self.profile
     }
 
     /// Host times of every submission of this stream so far.
@@ -607,6 +631,7 @@ impl DeviceStream {
                 s.op.clone()
             };
             rec.rmsnorm(d, rows, &src, &model.norm, sh.norm_eps, &s.x)?;
+            rec.tag = "lm_head";
             rec.linear(&model.lm_head, rows, &s.x, logits, 0, v, false)?;
             if matches!(out, Output::Greedy) {
                 rec.argmax(logits, v, am)?;
@@ -650,6 +675,7 @@ impl DeviceStream {
             qkn,
         ];
         rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
+        rec.tag = "mv_pre";
         if n == 1 {
             rec.matvec_many(&lw.pre, &s.x, &s.p)?;
         } else {
@@ -750,14 +776,17 @@ impl DeviceStream {
             },
         ];
         rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
+        rec.tag = "mv_o";
         rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
         rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
+        rec.tag = "mv_gate_up";
         rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;
         let act = match sh.mlp_act {
             Act::Silu => 0,
             Act::Sigmoid => 1,
         };
         rec.swiglu(sh.intermediate, act, n, &s.gu, &s.a)?;
+        rec.tag = "mv_down";
         rec.linear(&lw.down, n, &s.a, &s.h, 0, d, true)
     }
 
@@ -1060,6 +1089,7 @@ impl DeviceStream {
             acp_nqb: u32,
         }
         let n_tiles = n.div_ceil(tile.bm as usize);
+        rec.tag = "prefill";
         let s = self
             .scratch
             .as_ref()
@@ -1223,6 +1253,8 @@ impl DeviceStream {
             let po = ctx.device_buffer(hd * g.parts.max(1))?;
             let counters = ctx.device_buffer(g.h1 - g.h0)?;
             rec.b.fill_buffer(counters.clone(), 0)?;
+            rec.mark("fill")?;
+            rec.tag = "decode";
             let slots: Vec<Subbuffer<[u32]>> = (0..HPD)
                 .map(|i| {
                     let h = (g.h0 + i).min(g.h1 - 1);

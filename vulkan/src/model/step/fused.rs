@@ -273,6 +273,8 @@ pub(super) struct Replay {
     dispatches: u32,
     /// Bytes it reads back besides the gates (logits or the token, and the flag).
     head_bytes: u64,
+    /// Its timestamps (`FOXEDGE_VK_PROFILE`).
+    prof: Option<crate::model::profile::Prof>,
 }
 
 impl DeviceStream {
@@ -642,6 +644,9 @@ impl DeviceStream {
         };
         self.submit_built(cb, dispatches, t, &mut stats, untracked_enabled())?;
         self.step_times.add(&stats.host);
+        if let Some(p) = self.replay.as_ref().and_then(|r| r.prof.as_ref()) {
+            p.collect(&mut self.profile);
+        }
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
             w[..nl * gw + 6 * nl * nh].to_vec()
@@ -709,10 +714,15 @@ impl DeviceStream {
         let up = b.up.clone();
         let ops = up.clone().slice(key.var_at as u64..);
         let mut rec = super::Rec::reusable(ctx)?;
+        if self.profiling {
+            let groups = nh.div_ceil(HPD) as u32;
+            rec.profile(256 + nl as u32 * (64 + 8 * groups))?;
+        }
         rec.b.fill_buffer(self.flag.clone(), 0)?;
         // Zero once: each decode dispatch leaves its merge counters at zero (the merging
         // workgroup resets its query's; single-chunk queries never count).
         rec.b.fill_buffer(b.counters.clone(), 0)?;
+        rec.mark("fill")?;
         let s = self
             .scratch
             .as_ref()
@@ -735,6 +745,7 @@ impl DeviceStream {
                 .scratch
                 .as_ref()
                 .ok_or_else(|| internal("no scratch"))?;
+            rec.tag = "gate_step";
             rec.run(
                 &gate_pipe,
                 vec![
@@ -780,6 +791,7 @@ impl DeviceStream {
                     block: u32,
                     mode: u32,
                 }
+                rec.tag = "acp_blocks";
                 rec.run(
                     &acp_pipe,
                     vec![
@@ -798,6 +810,7 @@ impl DeviceStream {
                     [(g.h1 - g.h0) as u32, 1, 1],
                 )?;
                 let q_views = (g.h1 - g.h0) * hd;
+                rec.tag = "decode";
                 rec.run(
                     &kernel.pipe,
                     vec![
@@ -832,6 +845,7 @@ impl DeviceStream {
         )?;
         let head_bytes = self.record_head(&mut rec, 1, out, &b.logits, &b.am, &b.out)?;
         let dispatches = rec.dispatches;
+        let prof = rec.prof.take();
         let t = std::time::Instant::now();
         let cb = rec.b.build()?;
         let build = t.elapsed();
@@ -841,6 +855,7 @@ impl DeviceStream {
                 cb,
                 dispatches,
                 head_bytes,
+                prof,
             },
             build,
         ))

@@ -1,0 +1,196 @@
+//! The profile on lavapipe: a recorded step with timestamps after every command gives the
+//! same logits, bit for bit, as one without, and charges every command of the step to its
+//! kind once per submission.
+//!
+//! Vulkan device: lavapipe here and in CI. With `CI` set, a missing device fails the tests;
+//! without it they print why and return.
+
+use crate::device::{Context, DeviceSelection};
+use crate::model::{
+    Act, DeviceModel, DeviceStream, LayerWeights, ModelOptions, ModelShape, ModelWeights, Output,
+    QkNorm, StepAcp, StepHead, Weights,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+
+fn device(test: &str) -> Option<Arc<Context>> {
+    match Context::new(&DeviceSelection::FromEnv) {
+        Ok(c) => Some(Arc::new(c)),
+        Err(e) => {
+            let ci = std::env::var("CI").is_ok_and(|v| {
+                !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false")
+            });
+            assert!(
+                !ci,
+                "{test}: CI is set, so a Vulkan device is required: {e}"
+            );
+            eprintln!("SKIPPED {test}: no Vulkan device ({e}); with CI set this fails");
+            None
+        }
+    }
+}
+
+/// A random FoX Pro model of 2 layers: vocab 64, hidden 32, 2 heads of 16, MLP 64.
+fn tiny_model(ctx: &Arc<Context>) -> Arc<DeviceModel> {
+    let shape = ModelShape {
+        vocab: 64,
+        hidden: 32,
+        layers: 2,
+        heads: 2,
+        head_dim: 16,
+        intermediate: 64,
+        norm_eps: 1e-6,
+        qk_eps: 1e-6,
+        qk_norm: QkNorm::PerHead,
+        k_shift: true,
+        v_shift: true,
+        output_gate: Some(Act::Sigmoid),
+        output_norm: true,
+        mlp_act: Act::Silu,
+    };
+    let (v, d, h, i) = (64, 32, 2, 64);
+    let mut r = StdRng::seed_from_u64(7);
+    let mut m = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| r.gen_range(-s..s)).collect() };
+    let emb = m(v * d, 1.0);
+    let head = m(v * d, 0.2);
+    let norm = m(d, 1.0);
+    let per: Vec<Vec<Vec<f32>>> = (0..2)
+        .map(|_| {
+            vec![
+                m(d, 1.0),         // 0 attn_norm
+                m(d * d, 0.2),     // 1 q
+                m(d * d, 0.2),     // 2 k
+                m(d * d, 0.2),     // 3 v
+                m(h * d, 0.2),     // 4 k shift
+                m(h * d, 0.2),     // 5 v shift
+                m(h * d, 0.2),     // 6 fgate
+                m(h, 1.0),         // 7 fgate bias
+                m(d * d, 0.2),     // 8 ogate
+                m(d, 1.0),         // 9 output norm
+                m(d, 1.0),         // 10 q norm
+                m(d, 1.0),         // 11 k norm
+                m(d * d, 0.2),     // 12 o
+                m(d, 1.0),         // 13 mlp norm
+                m(2 * i * d, 0.2), // 14 gate_up
+                m(d * i, 0.2),     // 15 down
+            ]
+        })
+        .collect();
+    let layers = per
+        .iter()
+        .map(|t| LayerWeights {
+            attn_norm: &t[0],
+            q: Weights::F32(&t[1]),
+            k: Weights::F32(&t[2]),
+            v: Weights::F32(&t[3]),
+            k_shift: Some(Weights::F32(&t[4])),
+            v_shift: Some(Weights::F32(&t[5])),
+            fgate: Weights::F32(&t[6]),
+            fgate_bias: &t[7],
+            ogate: Some(Weights::F32(&t[8])),
+            output_norm: Some(&t[9]),
+            q_norm: Some(&t[10]),
+            k_norm: Some(&t[11]),
+            o: Weights::F32(&t[12]),
+            mlp_norm: &t[13],
+            gate_up: Weights::F32(&t[14]),
+            down: Weights::F32(&t[15]),
+        })
+        .collect();
+    let w = ModelWeights {
+        embeddings: Weights::F32(&emb),
+        layers,
+        norm: &norm,
+        lm_head: Weights::F32(&head),
+    };
+    Arc::new(DeviceModel::upload(ctx, shape, &w, ModelOptions::default()).expect("uploads"))
+}
+
+/// Feeds `tokens` one step each (dense attention, no evictions); returns every step's
+/// logits.
+fn stream(model: &Arc<DeviceModel>, profiling: bool, tokens: &[u32]) -> (DeviceStream, Vec<f32>) {
+    let mut s = DeviceStream::new(model.clone()).expect("stream");
+    s.set_profiling(profiling);
+    let (nl, nh) = (model.shape.layers, model.shape.heads);
+    let mut c_prev = vec![0.0f64; nl * nh];
+    let mut all = Vec::new();
+    for (pos, &t) in tokens.iter().enumerate() {
+        let plan: Vec<Vec<StepHead>> = (0..nl)
+            .map(|l| {
+                (0..nh)
+                    .map(|h| StepHead {
+                        ops: Vec::new(),
+                        live: pos,
+                        evict: Vec::new(),
+                        c_prev: c_prev[l * nh + h],
+                        pos: pos as u64,
+                        acp: StepAcp::Dense,
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut logits = vec![0.0f32; model.shape.vocab];
+        let (_, out) = s
+            .step(t, &plan, Output::Last(&mut logits))
+            .expect("step runs");
+        for l in 0..nl {
+            for h in 0..nh {
+                c_prev[l * nh + h] = out.c_t(l, h);
+            }
+        }
+        all.extend(logits);
+    }
+    (s, all)
+}
+
+#[test]
+fn a_profiled_step_times_every_command_and_changes_nothing() {
+    let Some(ctx) = device("profiled_step") else {
+        return;
+    };
+    let model = tiny_model(&ctx);
+    let tokens = [3u32, 17, 40, 5];
+    let (plain, want) = stream(&model, false, &tokens);
+    assert!(plain.gpu_profile().is_empty());
+    let (prof, got) = stream(&model, true, &tokens);
+    assert_eq!(
+        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the profile must not change the step"
+    );
+    let p = prof.gpu_profile();
+    if p.is_empty() {
+        eprintln!("profiled_step: the device's queue has no timestamps");
+        return;
+    }
+    assert_eq!(p.submissions(), tokens.len() as u64);
+    let n = tokens.len() as u64;
+    let nl = model.shape.layers as u64;
+    // Per layer: attention norm, projections, attn_pre, gate_step, one head group's
+    // cache_ops, acp_blocks and decode, attn_post, o, MLP norm, gate_up, swiglu, down;
+    // and once: the embedding, the final norm, the LM head.
+    for (kind, per_step) in [
+        ("embed", 1),
+        ("rmsnorm", 2 * nl + 1),
+        ("mv_pre", nl),
+        ("attn_pre", nl),
+        ("gate_step", nl),
+        ("cache_ops", nl),
+        ("acp_blocks", nl),
+        ("decode", nl),
+        ("attn_post", nl),
+        ("mv_o", nl),
+        ("mv_gate_up", nl),
+        ("swiglu", nl),
+        ("mv_down", nl),
+        ("lm_head", 1),
+    ] {
+        let (us, cmds) = p.kind(kind).unwrap_or_else(|| panic!("{kind} timed"));
+        assert_eq!(cmds, per_step * n, "{kind}");
+        assert!(us.is_finite() && us >= 0.0, "{kind}: {us} µs");
+    }
+    assert!(p.kind("copy").is_some_and(|(_, c)| c > 0));
+    let table = p.table("steps");
+    assert!(table.contains("mv_gate_up") && table.contains("GPU profile of 4 steps"));
+}
