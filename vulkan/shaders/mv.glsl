@@ -2,6 +2,7 @@
 // W [rows, K] row-major in the format WFMT (wfmt.glsl). Teams of TPR threads share a row:
 // lane l reads uvec4 words l, l + TPR, ... of it (one coalesced 16-byte load per lane),
 // then the team sums its partials in shared memory. Memory-bound: each weight is read once.
+// The input is read through xin.glsl (XIN: as stored, RMS-normed, or the gated activation).
 #extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WGS = 256;  // threads, a multiple of TPR
@@ -9,6 +10,7 @@ layout(constant_id = 1) const uint K = 256;    // row length, a multiple of 8
 layout(constant_id = 2) const uint TPR = 32;   // threads per row, a power of two
 layout(constant_id = 3) const uint ACC = 0;    // 1: add into y
 #include "wfmt.glsl"
+#include "act.glsl"
 const uint RW = K / EPW;        // uvec4 per row
 const uint TEAMS = WGS / TPR;
 
@@ -23,21 +25,23 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float red[WGS];
+#include "xin.glsl"
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint team = tid / TPR;
     const uint lane = tid % TPR;
     const uint r = gl_WorkGroupID.x * TEAMS + team;
+    xin_setup(pc.x_off4);
     float acc = 0.0;
     if (r < pc.rows) {
         for (uint c = lane; c < RW; c += TPR) {
             vec4 a, b;
             unpack8(W[r * RW + c], a, b);
 #if WFMT == 0
-            acc += dot(a, x[pc.x_off4 + c]);
+            acc += dot(a, xin(pc.x_off4, c));
 #else
-            acc += dot(a, x[pc.x_off4 + 2u * c]) + dot(b, x[pc.x_off4 + 2u * c + 1u]);
+            acc += dot(a, xin(pc.x_off4, 2u * c)) + dot(b, xin(pc.x_off4, 2u * c + 1u));
 #endif
         }
     }

@@ -4,12 +4,14 @@
 // first_s .. first_s + ceil(rows_s / TEAMS) - 1 run binding s with mv.glsl's row loop
 // (teams of TPR threads per row, partials summed in shared memory), so every output is the
 // sum mv.glsl computes, in the same order. Unused bindings have first_s = 0xffffffff.
+// The input is read through xin.glsl (XIN 1: decode's attention norm fused in).
 #extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WGS = 256;  // threads, a multiple of TPR
 layout(constant_id = 1) const uint K = 256;    // row length, a multiple of 8
 layout(constant_id = 2) const uint TPR = 32;   // threads per row, a power of two
 #include "wfmt.glsl"
+#include "act.glsl"
 const uint RW = K / EPW;        // uvec4 per row
 const uint TEAMS = WGS / TPR;
 #define SLOTS 8
@@ -25,6 +27,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float red[WGS];
+#include "xin.glsl"
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -37,15 +40,16 @@ void main() {
     }
     const uint rows = pc.rows[s / 4u][s % 4u];
     const uint r = (wg - pc.first[s / 4u][s % 4u]) * TEAMS + team;
+    xin_setup(0u);
     float acc = 0.0;
     if (r < rows) {
         for (uint c = lane; c < RW; c += TPR) {
             vec4 a, b;
             unpack8(wb[s].W[r * RW + c], a, b);
 #if WFMT == 0
-            acc += dot(a, x[c]);
+            acc += dot(a, xin(0u, c));
 #else
-            acc += dot(a, x[2u * c]) + dot(b, x[2u * c + 1u]);
+            acc += dot(a, xin(0u, 2u * c)) + dot(b, xin(0u, 2u * c + 1u));
 #endif
         }
     }

@@ -4,7 +4,8 @@
 // then acc += d s. One workgroup per group of 16 rows: thread (lane, j) takes row j and the
 // blocks lane, lane + LANES, ... (the 16 rows' words of a block are 64 consecutive bytes);
 // the LANES partial sums of a row are added in shared memory. Memory-bound: each weight
-// byte is read once.
+// byte is read once. The input is read through xin.glsl (XIN: as stored, RMS-normed, or the
+// gated activation).
 #extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WGS = 256;  // threads: 16 x LANES, LANES a power of two
@@ -21,6 +22,7 @@ const uint QW = 8u;
 const uint QW = 4u;
 #endif
 #include "qblk.glsl"
+#include "act.glsl"
 const uint LANES = WGS / 16u;
 const uint NB = K / 32u;                     // blocks of a row
 const uint GW = ((K + 63u) / 64u) * TILE_W;  // words of a row group
@@ -32,6 +34,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float red[WGS];
+#include "xin.glsl"
 
 void main() {
     load_levels();
@@ -40,19 +43,20 @@ void main() {
     const uint lane = tid / 16u;
     const uint g = gl_WorkGroupID.x;
     const uint r = 16u * g + j;
+    xin_setup(pc.x_off4);
     float acc = 0.0;
     for (uint kb = lane; kb < NB; kb += LANES) {
         const uint tile = q_tile(GW, g, kb);
-        const uint xb = pc.x_off4 + 8u * kb;
+        const uint xb = 8u * kb;
         float s = 0.0;
 #if QFMT == 8
         [[unroll]] for (uint c = 0; c < 8u; ++c) {
-            s += dot(q8x4(q_word(tile, kb, j, c)), x[xb + c]);
+            s += dot(q8x4(q_word(tile, kb, j, c)), xin(pc.x_off4, xb + c));
         }
 #else
         [[unroll]] for (uint c = 0; c < 4u; ++c) {
             const uint w = q_word(tile, kb, j, c);
-            s += dot(q4x4(w), x[xb + c]) + dot(q4x4(w >> 4), x[xb + 4u + c]);
+            s += dot(q4x4(w), xin(pc.x_off4, xb + c)) + dot(q4x4(w >> 4), xin(pc.x_off4, xb + 4u + c));
         }
 #endif
         acc += q_scale(tile, kb, j) * s;

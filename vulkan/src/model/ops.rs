@@ -2,6 +2,7 @@
 //! binding its buffers and push constants and dispatching. Buffers are u32 words (the
 //! shaders reinterpret them as f32 where they hold floats).
 
+use super::Act;
 use super::profile::Prof;
 use super::weights::Mat;
 use crate::device::Context;
@@ -46,6 +47,37 @@ pub(super) const MV_WGS: u32 = 256;
 pub(super) const MV_TPR: u32 = 32;
 /// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
 const MM_TILE: u32 = 64;
+
+/// How a matrix-vector product reads its input (`xin.glsl`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum XIn<'a> {
+    /// As stored.
+    Plain,
+    /// RMSNorm of the `K` inputs with this weight `[K]` and eps.
+    Norm(&'a Subbuffer<[u32]>, f64),
+    /// `act(g) * u` of the `2K` inputs `[g | u]`.
+    Glu(Act),
+}
+
+impl XIn<'_> {
+    /// Specialization constants 8 (`XIN`) and 9 (eps, f32 bits).
+    pub(super) fn spec(&self) -> [u32; 2] {
+        match *self {
+            XIn::Plain => [0, 0],
+            XIn::Norm(_, eps) => [1, (eps as f32).to_bits()],
+            XIn::Glu(Act::Silu) => [2, 0],
+            XIn::Glu(Act::Sigmoid) => [3, 0],
+        }
+    }
+
+    /// The norm weight (binding 3).
+    pub(super) fn weight(&self) -> Option<&Subbuffer<[u32]>> {
+        match self {
+            XIn::Norm(w, _) => Some(w),
+            _ => None,
+        }
+    }
+}
 
 /// A command buffer being recorded, with the context its pipelines come from.
 pub(crate) struct Rec<'c> {
@@ -133,24 +165,35 @@ impl<'c> Rec<'c> {
         self.mark(self.tag)
     }
 
-    /// `y[y_off + r] (+)= W x` for one token (`x` at float `x_off`, a multiple of 4).
-    /// Float formats run `mv.glsl` (teams of `MV_TPR` threads a row); Q8 / Q4 run
-    /// `mvq.glsl`: a workgroup per group of 16 rows, 16 x LANES threads, LANES a power of
-    /// two, at most one per block of a row, 64, and the device's workgroup limit.
+    /// `y[y_off + r] (+)= W x'` for one token, `x'` the input at float `x_off` (a multiple
+    /// of 4) read through `xin` (`xin.glsl`: as stored, RMS-normed, or the gated
+    /// activation of `[gate | up]`). Float formats run `mv.glsl` (teams of `MV_TPR` threads
+    /// a row); Q8 / Q4 run `mvq.glsl`: a workgroup per group of 16 rows, 16 x LANES
+    /// threads, LANES a power of two, at most one per block of a row, 64, and the device's
+    /// workgroup limit.
+    #[allow(clippy::too_many_arguments)]
     pub fn matvec(
         &mut self,
         m: &Mat,
+        xin: XIn<'_>,
         x: &Subbuffer<[u32]>,
         x_off: usize,
         y: &Subbuffer<[u32]>,
         y_off: usize,
         acc: bool,
     ) -> Result<()> {
+        let [code, eps] = xin.spec();
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
             let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
             let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
-            let spec = [(0, 16 * lanes), (1, m.cols as u32), (2, u32::from(acc))];
+            let spec = [
+                (0, 16 * lanes),
+                (1, m.cols as u32),
+                (2, u32::from(acc)),
+                (8, code),
+                (9, eps),
+            ];
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m.format as usize;
@@ -159,6 +202,8 @@ impl<'c> Rec<'c> {
                 (1, m.cols as u32),
                 (2, MV_TPR),
                 (3, u32::from(acc)),
+                (8, code),
+                (9, eps),
             ];
             let pipe = self.ctx.pipeline(MV_NAMES[f], MV[f], &spec)?;
             (pipe, (MV_WGS / MV_TPR) as usize)
@@ -170,6 +215,7 @@ impl<'c> Rec<'c> {
             y_off: u32,
             x_off4: u32,
         }
+        let nw = xin.weight().unwrap_or(x).clone();
         for (w, r0, rows) in &m.chunks {
             self.run(
                 &pipe,
@@ -177,6 +223,7 @@ impl<'c> Rec<'c> {
                     WriteDescriptorSet::buffer(0, w.clone()),
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
+                    WriteDescriptorSet::buffer(3, nw.clone()),
                 ],
                 P {
                     rows: *rows as u32,
@@ -255,7 +302,7 @@ impl<'c> Rec<'c> {
         acc: bool,
     ) -> Result<()> {
         if n == 1 {
-            self.matvec(m, x, 0, y, y_off, acc)
+            self.matvec(m, XIn::Plain, x, 0, y, y_off, acc)
         } else {
             self.matmul(m, n, x, y, y_off, ldy, acc)
         }
@@ -470,3 +517,6 @@ impl<'c> Rec<'c> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests;

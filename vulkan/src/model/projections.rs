@@ -3,7 +3,7 @@
 //! write their slices of one output row, each output the sum the single-matrix kernel
 //! (`mv.glsl`) makes, in the same order.
 
-use super::ops::{MV_TPR, MV_WGS, Rec};
+use super::ops::{MV_TPR, MV_WGS, Rec, XIn};
 use super::weights::Mat;
 use crate::error::Result;
 use vulkano::buffer::{BufferContents, Subbuffer};
@@ -19,13 +19,15 @@ static MVN_NAMES: [&str; 3] = ["mvn_f32", "mvn_f16", "mvn_bf16"];
 const SLOTS: usize = 8;
 
 impl Rec<'_> {
-    /// `y[off + r] = (W x)[r]` for every `(W, off)` of `mats` (one token, `x` at float 0):
+    /// `y[off + r] = (W x')[r]` for every `(W, off)` of `mats` (one token, `x` at float 0,
+    /// `x'` it read through `xin`):
     /// one dispatch per [`SLOTS`] weight chunks when the matrices share a float format
     /// (f32, f16, bf16) and a row length, else one per matrix ([`Rec::matvec`], which also
     /// runs the Q8 / Q4 block formats).
     pub fn matvec_many(
         &mut self,
         mats: &[(Mat, usize)],
+        xin: XIn<'_>,
         x: &Subbuffer<[u32]>,
         y: &Subbuffer<[u32]>,
     ) -> Result<()> {
@@ -38,16 +40,24 @@ impl Rec<'_> {
                 .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
         {
             for (m, off) in mats {
-                self.matvec(m, x, 0, y, *off, false)?;
+                self.matvec(m, xin, x, 0, y, *off, false)?;
             }
             return Ok(());
         }
         let f = m0.format as usize;
+        let [code, eps] = xin.spec();
         let pipe = self.ctx.pipeline(
             MVN_NAMES[f],
             MVN[f],
-            &[(0, MV_WGS), (1, m0.cols as u32), (2, MV_TPR)],
+            &[
+                (0, MV_WGS),
+                (1, m0.cols as u32),
+                (2, MV_TPR),
+                (8, code),
+                (9, eps),
+            ],
         )?;
+        let nw = xin.weight().unwrap_or(x);
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {
@@ -88,6 +98,7 @@ impl Rec<'_> {
                     WriteDescriptorSet::buffer_array(0, 0, bufs),
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
+                    WriteDescriptorSet::buffer(3, nw.clone()),
                 ],
                 p,
                 [groups as u32, 1, 1],

@@ -12,7 +12,7 @@ mod fused;
 
 pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
 
-use super::ops::Rec;
+use super::ops::{Rec, XIn};
 use super::profile;
 use super::weights::DeviceModel;
 use super::{Act, QkNorm};
@@ -623,16 +623,17 @@ impl DeviceStream {
             .ok_or_else(|| internal("no scratch"))?;
         let rows = out_rows(out, n);
         let mut bytes = 4;
-        if rows > 0 {
-            let src = if rows == n {
-                s.h.clone()
-            } else {
-                copy(rec, &s.h, &s.op, vec![copy_region((n - 1) * d, 0, d)])?;
-                s.op.clone()
-            };
-            rec.rmsnorm(d, rows, &src, &model.norm, sh.norm_eps, &s.x)?;
+        if rows == 1 {
+            // The last row, normed as the LM head reads it.
+            rec.tag = "lm_head";
+            let xin = XIn::Norm(&model.norm, sh.norm_eps);
+            rec.matvec(&model.lm_head, xin, &s.h, (n - 1) * d, logits, 0, false)?;
+        } else if rows > 0 {
+            rec.rmsnorm(d, rows, &s.h, &model.norm, sh.norm_eps, &s.x)?;
             rec.tag = "lm_head";
             rec.linear(&model.lm_head, rows, &s.x, logits, 0, v, false)?;
+        }
+        if rows > 0 {
             if matches!(out, Output::Greedy) {
                 rec.argmax(logits, v, am)?;
                 copy(rec, am, host, vec![copy_region(0, 0, 2)])?;
@@ -674,11 +675,13 @@ impl DeviceStream {
             u32::from(sh.v_shift),
             qkn,
         ];
-        rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-        rec.tag = "mv_pre";
         if n == 1 {
-            rec.matvec_many(&lw.pre, &s.x, &s.p)?;
+            rec.tag = "mv_pre";
+            let xin = XIn::Norm(&lw.attn_norm, sh.norm_eps);
+            rec.matvec_many(&lw.pre, xin, &s.h, &s.p)?;
         } else {
+            rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
+            rec.tag = "mv_pre";
             for (m, col) in &lw.pre {
                 rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
             }
@@ -778,6 +781,14 @@ impl DeviceStream {
         rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
         rec.tag = "mv_o";
         rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        if n == 1 {
+            // The MLP norm and the gated activation fused into the products' input reads.
+            rec.tag = "mv_gate_up";
+            let xin = XIn::Norm(&lw.mlp_norm, sh.norm_eps);
+            rec.matvec(&lw.gate_up, xin, &s.h, 0, &s.gu, 0, false)?;
+            rec.tag = "mv_down";
+            return rec.matvec(&lw.down, XIn::Glu(sh.mlp_act), &s.gu, 0, &s.h, 0, true);
+        }
         rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
         rec.tag = "mv_gate_up";
         rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;

@@ -136,10 +136,10 @@ fn check_vec(v: &[f32], what: &'static str, n: usize) -> Result<()> {
 }
 
 /// Uploads collected tensors in batches of about 64 MiB of staging memory per submit.
-struct Uploader<'c> {
-    ctx: &'c Context,
-    limit_words: usize,
-    bytes: u64,
+pub(super) struct Uploader<'c> {
+    pub(super) ctx: &'c Context,
+    pub(super) limit_words: usize,
+    pub(super) bytes: u64,
 }
 
 impl Uploader<'_> {
@@ -151,7 +151,7 @@ impl Uploader<'_> {
 
     /// `w` (checked to be `rows x cols`) in chunks of whole rows, or of whole groups of 16
     /// rows for block formats.
-    fn mat(&mut self, w: &Weights<'_>, rows: usize, cols: usize) -> Result<Mat> {
+    pub(super) fn mat(&mut self, w: &Weights<'_>, rows: usize, cols: usize) -> Result<Mat> {
         let all = words(w);
         // Rows per unit of the layout and the unit's words.
         let unit = if w.is_block() { 16 } else { 1 };

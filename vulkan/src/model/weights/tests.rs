@@ -15,7 +15,7 @@
 use super::{Mat, Uploader};
 use crate::device::{Context, DeviceSelection};
 use crate::model::Weights;
-use crate::model::ops::Rec;
+use crate::model::ops::{Rec, XIn};
 use foxedge_core::quant::WeightFormat;
 use foxedge_cpu::linear::PackedWeights;
 use rand::rngs::StdRng;
@@ -158,7 +158,7 @@ fn block_matvec_matches_the_f64_product_of_the_dequantized_matrix() {
                     let y0: Vec<f32> = (0..ldy).map(|_| r.gen_range(-1.0f32..1.0)).collect();
                     let bufs = ctx.upload(&[&words(&xs), &words(&y0)]).expect("upload");
                     let mut rec = Rec::new(&ctx).expect("recorder");
-                    rec.matvec(&m, &bufs[0], x_off, &bufs[1], y_off, acc)
+                    rec.matvec(&m, XIn::Plain, &bufs[0], x_off, &bufs[1], y_off, acc)
                         .expect("records");
                     ctx.submit(rec.b).expect("runs");
                     let got = floats(&ctx.download(&[&bufs[1]]).expect("download")[0]);
