@@ -5,7 +5,8 @@
 // double-float pair (hi, lo) as the attention kernels take c: c_{t-1} comes from the host's
 // f64 stream (split into hi + lo, exact to 2^-48 relative) and the sum is an exact two-sum,
 // renormalized. c_t goes to the decode query (group-padded: head h at
-// (h / 8) * pc.qstride + h % 8) and into the meta of the head's new cache row.
+// (h / 8) * pc.qstride + h % 8), into the meta of the head's new cache row and into the
+// step's readback (ct, at the head's counts index).
 //
 // Evictions (foxedge_core RetentionPolicy::next_evictions): the host lists a head's
 // candidates in eviction order with thresholds (double-float, non-increasing); the step
@@ -25,6 +26,7 @@ layout(std430, set = 0, binding = 3) buffer Up { uint w[]; };                 //
 layout(std430, set = 0, binding = 4) readonly buffer Rc { uvec4 rc[]; };      // [H][3] word indices into w
 layout(std430, set = 0, binding = 5) buffer St { uvec4 stats[]; };            // [layer H] (.., .., k, 0)
 layout(std430, set = 0, binding = 6) buffer Fl { uint flag[]; };
+layout(std430, set = 0, binding = 7) writeonly buffer Ct { vec2 ctout[]; };      // [layer H]
 
 layout(push_constant) uniform Push {
     uint heads;
@@ -54,6 +56,7 @@ void main() {
     precise float lo2 = lo - (hi - s);
     const vec2 ct = vec2(hi, lo2);
     qc[(h / 8u) * pc.qstride + h % 8u] = ct;
+    ctout[r2.y] = ct;
 
     uint k = 0u;
     for (uint i = 0u; i < r0.y; ++i) {

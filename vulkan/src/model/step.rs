@@ -9,6 +9,7 @@
 //! operations (a few words per row) and per-query metadata, never cache rows.
 
 mod fused;
+mod gates;
 
 pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
 
@@ -21,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::pack::split_f64;
 use foxedge_core::boundary::{self, BlockGrid};
 use foxedge_core::contract::{AttentionStats, HeadStats, acp};
+use gates::GateLayout;
 use std::sync::Arc;
 use vulkano::buffer::{BufferContents, Subbuffer};
 use vulkano::command_buffer::{BufferCopy, CopyBufferInfo, PrimaryAutoCommandBuffer};
@@ -176,6 +178,9 @@ struct Scratch {
     x: Subbuffer<[u32]>,
     p: Subbuffer<[u32]>,
     q: Subbuffer<[u32]>,
+    /// The gates of a layer ([`GateLayout`] `gl`), and views of its sections.
+    g: Subbuffer<[u32]>,
+    gl: GateLayout,
     k: Subbuffer<[u32]>,
     v: Subbuffer<[u32]>,
     lf: Subbuffer<[u32]>,
@@ -222,8 +227,11 @@ pub struct DeviceStream {
     model: Arc<DeviceModel>,
     /// `[layer][head]`, created at the first row stored.
     heads: Vec<Vec<Option<HeadBuf>>>,
-    /// `[layer]` `[k_raw D | v_raw D]` of the last token fed.
+    /// `[layer]` `[k_raw D | v_raw D]` of the last token fed: views of `shift_all`, one
+    /// every `shift_stride` words.
     shift: Vec<Subbuffer<[u32]>>,
+    shift_all: Subbuffer<[u32]>,
+    shift_stride: usize,
     scratch: Option<Scratch>,
     /// Buffers of [`DeviceStream::step`], kept between steps.
     fused: Option<fused::Bufs>,
@@ -340,15 +348,19 @@ impl DeviceStream {
     pub fn new(model: Arc<DeviceModel>) -> Result<Self> {
         let ctx = model.ctx.clone();
         let d = model.shape.hidden;
-        let mut shift = Vec::with_capacity(model.shape.layers);
-        for _ in 0..model.shape.layers {
-            shift.push(ctx.device_buffer(2 * d)?);
-        }
+        let align = storage_align(&ctx);
+        let shift_stride = (2 * d).div_ceil(align) * align;
+        let shift_all = ctx.device_buffer(model.shape.layers * shift_stride)?;
+        let shift = (0..model.shape.layers)
+            .map(|l| view(&shift_all, (l * shift_stride, 2 * d)))
+            .collect();
         let flag = ctx.device_buffer(1)?;
         let mut s = Self {
             heads: vec![vec![None; model.shape.heads]; model.shape.layers],
             model,
             shift,
+            shift_all,
+            shift_stride,
             scratch: None,
             fused: None,
             replay: None,
@@ -368,9 +380,7 @@ impl DeviceStream {
     pub fn reset(&mut self) -> Result<()> {
         let ctx = self.model.ctx.clone();
         let mut rec = Rec::new(&ctx)?;
-        for s in &self.shift {
-            rec.b.fill_buffer(s.clone(), 0)?;
-        }
+        rec.b.fill_buffer(self.shift_all.clone(), 0)?;
         ctx.submit(rec.b)?;
         for l in &mut self.heads {
             l.iter_mut().for_each(|h| *h = None);
@@ -485,16 +495,21 @@ impl DeviceStream {
         let (d, h, i, hd) = (sh.hidden, sh.heads, sh.intermediate, sh.head_dim);
         let b = |w: usize| ctx.device_buffer(w);
         self.replay = None;
+        let gl = GateLayout::new(n, d, h, storage_align(ctx));
+        let g = b(gl.words)?;
+        let [k, v, lf, nrm] = gl.views(&g, 0);
         self.scratch = Some(Scratch {
             n,
             h: b(n * d)?,
             x: b(n * d)?,
             p: b(n * sh.proj_width())?,
             q: b(n * d)?,
-            k: b(n * d)?,
-            v: b(n * d)?,
-            lf: b(n * h)?,
-            nrm: b(2 * n * h)?,
+            g,
+            gl,
+            k,
+            v,
+            lf,
+            nrm,
             o: b(n * d)?,
             op: b(n * d)?,
             gu: b(2 * n * i)?,
@@ -557,9 +572,13 @@ impl DeviceStream {
             attention: Vec::with_capacity(sh.layers),
             ..RunStats::default()
         };
-        // Readback of a layer's gates: lf [n H] | norms [n H 2] | k [H n HD] | v [H n HD] |
-        // shift state [2 D].
-        let rb_words = self.gates_words(n);
+        // Readback of a layer's gates ([`GateLayout`]), then its shift state [2 D].
+        let gl = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?
+            .gl;
+        let rb_words = gl.words + 2 * sh.hidden;
         let rb = ctx.host_buffer(rb_words, false)?;
 
         let mut rec = Rec::new(&ctx)?;
@@ -576,14 +595,21 @@ impl DeviceStream {
             rec.embed(&model.embeddings, &view(&hbuf, ids_at), n, &s.h)?;
         }
         for l in 0..sh.layers {
-            self.record_pre(&mut rec, l, n)?;
-            self.record_gates_out(&mut rec, l, n, &rb, 0)?;
+            let gv = {
+                let s = self
+                    .scratch
+                    .as_ref()
+                    .ok_or_else(|| internal("no scratch"))?;
+                [s.k.clone(), s.v.clone(), s.lf.clone(), s.nrm.clone()]
+            };
+            self.record_pre(&mut rec, l, n, &gv)?;
+            self.record_gates_out(&mut rec, l, &rb)?;
             self.submit(rec, &mut stats)?;
             stats.bytes_downloaded += rb_words as u64 * 4;
 
             let layer_plan = {
                 let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-                plan(&self.gates_at(&w, l, n, 0))?
+                plan(&gl.read(&w, l, n, 0, gl.words))?
             };
 
             rec = Rec::new(&ctx)?;
@@ -653,9 +679,16 @@ impl DeviceStream {
     }
 
     /// Records layer `l` up to its gates for `n` tokens: attention norm, projections,
-    /// `attn_pre.comp` (q, k, v head-major, `log f`, norms), and the layer's new token-shift
-    /// state (the raw k/v projections of the last token).
-    fn record_pre(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
+    /// `attn_pre.comp` (q head-major into scratch; k, v head-major, `log f` and norms into
+    /// `gates` = `[k, v, log f, norms]`, [`GateLayout::views`]), and the layer's new
+    /// token-shift state (the raw k/v projections of the last token).
+    fn record_pre(
+        &self,
+        rec: &mut Rec<'_>,
+        l: usize,
+        n: usize,
+        gates: &[Subbuffer<[u32]>; 4],
+    ) -> Result<()> {
         let sh = self.model.shape;
         let lw = &self.model.layers[l];
         let (d, pw) = (sh.hidden, sh.proj_width());
@@ -695,10 +728,10 @@ impl DeviceStream {
                 &lw.qk_norm,
                 &lw.fgate_bias,
                 &s.q,
-                &s.k,
-                &s.v,
-                &s.lf,
-                &s.nrm,
+                &gates[0],
+                &gates[1],
+                &gates[2],
+                &gates[3],
             ],
             sh.qk_eps,
         )?;
@@ -710,52 +743,21 @@ impl DeviceStream {
         )
     }
 
-    /// Words of one layer's [`Gates`] readback for `n` tokens: `log f [n H] | norms [n H 2] |
-    /// k [H n HD] | v [H n HD] | shift state [2 D]`.
-    fn gates_words(&self, n: usize) -> usize {
-        let sh = &self.model.shape;
-        3 * n * sh.heads + 2 * n * sh.hidden + 2 * sh.hidden
-    }
-
-    /// Copies layer `l`'s gates (after [`Self::record_pre`]) to `rb` at word `at`.
-    fn record_gates_out(
-        &self,
-        rec: &mut Rec<'_>,
-        l: usize,
-        n: usize,
-        rb: &Subbuffer<[u32]>,
-        at: usize,
-    ) -> Result<()> {
-        let (d, nh) = (self.model.shape.hidden, self.model.shape.heads);
+    /// Copies layer `l`'s gates (after [`Self::record_pre`] into scratch) and its shift
+    /// state to `rb`: the [`GateLayout`] at word 0, the shift state after it.
+    fn record_gates_out(&self, rec: &mut Rec<'_>, l: usize, rb: &Subbuffer<[u32]>) -> Result<()> {
+        let d = self.model.shape.hidden;
         let s = self
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        copy(rec, &s.lf, rb, vec![copy_region(0, at, n * nh)])?;
-        copy(
-            rec,
-            &s.nrm,
-            rb,
-            vec![copy_region(0, at + n * nh, 2 * n * nh)],
-        )?;
-        copy(rec, &s.k, rb, vec![copy_region(0, at + 3 * n * nh, n * d)])?;
-        copy(
-            rec,
-            &s.v,
-            rb,
-            vec![copy_region(0, at + 3 * n * nh + n * d, n * d)],
-        )?;
+        copy(rec, &s.g, rb, vec![copy_region(0, 0, s.gl.words)])?;
         copy(
             rec,
             &self.shift[l],
             rb,
-            vec![copy_region(0, at + 3 * n * nh + 2 * n * d, 2 * d)],
+            vec![copy_region(0, s.gl.words, 2 * d)],
         )
-    }
-
-    /// Layer `l`'s gates as [`Self::record_gates_out`] left them in `w` at word `at`.
-    fn gates_at<'w>(&self, w: &'w [u32], l: usize, n: usize, at: usize) -> Gates<'w> {
-        gates_view(w, l, n, at, self.model.shape.hidden, self.model.shape.heads)
     }
 
     /// Records the rest of layer `l` after its attention (in `s.o`, head-major): output norm
@@ -1369,19 +1371,4 @@ fn op_words(op: &RowOp, words: &mut Vec<u32>) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The [`Gates`] of layer `l` (`n` tokens, `d` hidden, `nh` heads) in `w` at word `at`, in
-/// the layout of [`DeviceStream::gates_words`].
-fn gates_view(w: &[u32], l: usize, n: usize, at: usize, d: usize, nh: usize) -> Gates<'_> {
-    let f = |a: usize, len: usize| bytemuck_f32(&w[at + a..at + a + len]);
-    Gates {
-        layer: l,
-        tokens: n,
-        log_f: f(0, n * nh),
-        norms: f(n * nh, 2 * n * nh),
-        k: f(3 * n * nh, n * d),
-        v: f(3 * n * nh + n * d, n * d),
-        shift: f(3 * n * nh + 2 * n * d, 2 * d),
-    }
 }

@@ -19,8 +19,8 @@
 //! grown when a step needs more and reused otherwise.
 
 use super::{
-    BLOCK, DeviceStream, Gates, HPD, HostData, HostTimes, MAXC, Output, RowOp, RunStats, copy,
-    copy_region, internal, logits_words, op_words, out_rows, read_head, view,
+    BLOCK, DeviceStream, GateLayout, Gates, HPD, HostData, HostTimes, MAXC, Output, RowOp,
+    RunStats, copy, copy_region, internal, logits_words, op_words, out_rows, read_head, view,
 };
 use crate::decode::{auto_split, storage_align};
 use crate::error::{Error, Result};
@@ -125,44 +125,71 @@ pub struct StepHead {
     pub acp: StepAcp,
 }
 
+/// Word offsets of a step's readback (`words` in all): every layer's gates (one token's
+/// [`GateLayout`], layer `l` at `l * gl.words`), the ACP counts `[layers][H][4]` (kept
+/// blocks, kept rows, evictions) at `acp` and `c_t` `[layers][H]` (hi, lo) at `ct`, the
+/// shaders writing all of these straight into one device buffer of `dev` words (read back
+/// with one copy); then the layers' shift states at `dev`, one every `stride` words (one
+/// more copy).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepLayout {
+    gl: GateLayout,
+    acp: usize,
+    ct: usize,
+    dev: usize,
+    stride: usize,
+    words: usize,
+}
+
+impl StepLayout {
+    fn new(d: usize, nh: usize, nl: usize, align: usize, stride: usize) -> Self {
+        let up = |x: usize| x.div_ceil(align) * align;
+        let gl = GateLayout::new(1, d, nh, align);
+        let acp = nl * gl.words;
+        let ct = acp + up(4 * nl * nh);
+        let dev = ct + up(2 * nl * nh);
+        Self {
+            gl,
+            acp,
+            ct,
+            dev,
+            stride,
+            words: dev + nl * stride,
+        }
+    }
+}
+
 /// What a step read back: every layer's [`Gates`], the device's ACP decisions, evictions
 /// and `c_t`.
 #[derive(Debug)]
 pub struct StepOutput {
     words: Vec<u32>,
-    gate_words: usize,
-    hidden: usize,
+    at: StepLayout,
     heads: usize,
-    layers: usize,
 }
 
 impl StepOutput {
     /// Layer `l`'s gates (one token).
     pub fn gates(&self, l: usize) -> Gates<'_> {
-        super::gates_view(
-            &self.words,
-            l,
-            1,
-            l * self.gate_words,
-            self.hidden,
-            self.heads,
-        )
+        let at = &self.at;
+        at.gl
+            .read(&self.words, l, 1, l * at.gl.words, at.dev + l * at.stride)
     }
 
     /// (kept blocks, kept rows) of head `h` of layer `l`, as the device decided.
     pub fn kept(&self, l: usize, h: usize) -> (u64, u64) {
-        let at = self.layers * self.gate_words + 4 * (l * self.heads + h);
+        let at = self.at.acp + 4 * (l * self.heads + h);
         (u64::from(self.words[at]), u64::from(self.words[at + 1]))
     }
 
     /// Evictions the device made in head `h` of layer `l` (the first of its plan's).
     pub fn evicted(&self, l: usize, h: usize) -> usize {
-        self.words[self.layers * self.gate_words + 4 * (l * self.heads + h) + 2] as usize
+        self.words[self.at.acp + 4 * (l * self.heads + h) + 2] as usize
     }
 
     /// The device's `c_t` of head `h` of layer `l` (its double-float pair summed in f64).
     pub fn c_t(&self, l: usize, h: usize) -> f64 {
-        let at = self.layers * (self.gate_words + 4 * self.heads) + 2 * (l * self.heads + h);
+        let at = self.at.ct + 2 * (l * self.heads + h);
         f64::from(f32::from_bits(self.words[at])) + f64::from(f32::from_bits(self.words[at + 1]))
     }
 }
@@ -171,19 +198,17 @@ impl StepOutput {
 pub(super) struct Bufs {
     /// Host inputs (token, c, operations, per-head metadata).
     up: Subbuffer<[u32]>,
-    /// Readback: gates of every layer, then ACP counts `[layers][H][4]`, then `c_t`
-    /// `[layers][H]` (hi, lo).
+    /// The readback ([`StepLayout`]) and its device-written part.
     rb: Subbuffer<[u32]>,
+    dev: Subbuffer<[u32]>,
     /// Logits or the token, and the non-finite flag.
     out: Subbuffer<[u32]>,
     logits: Subbuffer<[u32]>,
     am: Subbuffer<[u32]>,
     /// `c_t` per head, group-padded (`gate_step.comp`).
     qc: Subbuffer<[u32]>,
-    /// ACP flags `[layers][H][blocks]` and counts `[layers][H][4]` (kept blocks, kept
-    /// rows, evictions).
+    /// ACP flags `[layers][H][blocks]`.
     kept: Subbuffer<[u32]>,
-    acp: Subbuffer<[u32]>,
     /// Decode partials and merge counters.
     ml: Subbuffer<[u32]>,
     po: Subbuffer<[u32]>,
@@ -295,7 +320,7 @@ impl DeviceStream {
         let model = self.model.clone();
         let sh = model.shape;
         let ctx = model.ctx.clone();
-        let (d, nh, hd, v, nl) = (sh.hidden, sh.heads, sh.head_dim, sh.vocab, sh.layers);
+        let (nh, hd, v, nl) = (sh.heads, sh.head_dim, sh.vocab, sh.layers);
         if token as usize >= v {
             return Err(Error::Input(foxedge_core::Error::BadArgument(
                 "a token id is out of the vocabulary",
@@ -581,10 +606,10 @@ impl DeviceStream {
                 }
             }
         }
-        let gw = self.gates_words(1);
+        let at = self.step_layout();
         let need = Need {
             up: var_at + var.words.len(),
-            rb: nl * gw + 6 * nl * nh,
+            rb: at.words,
             kept: nl * nh * max_blocks,
             parts: parts_max,
         };
@@ -634,7 +659,7 @@ impl DeviceStream {
             .as_ref()
             .ok_or_else(|| internal("no recorded step"))?;
         let (cb, dispatches) = (r.cb.clone(), r.dispatches);
-        stats.bytes_downloaded += (nl * gw + 6 * nl * nh) as u64 * 4 + r.head_bytes;
+        stats.bytes_downloaded += at.words as u64 * 4 + r.head_bytes;
         let (rb, hout) = {
             let b = self
                 .fused
@@ -649,7 +674,7 @@ impl DeviceStream {
         }
         let words = {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..nl * gw + 6 * nl * nh].to_vec()
+            w[..at.words].to_vec()
         };
         {
             let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
@@ -657,10 +682,8 @@ impl DeviceStream {
         }
         let res = StepOutput {
             words,
-            gate_words: gw,
-            hidden: d,
+            at,
             heads: nh,
-            layers: nl,
         };
         for (l, heads) in plan.iter().enumerate() {
             let mut st = AttentionStats {
@@ -704,7 +727,7 @@ impl DeviceStream {
         let ctx = &model.ctx;
         let sh = model.shape;
         let (nh, hd, nl) = (sh.heads, sh.head_dim, sh.layers);
-        let gw = self.gates_words(1);
+        let at = self.step_layout();
         let align = storage_align(ctx);
         let qstride = (2 * HPD).div_ceil(align) * align / 2;
         let b = self
@@ -738,41 +761,29 @@ impl DeviceStream {
             scale_log2: f32,
             pad: u32,
         }
+        // The layers' gates, ACP counts and c_t go straight into `b.dev` (`StepLayout`).
+        let acp = view(&b.dev, (at.acp, 4 * nl * nh));
+        let ct = view(&b.dev, (at.ct, 2 * nl * nh));
         for (l, la) in layers_at.iter().enumerate() {
-            self.record_pre(&mut rec, l, 1)?;
-            self.record_gates_out(&mut rec, l, 1, &b.rb, l * gw)?;
-            let s = self
-                .scratch
-                .as_ref()
-                .ok_or_else(|| internal("no scratch"))?;
+            let gv = at.gl.views(&b.dev, l * at.gl.words);
+            self.record_pre(&mut rec, l, 1, &gv)?;
+            let [k, v, lf, nrm] = gv;
             rec.tag = "gate_step";
             rec.run(
                 &gate_pipe,
                 vec![
-                    WriteDescriptorSet::buffer(0, s.lf.clone()),
+                    WriteDescriptorSet::buffer(0, lf),
                     WriteDescriptorSet::buffer(1, view(&up, la.cprev)),
                     WriteDescriptorSet::buffer(2, b.qc.clone()),
                     WriteDescriptorSet::buffer(3, up.clone()),
                     WriteDescriptorSet::buffer(4, view(&up, la.rc)),
-                    WriteDescriptorSet::buffer(5, b.acp.clone()),
+                    WriteDescriptorSet::buffer(5, acp.clone()),
                     WriteDescriptorSet::buffer(6, self.flag.clone()),
+                    WriteDescriptorSet::buffer(7, ct.clone()),
                 ],
                 [nh as u32, qstride as u32],
                 [nh.div_ceil(64) as u32, 1, 1],
             )?;
-            let ct_at = nl * gw + 4 * nl * nh + 2 * l * nh;
-            for (gi, g) in la.groups.iter().enumerate() {
-                copy(
-                    &mut rec,
-                    &b.qc,
-                    &b.rb,
-                    vec![copy_region(
-                        gi * qstride * 2,
-                        ct_at + 2 * g.h0,
-                        2 * (g.h1 - g.h0),
-                    )],
-                )?;
-            }
             for (gi, g) in la.groups.iter().enumerate() {
                 let slots = self.head_slots(l, g.h0, g.h1)?;
                 let qc = view(&b.qc, (gi * qstride * 2, 2 * HPD));
@@ -780,8 +791,8 @@ impl DeviceStream {
                     hd,
                     1,
                     slots[..g.h1 - g.h0].to_vec(),
-                    &s.k,
-                    &s.v,
+                    &k,
+                    &v,
                     &ops,
                     &view(&up, g.ranges),
                 )?;
@@ -797,11 +808,11 @@ impl DeviceStream {
                     vec![
                         WriteDescriptorSet::buffer_array(0, 0, slots.clone()),
                         WriteDescriptorSet::buffer(1, qc.clone()),
-                        WriteDescriptorSet::buffer(2, s.nrm.clone()),
+                        WriteDescriptorSet::buffer(2, nrm.clone()),
                         WriteDescriptorSet::buffer(3, view(&up, g.info)),
                         WriteDescriptorSet::buffer(4, view(&up, g.par)),
                         WriteDescriptorSet::buffer(5, b.kept.clone()),
-                        WriteDescriptorSet::buffer(6, b.acp.clone()),
+                        WriteDescriptorSet::buffer(6, acp.clone()),
                     ],
                     A {
                         block: BLOCK as u32,
@@ -837,11 +848,12 @@ impl DeviceStream {
             }
             self.record_post(&mut rec, l, 1)?;
         }
+        copy(&mut rec, &b.dev, &b.rb, vec![copy_region(0, 0, at.dev)])?;
         copy(
             &mut rec,
-            &b.acp,
+            &self.shift_all,
             &b.rb,
-            vec![copy_region(0, nl * gw, 4 * nl * nh)],
+            vec![copy_region(0, at.dev, nl * at.stride)],
         )?;
         let head_bytes = self.record_head(&mut rec, 1, out, &b.logits, &b.am, &b.out)?;
         let dispatches = rec.dispatches;
@@ -859,6 +871,13 @@ impl DeviceStream {
             },
             build,
         ))
+    }
+
+    /// Where a step's readback holds what.
+    fn step_layout(&self) -> StepLayout {
+        let sh = &self.model.shape;
+        let align = storage_align(&self.model.ctx);
+        StepLayout::new(sh.hidden, sh.heads, sh.layers, align, self.shift_stride)
     }
 
     /// The cache buffers of heads `h0..h1` of layer `l`, padded to [`HPD`] with the last.
@@ -890,7 +909,7 @@ impl DeviceStream {
             am: ctx.device_buffer(2)?,
             qc: ctx.device_buffer(qc_words)?,
             kept: ctx.device_buffer(grow(need.kept))?,
-            acp: ctx.device_buffer(4 * sh.layers * sh.heads)?,
+            dev: ctx.device_buffer(self.step_layout().dev)?,
             ml: ctx.device_buffer(2 * parts)?,
             po: ctx.device_buffer(sh.head_dim * parts)?,
             counters: ctx.device_buffer(HPD)?,
