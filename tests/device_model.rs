@@ -1,9 +1,9 @@
 //! The whole model on the Vulkan device (`--backend vulkan`: every op a shader, weights and
 //! cache resident) against the CPU backend on the same model: the bundled model and random
 //! models of other shapes (head_dim 32 and 16, FoX Pro and plain FoX, QK-norm per head and
-//! shared, weights stored as f32, f16 and bf16), and a 512-token greedy stream with
-//! certified eviction under a budget; decode tokens the retention policy cannot evict at
-//! run as one device submission each.
+//! shared, weights stored as f32, f16 and bf16, more heads than one dispatch's group of 8),
+//! and a 512-token greedy stream with certified eviction under a budget; decode tokens the
+//! retention policy cannot evict at run as one device submission each.
 //!
 //! Tolerance: |logit - cpu| <= 2e-3 (1 + |cpu|). Both sides compute in f32 from the same
 //! f32 weights; they differ only in summation order (~1e-6 relative per op), carried
@@ -160,6 +160,19 @@ fn random_models_of_other_shapes_on_the_device_match_cpu() {
                 heads: 2,
                 pro: false,
                 seed: 7,
+                ..Synth::default()
+            },
+            "F32",
+            false,
+        ),
+        // head_dim 16, 10 heads: two groups of heads per attention dispatch, FoX Pro, f32.
+        (
+            Synth {
+                vocab: 96,
+                hidden: 160,
+                layers: 2,
+                heads: 10,
+                seed: 8,
                 ..Synth::default()
             },
             "F32",

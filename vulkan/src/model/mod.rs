@@ -26,9 +26,9 @@
 //! the device applies to its cache heads. One token ([`DeviceStream::step`], one
 //! submission): the caller decides before the token what does not depend on its gates
 //! ([`StepHead`]: re-bases, the evictions its policy may make with the `c_t` threshold of
-//! each, ACP thresholds), the device computes `c_t` (`gate_step.comp`), applies the
-//! evictions that `c_t` makes, stores the token's row and decides ACP (`acp_blocks.comp`);
-//! the caller reads every layer's gates back once. Cache `c` goes to the device as a
+//! each, ACP thresholds), the device computes `c_t`, applies the evictions that `c_t`
+//! makes, stores the token's row and decides ACP (`head_step.comp`); the caller reads every
+//! layer's gates back once. Cache `c` goes to the device as a
 //! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
 mod ops;

@@ -678,7 +678,46 @@ impl DeviceStream {
         Ok(bytes)
     }
 
-    /// Records layer `l` up to its gates for `n` tokens: attention norm, projections,
+    /// Specialization constants of `attn_pre.glsl`: (H, HD, kshift, vshift, QK-norm).
+    fn attn_spec(&self) -> [u32; 5] {
+        let sh = &self.model.shape;
+        let qkn = match sh.qk_norm {
+            QkNorm::Off => 0,
+            QkNorm::PerHead => 1,
+            QkNorm::Shared => 2,
+        };
+        [
+            sh.heads as u32,
+            sh.head_dim as u32,
+            u32::from(sh.k_shift),
+            u32::from(sh.v_shift),
+            qkn,
+        ]
+    }
+
+    /// Records layer `l`'s attention norm and projections of `n` tokens into `s.p`.
+    fn record_proj(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
+        let sh = self.model.shape;
+        let lw = &self.model.layers[l];
+        let (d, pw) = (sh.hidden, sh.proj_width());
+        let s = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| internal("no scratch"))?;
+        if n == 1 {
+            rec.tag = "mv_pre";
+            let xin = XIn::Norm(&lw.attn_norm, sh.norm_eps);
+            return rec.matvec_many(&lw.pre, xin, &s.h, &s.p);
+        }
+        rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
+        rec.tag = "mv_pre";
+        for (m, col) in &lw.pre {
+            rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
+        }
+        Ok(())
+    }
+
+    /// Records layer `l` up to its gates for `n` tokens: [`Self::record_proj`],
     /// `attn_pre.comp` (q head-major into scratch; k, v head-major, `log f` and norms into
     /// `gates` = `[k, v, log f, norms]`, [`GateLayout::views`]), and the layer's new
     /// token-shift state (the raw k/v projections of the last token).
@@ -692,35 +731,13 @@ impl DeviceStream {
         let sh = self.model.shape;
         let lw = &self.model.layers[l];
         let (d, pw) = (sh.hidden, sh.proj_width());
+        self.record_proj(rec, l, n)?;
         let s = self
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        let qkn = match sh.qk_norm {
-            QkNorm::Off => 0,
-            QkNorm::PerHead => 1,
-            QkNorm::Shared => 2,
-        };
-        let spec = [
-            sh.heads as u32,
-            sh.head_dim as u32,
-            u32::from(sh.k_shift),
-            u32::from(sh.v_shift),
-            qkn,
-        ];
-        if n == 1 {
-            rec.tag = "mv_pre";
-            let xin = XIn::Norm(&lw.attn_norm, sh.norm_eps);
-            rec.matvec_many(&lw.pre, xin, &s.h, &s.p)?;
-        } else {
-            rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-            rec.tag = "mv_pre";
-            for (m, col) in &lw.pre {
-                rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
-            }
-        }
         rec.attn_pre(
-            spec,
+            self.attn_spec(),
             n,
             [
                 &s.p,

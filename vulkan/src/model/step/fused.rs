@@ -3,15 +3,18 @@
 //! What the per-layer path asks the host between layers is decided before the step or on
 //! the device:
 //! - the host's row operations that do not depend on the token (re-based metas);
-//! - `c_t = c_{t-1} + log f_t` per head (`gate_step.comp`, double-float, from the host's f64
-//!   `c_{t-1}`), written into the query's `c` and the new row's meta;
+//! - `c_t = c_{t-1} + log f_t` per head (double-float, from the host's f64 `c_{t-1}`),
+//!   written into the query's `c` and the new row's meta;
 //! - the retention policy's evictions at this token: the host lists them in eviction order
 //!   with the largest `c_t` that evicts each (foxedge-core's `next_evictions`), with each
 //!   one's swap-delete move; the device evicts those at or above its `c_t`, stores the
 //!   token's row after the survivors and attends them (the CPU's order: evictions, then
 //!   the token's row, then its attention);
-//! - ACP's block decisions (`acp_blocks.comp`) by foxedge-core's rule from the rows' `c`,
-//!   with the host's `delta` or one from the step's own q/k norms.
+//! - ACP's block decisions by foxedge-core's rule from the rows' `c`, with the host's
+//!   `delta` or one from the step's own q/k norms.
+//!
+//! The three run in one dispatch per group of [`HPD`] heads (`head_step.comp`), before the
+//! group's attention.
 //!
 //! The host waits once, then reads every layer's gates, new K/V rows and shift state (its
 //! bookkeeping and shadow cache), the device's ACP counts, and the token or logits.
@@ -31,10 +34,9 @@ use vulkano::buffer::{BufferContents, Subbuffer};
 use vulkano::command_buffer::PrimaryAutoCommandBuffer;
 use vulkano::descriptor_set::WriteDescriptorSet;
 
-static GATE_STEP: &[u8] = include_bytes!("../../../shaders/gate_step.spv");
-static ACP_BLOCKS: &[u8] = include_bytes!("../../../shaders/acp_blocks.spv");
+static HEAD_STEP: &[u8] = include_bytes!("../../../shaders/head_step.spv");
 
-/// ACP's threshold of one head in a step (`acp_blocks.comp`'s modes).
+/// ACP's threshold of one head in a step (`head_step.comp`'s modes).
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepAcp {
     /// Every block attended (ACP off).
@@ -60,7 +62,7 @@ impl StepAcp {
         }
     }
 
-    /// `par` of `acp_blocks.comp` (f32 bits; [`StepAcp::Delta`]: its first, for no
+    /// `par` of `head_step.comp` (f32 bits; [`StepAcp::Delta`]: its first, for no
     /// eviction).
     fn par(&self) -> Result<[u32; 4]> {
         let bad = || {
@@ -205,7 +207,7 @@ pub(super) struct Bufs {
     out: Subbuffer<[u32]>,
     logits: Subbuffer<[u32]>,
     am: Subbuffer<[u32]>,
-    /// `c_t` per head, group-padded (`gate_step.comp`).
+    /// `c_t` per head, group-padded (`head_step.comp`).
     qc: Subbuffer<[u32]>,
     /// ACP flags `[layers][H][blocks]`.
     kept: Subbuffer<[u32]>,
@@ -490,7 +492,7 @@ impl DeviceStream {
                     }
                     _ => None,
                 };
-                // The token's row; gate_step.comp sets its slot and c.
+                // The token's row; head_step.comp sets its slot and c.
                 let put = words.len();
                 op_words(
                     &RowOp::Put {
@@ -581,7 +583,7 @@ impl DeviceStream {
                         table.map_or(u32::MAX, |t| (tab_at.0 + t) as u32),
                         (g.par.0 + 4 * i) as u32,
                         (l * nh + h) as u32,
-                        0,
+                        (g.ranges.0 + 4 * i) as u32,
                         0,
                     ]);
                 }
@@ -735,7 +737,6 @@ impl DeviceStream {
             .as_ref()
             .ok_or_else(|| internal("no step buffers"))?;
         let up = b.up.clone();
-        let ops = up.clone().slice(key.var_at as u64..);
         let mut rec = super::Rec::reusable(ctx)?;
         if self.profiling {
             let groups = nh.div_ceil(HPD) as u32;
@@ -751,8 +752,9 @@ impl DeviceStream {
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
         rec.embed(&model.embeddings, &view(&up, ids_at), 1, &s.h)?;
-        let gate_pipe = ctx.pipeline("gate_step", GATE_STEP, &[])?;
-        let acp_pipe = ctx.pipeline("acp_blocks", ACP_BLOCKS, &[(0, hd as u32)])?;
+        let spec = self.attn_spec();
+        let spec: Vec<(u32, u32)> = (0u32..).zip(spec).collect();
+        let head_pipe = ctx.pipeline("head_step", HEAD_STEP, &spec)?;
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {
@@ -765,58 +767,54 @@ impl DeviceStream {
         let acp = view(&b.dev, (at.acp, 4 * nl * nh));
         let ct = view(&b.dev, (at.ct, 2 * nl * nh));
         for (l, la) in layers_at.iter().enumerate() {
-            let gv = at.gl.views(&b.dev, l * at.gl.words);
-            self.record_pre(&mut rec, l, 1, &gv)?;
-            let [k, v, lf, nrm] = gv;
-            rec.tag = "gate_step";
-            rec.run(
-                &gate_pipe,
-                vec![
-                    WriteDescriptorSet::buffer(0, lf),
-                    WriteDescriptorSet::buffer(1, view(&up, la.cprev)),
-                    WriteDescriptorSet::buffer(2, b.qc.clone()),
-                    WriteDescriptorSet::buffer(3, up.clone()),
-                    WriteDescriptorSet::buffer(4, view(&up, la.rc)),
-                    WriteDescriptorSet::buffer(5, acp.clone()),
-                    WriteDescriptorSet::buffer(6, self.flag.clone()),
-                    WriteDescriptorSet::buffer(7, ct.clone()),
-                ],
-                [nh as u32, qstride as u32],
-                [nh.div_ceil(64) as u32, 1, 1],
-            )?;
+            self.record_proj(&mut rec, l, 1)?;
+            let [k, v, lf, nrm] = at.gl.views(&b.dev, l * at.gl.words);
+            #[derive(BufferContents, Clone, Copy)]
+            #[repr(C)]
+            struct H {
+                h0: u32,
+                qstride: u32,
+                var_at: u32,
+                cprev_at: u32,
+                rc_at: u32,
+                block: u32,
+                mode: u32,
+                qk_eps: f32,
+            }
+            let lw = &model.layers[l];
             for (gi, g) in la.groups.iter().enumerate() {
                 let slots = self.head_slots(l, g.h0, g.h1)?;
                 let qc = view(&b.qc, (gi * qstride * 2, 2 * HPD));
-                rec.cache_ops(
-                    hd,
-                    1,
-                    slots[..g.h1 - g.h0].to_vec(),
-                    &k,
-                    &v,
-                    &ops,
-                    &view(&up, g.ranges),
-                )?;
-                #[derive(BufferContents, Clone, Copy)]
-                #[repr(C)]
-                struct A {
-                    block: u32,
-                    mode: u32,
-                }
-                rec.tag = "acp_blocks";
+                rec.tag = "head_step";
                 rec.run(
-                    &acp_pipe,
+                    &head_pipe,
                     vec![
                         WriteDescriptorSet::buffer_array(0, 0, slots.clone()),
-                        WriteDescriptorSet::buffer(1, qc.clone()),
-                        WriteDescriptorSet::buffer(2, nrm.clone()),
-                        WriteDescriptorSet::buffer(3, view(&up, g.info)),
-                        WriteDescriptorSet::buffer(4, view(&up, g.par)),
-                        WriteDescriptorSet::buffer(5, b.kept.clone()),
-                        WriteDescriptorSet::buffer(6, acp.clone()),
+                        WriteDescriptorSet::buffer(1, s.p.clone()),
+                        WriteDescriptorSet::buffer(2, self.shift[l].clone()),
+                        WriteDescriptorSet::buffer(3, lw.qk_norm.clone()),
+                        WriteDescriptorSet::buffer(4, lw.fgate_bias.clone()),
+                        WriteDescriptorSet::buffer(5, s.q.clone()),
+                        WriteDescriptorSet::buffer(6, k.clone()),
+                        WriteDescriptorSet::buffer(7, v.clone()),
+                        WriteDescriptorSet::buffer(8, lf.clone()),
+                        WriteDescriptorSet::buffer(9, nrm.clone()),
+                        WriteDescriptorSet::buffer(10, b.qc.clone()),
+                        WriteDescriptorSet::buffer(11, up.clone()),
+                        WriteDescriptorSet::buffer(12, b.kept.clone()),
+                        WriteDescriptorSet::buffer(13, acp.clone()),
+                        WriteDescriptorSet::buffer(14, self.flag.clone()),
+                        WriteDescriptorSet::buffer(15, ct.clone()),
                     ],
-                    A {
+                    H {
+                        h0: g.h0 as u32,
+                        qstride: qstride as u32,
+                        var_at: key.var_at as u32,
+                        cprev_at: la.cprev.0 as u32,
+                        rc_at: la.rc.0 as u32,
                         block: BLOCK as u32,
                         mode: la.mode,
+                        qk_eps: sh.qk_eps as f32,
                     },
                     [(g.h1 - g.h0) as u32, 1, 1],
                 )?;
