@@ -23,8 +23,8 @@
 // 2. Row operations (rowops.glsl), in order: the host's moves and metas, the evictions,
 //    the token's row.
 // 3. ACP (foxedge_core::contract::acp): a block of pc.block rows is skipped when
-//    c_t - min_j c_j < delta (every pruned weight is then below eps / live); a thread per
-//    block. delta: mode 0 none (every block kept); mode 1 par.xy, a double-float from the
+//    c_t - min_j c_j < delta (every pruned weight is then below eps / live); eight threads
+//    per block. delta: mode 0 none (every block kept); mode 1 par.xy, a double-float from the
 //    host (the certified bound U); mode 2 par.x - 2 U with U = par.z |q| max(par.y, |k|)
 //    (observed norms: par.y the head's largest earlier |k|, par.z the softmax scale,
 //    par.x = ln eps - ln live). Writes a flag per block (1 = attend) at kept[info.z + b] and
@@ -36,6 +36,7 @@
 // a range being (first op counted in 8-word operations from pc.var_at, operations, head,
 // cap) and an ACP info (live, cap, kept0, counts index | head << 16).
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x = 64) in;
 layout(constant_id = 0) const uint H = 4;
 layout(constant_id = 1) const uint HD = 64;
@@ -85,6 +86,7 @@ bool less(vec2 a, vec2 b) { return a.x < b.x || (a.x == b.x && a.y < b.y); }
 uvec4 words4(uint i) { return uvec4(w[i], w[i + 1u], w[i + 2u], w[i + 3u]); }
 
 shared vec2 s_ct;
+shared vec2 s_min[64];
 shared uint s_blocks;
 shared uint s_rows;
 
@@ -164,24 +166,47 @@ void main() {
         const vec2 qk = nrm[head];
         delta = p.x - 2.0 * (p.z * qk.x * max(p.y, qk.y));
     }
+    // Eight threads a block, each the least c of its eighth of the rows (eight loads at a
+    // time, issued together), then the least of the eight in shared memory.
     const uint nb = (live + pc.block - 1u) / pc.block;
-    for (uint b = tid; b < nb; b += 64u) {
+    const uint part = tid % 8u;
+    const uint per = (pc.block + 7u) / 8u;
+    for (uint b0 = 0u; b0 < nb; b0 += 8u) {
+        const uint b = b0 + tid / 8u;
         const uint j0 = b * pc.block, j1 = min(j0 + pc.block, live);
-        bool keep = true;
-        if (pc.mode != 0u) {
-            vec2 m = vec2(uintBitsToFloat(0x7f800000u), 0.0);
-            for (uint j = j0; j < j1; ++j) {
-                const vec2 cj = uintBitsToFloat(uvec2(hb[slot].x[moff + 4u * j], hb[slot].x[moff + 4u * j + 1u]));
-                if (less(cj, m)) m = cj;
+        vec2 m = vec2(uintBitsToFloat(0x7f800000u), 0.0);
+        if (pc.mode != 0u && b < nb) {
+            const uint lo = j0 + part * per, hi = min(lo + per, j1);
+            for (uint a = lo; a < hi; a += 8u) {
+                [[unroll]] for (uint u = 0u; u < 8u; ++u) {
+                    const uint j = a + u;
+                    if (j < hi) {
+                        const vec2 cj = uintBitsToFloat(uvec2(hb[slot].x[moff + 4u * j], hb[slot].x[moff + 4u * j + 1u]));
+                        if (less(cj, m)) m = cj;
+                    }
+                }
             }
-            const float d = (ct.x - m.x) + (ct.y - m.y);
-            keep = pc.mode == 1u ? !((d - p.x) < p.y) : !(d < delta);
         }
-        kept[in4.z + b] = keep ? 1u : 0u;
-        if (keep) {
-            atomicAdd(s_blocks, 1u);
-            atomicAdd(s_rows, j1 - j0);
+        s_min[tid] = m;
+        barrier();
+        for (uint k = 4u; k > 0u; k >>= 1) {
+            if (part < k && less(s_min[tid + k], s_min[tid])) s_min[tid] = s_min[tid + k];
+            barrier();
         }
+        if (part == 0u && b < nb) {
+            bool keep = true;
+            if (pc.mode != 0u) {
+                const vec2 mb = s_min[tid];
+                const float d = (ct.x - mb.x) + (ct.y - mb.y);
+                keep = pc.mode == 1u ? !((d - p.x) < p.y) : !(d < delta);
+            }
+            kept[in4.z + b] = keep ? 1u : 0u;
+            if (keep) {
+                atomicAdd(s_blocks, 1u);
+                atomicAdd(s_rows, j1 - j0);
+            }
+        }
+        barrier();
     }
     barrier();
     if (tid == 0u) stats[in4.w & 0xffffu].xy = uvec2(s_blocks, s_rows);

@@ -186,8 +186,9 @@ fn a_profiled_step_times_every_command_and_changes_nothing() {
         assert_eq!(cmds, per_step * n, "{kind}");
         assert!(us.is_finite() && us >= 0.0, "{kind}: {us} µs");
     }
-    // The readback (two copies), the logits and the non-finite flag.
-    assert_eq!(p.kind("copy").map(|k| k.1), Some(4 * n));
+    // The host inputs to the device, the readback (two copies), the logits and the
+    // non-finite flag.
+    assert_eq!(p.kind("copy").map(|k| k.1), Some(5 * n));
     for kind in [
         "rmsnorm",
         "swiglu",

@@ -200,6 +200,9 @@ impl StepOutput {
 pub(super) struct Bufs {
     /// Host inputs (token, c, operations, per-head metadata).
     up: Subbuffer<[u32]>,
+    /// Its device-local copy, which the step's shaders read and write (a discrete GPU reads
+    /// host memory across the bus: a round trip per dependent read).
+    upd: Subbuffer<[u32]>,
     /// The readback ([`StepLayout`]) and its device-written part.
     rb: Subbuffer<[u32]>,
     dev: Subbuffer<[u32]>,
@@ -736,7 +739,7 @@ impl DeviceStream {
             .fused
             .as_ref()
             .ok_or_else(|| internal("no step buffers"))?;
-        let up = b.up.clone();
+        let up = b.upd.clone();
         let mut rec = super::Rec::reusable(ctx)?;
         if self.profiling {
             let groups = nh.div_ceil(HPD) as u32;
@@ -747,6 +750,7 @@ impl DeviceStream {
         // workgroup resets its query's; single-chunk queries never count).
         rec.b.fill_buffer(b.counters.clone(), 0)?;
         rec.mark("fill")?;
+        copy(&mut rec, &b.up, &up, vec![copy_region(0, 0, b.up.len() as usize)])?;
         let s = self
             .scratch
             .as_ref()
@@ -901,6 +905,7 @@ impl DeviceStream {
         self.invalidate();
         self.fused = Some(Bufs {
             up: ctx.host_buffer(grow(need.up), true)?,
+            upd: ctx.device_buffer(grow(need.up))?,
             rb: ctx.host_buffer(grow(need.rb), false)?,
             out: ctx.host_buffer(logits_words(1, sh.vocab), false)?,
             logits: ctx.device_buffer(sh.vocab)?,
