@@ -185,10 +185,8 @@ impl<'c> Rec<'c> {
         let [code, eps] = xin.spec();
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
-            let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
-            let lanes = 1u32 << (m.cols / 32).clamp(1, most).ilog2();
             let spec = [
-                (0, 16 * lanes),
+                (0, 16 * self.block_lanes(m.cols)),
                 (1, m.cols as u32),
                 (2, u32::from(acc)),
                 (8, code),
@@ -234,6 +232,13 @@ impl<'c> Rec<'c> {
             )?;
         }
         Ok(())
+    }
+
+    /// Threads per row of `mvq.glsl` for rows of `cols` weights: a power of two, at most
+    /// one per block of 32, 64, and the device's workgroup limit over 16 rows.
+    pub(super) fn block_lanes(&self, cols: usize) -> u32 {
+        let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
+        1u32 << (cols / 32).clamp(1, most).ilog2()
     }
 
     /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats:

@@ -1,7 +1,8 @@
-//! Decode's projections of one normed row in one dispatch (`mvn.glsl`): the matrices that
-//! read the same input (q, k, v, the k/v shift projections, the forget and output gates)
-//! write their slices of one output row, each output the sum the single-matrix kernel
-//! (`mv.glsl`) makes, in the same order.
+//! Decode's projections of one normed row in one dispatch (`mvn.glsl`; `mvq.glsl` with
+//! MULTI for Q8 / Q4): the matrices that read the same input (q, k, v, the k/v shift
+//! projections, the forget and output gates) write their slices of one output row, each
+//! output the sum the single-matrix kernel (`mv.glsl`, `mvq.glsl`) makes, in the same
+//! order.
 
 use super::ops::{MV_TPR, MV_WGS, Rec, XIn};
 use super::weights::Mat;
@@ -15,15 +16,19 @@ static MVN: [&[u8]; 3] = [
     include_bytes!("../../shaders/mvn_bf16.spv"),
 ];
 static MVN_NAMES: [&str; 3] = ["mvn_f32", "mvn_f16", "mvn_bf16"];
+/// The block formats' kernels, Q8 then Q4 (formats 3, 4).
+static MVNQ: [(&str, &[u8]); 2] = [
+    ("mvn_q8", include_bytes!("../../shaders/mvn_q8.spv")),
+    ("mvn_q4", include_bytes!("../../shaders/mvn_q4.spv")),
+];
 /// Weight bindings per dispatch (`SLOTS` in `mvn.glsl`).
 const SLOTS: usize = 8;
 
 impl Rec<'_> {
     /// `y[off + r] = (W x')[r]` for every `(W, off)` of `mats` (one token, `x` at float 0,
     /// `x'` it read through `xin`):
-    /// one dispatch per [`SLOTS`] weight chunks when the matrices share a float format
-    /// (f32, f16, bf16) and a row length, else one per matrix ([`Rec::matvec`], which also
-    /// runs the Q8 / Q4 block formats).
+    /// one dispatch per [`SLOTS`] weight chunks when the matrices share a format and a row
+    /// length, else one per matrix ([`Rec::matvec`]).
     pub fn matvec_many(
         &mut self,
         mats: &[(Mat, usize)],
@@ -34,29 +39,33 @@ impl Rec<'_> {
         let Some((m0, _)) = mats.first() else {
             return Ok(());
         };
-        if m0.format as usize >= MVN.len()
-            || mats
-                .iter()
-                .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
+        if mats
+            .iter()
+            .any(|(m, _)| m.format != m0.format || m.cols != m0.cols)
         {
             for (m, off) in mats {
                 self.matvec(m, xin, x, 0, y, *off, false)?;
             }
             return Ok(());
         }
-        let f = m0.format as usize;
         let [code, eps] = xin.spec();
-        let pipe = self.ctx.pipeline(
-            MVN_NAMES[f],
-            MVN[f],
-            &[
+        let (pipe, teams) = if m0.format >= 3 {
+            let (name, spv) = MVNQ[usize::from(m0.format == 4)];
+            let wgs = 16 * self.block_lanes(m0.cols);
+            let spec = [(0, wgs), (1, m0.cols as u32), (8, code), (9, eps)];
+            (self.ctx.pipeline(name, spv, &spec)?, 16)
+        } else {
+            let f = m0.format as usize;
+            let spec = [
                 (0, MV_WGS),
                 (1, m0.cols as u32),
                 (2, MV_TPR),
                 (8, code),
                 (9, eps),
-            ],
-        )?;
+            ];
+            let pipe = self.ctx.pipeline(MVN_NAMES[f], MVN[f], &spec)?;
+            (pipe, (MV_WGS / MV_TPR) as usize)
+        };
         let nw = xin.weight().unwrap_or(x);
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
@@ -73,7 +82,6 @@ impl Rec<'_> {
                     .map(move |(w, r0, rows)| (w, off + r0, *rows))
             })
             .collect();
-        let teams = (MV_WGS / MV_TPR) as usize;
         for group in chunks.chunks(SLOTS) {
             let mut p = P {
                 rows: [0; SLOTS],

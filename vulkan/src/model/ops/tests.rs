@@ -225,8 +225,8 @@ fn fused_norm_and_activation_products_match_f64() {
     }
 }
 
-/// `mvn.glsl`: several matrices of one normed input in one dispatch (decode's projections),
-/// float formats; the block formats take one product each.
+/// Several matrices of one normed input in one dispatch (decode's projections): `mvn.glsl`
+/// for the float formats, `mvq.glsl` with MULTI for Q8 / Q4.
 #[test]
 fn fused_norm_projections_match_f64() {
     let Some(ctx) = device("fused_norm_projections") else {
@@ -235,11 +235,13 @@ fn fused_norm_projections_match_f64() {
     let mut r = StdRng::seed_from_u64(43);
     let k = 256;
     let shapes = [(48, 0), (5, 60), (16, 70), (33, 90)];
-    for fmt in FORMATS {
+    // One binding per matrix, or chunks of a few rows (Q8 / Q4: of 16): more chunks than
+    // one dispatch binds.
+    for (fmt, limit) in FORMATS.iter().flat_map(|f| [(*f, 1 << 24), (*f, 1500)]) {
         let mats: Vec<(Mat, Vec<f32>, usize, usize)> = shapes
             .iter()
             .map(|&(rows, off)| {
-                let (m, w) = matrix(&ctx, fmt, (rows, k), 1 << 24, &mut r);
+                let (m, w) = matrix(&ctx, fmt, (rows, k), limit, &mut r);
                 (m, w, rows, off)
             })
             .collect();
@@ -257,7 +259,7 @@ fn fused_norm_projections_match_f64() {
         let got = download(&ctx, &bufs[2]);
         let xt = transformed(&x, k, Some((&nw, 1e-6)), None);
         for (i, (_, w, rows, off)) in mats.iter().enumerate() {
-            let what = format!("{fmt} projection {i}");
+            let what = format!("{fmt} limit {limit} projection {i}");
             check(&got, &y0, w, &xt, (*rows, *off), false, &what);
         }
         let spans: Vec<(usize, usize)> = shapes.iter().map(|&(n, o)| (o, n)).collect();

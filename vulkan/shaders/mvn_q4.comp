@@ -1,0 +1,5 @@
+#version 450
+#define QFMT 4
+#define MULTI 1
+#extension GL_GOOGLE_include_directive : require
+#include "mvq.glsl"
