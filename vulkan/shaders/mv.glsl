@@ -13,6 +13,7 @@ layout(constant_id = 3) const uint ACC = 0;    // 1: add into y
 #include "act.glsl"
 const uint RW = K / EPW;        // uvec4 per row
 const uint TEAMS = WGS / TPR;
+const uint UNR = 8u;            // row words in flight per lane
 
 layout(std430, set = 0, binding = 0) readonly buffer Wb { uvec4 W[]; };
 layout(std430, set = 0, binding = 1) readonly buffer Xb { vec4 x[]; };
@@ -35,14 +36,34 @@ void main() {
     xin_setup(pc.x_off4);
     float acc = 0.0;
     if (r < pc.rows) {
-        for (uint c = lane; c < RW; c += TPR) {
-            vec4 a, b;
-            unpack8(W[r * RW + c], a, b);
-#if WFMT == 0
-            acc += dot(a, xin(pc.x_off4, c));
-#else
-            acc += dot(a, xin(pc.x_off4, 2u * c)) + dot(b, xin(pc.x_off4, 2u * c + 1u));
+        // UNR words of the row in flight per lane: every load of a round issued before
+        // its products (the same order of additions as one word at a time).
+        for (uint c0 = lane; c0 < RW; c0 += TPR * UNR) {
+            uvec4 wv[UNR];
+            vec4 xa[UNR];
+#if WFMT != 0
+            vec4 xb[UNR];
 #endif
+            [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+                const uint c = min(c0 + u * TPR, RW - 1u);
+                wv[u] = W[r * RW + c];
+#if WFMT == 0
+                xa[u] = xin(pc.x_off4, c);
+#else
+                xa[u] = xin(pc.x_off4, 2u * c);
+                xb[u] = xin(pc.x_off4, 2u * c + 1u);
+#endif
+            }
+            [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+                vec4 a, b;
+                unpack8(wv[u], a, b);
+#if WFMT == 0
+                const float p = dot(a, xa[u]);
+#else
+                const float p = dot(a, xa[u]) + dot(b, xb[u]);
+#endif
+                if (c0 + u * TPR < RW) acc += p;
+            }
         }
     }
     red[tid] = acc;

@@ -14,6 +14,7 @@ layout(constant_id = 2) const uint TPR = 32;   // threads per row, a power of tw
 #include "act.glsl"
 const uint RW = K / EPW;        // uvec4 per row
 const uint TEAMS = WGS / TPR;
+const uint UNR = 8u;            // row words in flight per lane
 #define SLOTS 8
 
 layout(std430, set = 0, binding = 0) readonly buffer Wb { uvec4 W[]; } wb[SLOTS];
@@ -43,14 +44,34 @@ void main() {
     xin_setup(0u);
     float acc = 0.0;
     if (r < rows) {
-        for (uint c = lane; c < RW; c += TPR) {
-            vec4 a, b;
-            unpack8(wb[s].W[r * RW + c], a, b);
-#if WFMT == 0
-            acc += dot(a, xin(0u, c));
-#else
-            acc += dot(a, xin(0u, 2u * c)) + dot(b, xin(0u, 2u * c + 1u));
+        // UNR words of the row in flight per lane: every load of a round issued before
+        // its products (the same order of additions as one word at a time).
+        for (uint c0 = lane; c0 < RW; c0 += TPR * UNR) {
+            uvec4 wv[UNR];
+            vec4 xa[UNR];
+#if WFMT != 0
+            vec4 xb[UNR];
 #endif
+            [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+                const uint c = min(c0 + u * TPR, RW - 1u);
+                wv[u] = wb[s].W[r * RW + c];
+#if WFMT == 0
+                xa[u] = xin(0u, c);
+#else
+                xa[u] = xin(0u, 2u * c);
+                xb[u] = xin(0u, 2u * c + 1u);
+#endif
+            }
+            [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+                vec4 a, b;
+                unpack8(wv[u], a, b);
+#if WFMT == 0
+                const float p = dot(a, xa[u]);
+#else
+                const float p = dot(a, xa[u]) + dot(b, xb[u]);
+#endif
+                if (c0 + u * TPR < RW) acc += p;
+            }
         }
     }
     red[tid] = acc;

@@ -750,7 +750,12 @@ impl DeviceStream {
         // workgroup resets its query's; single-chunk queries never count).
         rec.b.fill_buffer(b.counters.clone(), 0)?;
         rec.mark("fill")?;
-        copy(&mut rec, &b.up, &up, vec![copy_region(0, 0, b.up.len() as usize)])?;
+        copy(
+            &mut rec,
+            &b.up,
+            &up,
+            vec![copy_region(0, 0, b.up.len() as usize)],
+        )?;
         let s = self
             .scratch
             .as_ref()
