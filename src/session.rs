@@ -12,9 +12,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod cache;
+#[cfg(all(test, feature = "vulkan"))]
+mod device_continue_tests;
 #[cfg(feature = "vulkan")]
 #[path = "device_model.rs"]
 mod device_model;
+#[cfg(feature = "vulkan")]
+mod device_replay;
 mod file;
 mod forward;
 #[cfg(all(test, feature = "vulkan"))]

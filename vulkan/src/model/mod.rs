@@ -37,8 +37,8 @@ mod step;
 mod weights;
 
 pub use step::{
-    DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats, StepAcp,
-    StepEvict, StepHead, StepOutput, TokenPlan,
+    ContinuePlan, DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats,
+    StepAcp, StepEvict, StepHead, StepOutput, TokenPlan,
 };
 pub use weights::DeviceModel;
 
@@ -228,6 +228,85 @@ pub fn decode_blocks(
         }
     }
     if st.kept_blocks == st.total_blocks {
+        kept.clear();
+    }
+    (kept, st)
+}
+
+/// Queries and keys per ACP block of a continuation chunk (foxedge-cpu's default
+/// `block_q` / `block_k`).
+pub const CONTINUE_BLOCK: usize = 64;
+
+/// ACP decisions of one head of a continuation chunk (`continue.comp`), as
+/// `foxedge_cpu::prefill_continue` decides them with 64-query by 64-key tiles: for query
+/// block `I` (rows `t0..t1` of the chunk, `c_ref = q_c[t0]`, the block's largest `c`) and
+/// key block `J` (64 cache rows in slot order, then 64 chunk keys up to the diagonal), the
+/// block is skipped when no query of `I` sees a key of `J` (ends, causality), or when
+/// `c_ref - min_J c_j < delta` (foxedge-core's `continue_tile_pruned`: every weight of the
+/// block is below `eps / N`).
+///
+/// `cache_c`: the head's cache rows' `c` (slot order); `q_c`: the chunk's `c` (`[n]`, same
+/// origin); `ends`: the first query that no longer sees each cache row (`[live]`) then
+/// each chunk key (`[n]`), `None` when every query sees every key it follows.
+///
+/// Returns the flags `[query block][cache blocks + chunk blocks]` (1 = attend; empty when
+/// `delta` is `None` and no ends cut a block) and the head's statistics, pair for pair the
+/// CPU kernel's.
+pub fn continue_blocks(
+    cache_c: &[f64],
+    q_c: &[f64],
+    delta: Option<f64>,
+    ends: Option<&[u32]>,
+) -> (Vec<u32>, HeadStats) {
+    use foxedge_core::contract::acp;
+    const B: usize = CONTINUE_BLOCK;
+    let (live, t) = (cache_c.len(), q_c.len());
+    let end = |j: usize| ends.map_or(t, |e| e[j] as usize);
+    let (ncb, nnb) = (live.div_ceil(B), t.div_ceil(B));
+    let stride = ncb + nnb;
+    let mut kept = vec![0u32; t.div_ceil(B) * stride];
+    let mut st = HeadStats {
+        delta,
+        ..HeadStats::default()
+    };
+    let cache_min: Vec<f64> = cache_c.chunks(B).map(acp::block_min).collect();
+    for qb in 0..t.div_ceil(B) {
+        let t0 = qb * B;
+        let nq = (t - t0).min(B);
+        let c_ref = q_c[t0];
+        let row = &mut kept[qb * stride..(qb + 1) * stride];
+        let mut count = |pairs: u64, key_min: f64, flag: &mut u32| {
+            if pairs == 0 {
+                return;
+            }
+            st.total_pairs += pairs;
+            st.total_blocks += 1;
+            if delta.is_some_and(|dl| acp::continue_tile_pruned(c_ref, key_min, dl)) {
+                return;
+            }
+            st.kept_pairs += pairs;
+            st.kept_blocks += 1;
+            *flag = 1;
+        };
+        for kb in 0..ncb {
+            let pairs: u64 = (kb * B..((kb + 1) * B).min(live))
+                .map(|j| end(j).saturating_sub(t0).min(nq) as u64)
+                .sum();
+            count(pairs, cache_min[kb], &mut row[kb]);
+        }
+        let p_last = t0 + nq - 1;
+        for (nb, j0) in (0..=p_last).step_by(B).enumerate() {
+            let nk = (p_last + 1 - j0).min(B);
+            let pairs: u64 = (j0..j0 + nk)
+                .map(|i| {
+                    let seen = end(live + i).saturating_sub(t0).min(nq);
+                    seen.saturating_sub(i.saturating_sub(t0)) as u64
+                })
+                .sum();
+            count(pairs, acp::block_min(&q_c[j0..j0 + nk]), &mut row[ncb + nb]);
+        }
+    }
+    if delta.is_none() && ends.is_none() {
         kept.clear();
     }
     (kept, st)
