@@ -74,10 +74,15 @@ fn same_caches(cpu: &Session, gpu: &Session, what: &str) {
 /// chunk the last logits agree, the caches hold the same positions, the evictions and (with
 /// a certified bound, where the device decides from the same f64 `c` and bound) the ACP
 /// pair counts are the CPU's, and every multi-token chunk is one device run.
-fn random_chunks(test: &str, opts: SessionOptions, seed: u64, max_chunk: usize, total: usize) {
-    let Some((mut cpu, mut gpu)) = pair(test, &opts) else {
-        return;
-    };
+/// Returns the device session's statistics (`None`: skipped).
+fn random_chunks(
+    test: &str,
+    opts: SessionOptions,
+    seed: u64,
+    max_chunk: usize,
+    total: usize,
+) -> Option<SessionStats> {
+    let (mut cpu, mut gpu) = pair(test, &opts)?;
     let ids = ids();
     let v = cpu.model().info().vocab;
     let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
@@ -105,17 +110,32 @@ fn random_chunks(test: &str, opts: SessionOptions, seed: u64, max_chunk: usize, 
         }
         chunks += 1;
     }
+    Some(gpu.stats())
 }
 
 #[test]
 fn continuation_chunks_equal_the_cpu() {
-    random_chunks(
-        "continuation_chunks_equal_the_cpu",
-        SessionOptions::default(),
-        1,
-        90,
-        400,
-    );
+    let test = "continuation_chunks_equal_the_cpu";
+    random_chunks(test, SessionOptions::default(), 1, 90, 400);
+}
+
+/// With a loose eps (ln eps = -0.01: pruned weights below ~1/N each) ACP skips some of the
+/// continuation's tiles on this stream, and the device skips the same ones.
+#[test]
+fn continuation_chunks_with_pruned_tiles_equal_the_cpu() {
+    let test = "continuation_chunks_with_pruned_tiles_equal_the_cpu";
+    let opts = SessionOptions {
+        ln_eps: Some(-0.01),
+        ..SessionOptions::default()
+    };
+    if let Some(st) = random_chunks(test, opts, 6, 200, 1000) {
+        assert!(
+            st.kept_pairs < st.total_pairs,
+            "{} of {}",
+            st.kept_pairs,
+            st.total_pairs
+        );
+    }
 }
 
 #[test]

@@ -311,3 +311,84 @@ pub fn continue_blocks(
     }
     (kept, st)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use foxedge_core::contract::{Acp, CacheHead, ContinueArgs, ContinueOptions};
+    use proptest::prelude::*;
+
+    /// A head of `live` cache rows (unordered `c` <= 0), a chunk of `t` queries (`c`
+    /// non-increasing below the cache's), optional ends, optional delta.
+    fn case() -> impl Strategy<Value = (Vec<f64>, Vec<f64>, Option<Vec<u32>>, Option<f64>)> {
+        (0usize..200, 1usize..150).prop_flat_map(|(live, t)| {
+            (
+                prop::collection::vec(-40.0f64..0.0, live),
+                prop::collection::vec(0.0f64..1.5, t),
+                prop::collection::vec(0u32..1000, live + t),
+                any::<bool>(),
+                prop::option::of(-20.0f64..-0.5),
+            )
+                .prop_map(move |(cache_c, steps, raw, cut, delta)| {
+                    let mut q_c = Vec::with_capacity(t);
+                    let mut c = 0.0;
+                    for s in steps {
+                        c -= s;
+                        q_c.push(c);
+                    }
+                    let tt = t as u32;
+                    let ends = cut.then(|| {
+                        let mut e: Vec<u32> = raw[..live].iter().map(|x| x % (tt + 1)).collect();
+                        // A chunk key is seen by its own query: its end is after it.
+                        e.extend((0..t).map(|i| i as u32 + 1 + raw[live + i] % (tt - i as u32)));
+                        e
+                    });
+                    (cache_c, q_c, ends, delta)
+                })
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The flags' statistics are the CPU continuation kernel's, block for block and pair
+        /// for pair, and a flag is set exactly for each kept block.
+        #[test]
+        fn continue_blocks_count_what_the_cpu_kernel_keeps((cache_c, q_c, ends, delta) in case()) {
+            let (live, t, d) = (cache_c.len(), q_c.len(), 8);
+            let ck = vec![0.1f32; live * d];
+            let (q, k) = (vec![0.2f32; t * d], vec![0.3f32; t * d]);
+            let cache = [CacheHead { k: &ck, v: &ck, c: &cache_c, pos: None }];
+            let cache_end = ends.as_ref().map(|e| [&e[..live]]);
+            let args = ContinueArgs {
+                head_dim: d,
+                n_queries: t,
+                q: &q,
+                k: &k,
+                v: &k,
+                q_c: &q_c,
+                key_end: ends.as_ref().map(|e| &e[live..]),
+                cache: &cache,
+                cache_end: cache_end.as_ref().map(|e| &e[..]),
+            };
+            let dl = delta.map(|x| [x]);
+            let opts = ContinueOptions {
+                acp: dl.as_ref().map_or(Acp::Off, |x| Acp::Threshold(x)),
+                ..ContinueOptions::default()
+            };
+            let mut out = vec![0.0f32; t * d];
+            let cpu = foxedge_cpu::prefill_continue(&args, &opts, &mut out).unwrap();
+            let (kept, st) = continue_blocks(&cache_c, &q_c, delta, ends.as_deref());
+            let c = &cpu.heads[0];
+            prop_assert_eq!(
+                (st.kept_pairs, st.total_pairs, st.kept_blocks, st.total_blocks),
+                (c.kept_pairs, c.total_pairs, c.kept_blocks, c.total_blocks)
+            );
+            if !kept.is_empty() {
+                prop_assert_eq!(kept.iter().map(|&x| u64::from(x)).sum::<u64>(), st.kept_blocks);
+            } else {
+                prop_assert_eq!(st.kept_blocks, st.total_blocks);
+            }
+        }
+    }
+}
