@@ -64,6 +64,11 @@ impl std::fmt::Debug for Device {
 }
 
 impl Device {
+    /// The most tokens, at most `want`, that one device run takes (its activations fit).
+    pub(super) fn chunk_room(&self, want: usize) -> usize {
+        self.stream.chunk_room(want)
+    }
+
     /// Forgets the stream's tokens on the device.
     pub(super) fn reset(&mut self) -> Result<()> {
         self.bytes_uploaded = 0;

@@ -273,3 +273,21 @@ fn device_loss_in_a_continuation_chunk_keeps_the_stream() {
         loss_in_a_continuation("device_loss_in_a_continuation_chunk_keeps_the_stream", k);
     }
 }
+
+/// With the default `prefill_chunk` a device session takes a prompt of up to
+/// `DEVICE_PREFILL_CHUNK` tokens in one run (the CPU in chunks of 512): the same stream.
+#[test]
+fn default_chunks_grow_on_the_device() {
+    let test = "default_chunks_grow_on_the_device";
+    let Some((mut cpu, mut gpu)) = pair(test, &SessionOptions::default()) else {
+        return;
+    };
+    let ids = ids();
+    let v = cpu.model().info().vocab;
+    let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+    cpu.feed(&ids[..1000], Some(&mut a)).unwrap();
+    gpu.feed(&ids[..1000], Some(&mut b)).unwrap();
+    assert_eq!(gpu.stats().device_runs, 1);
+    assert!(worst(&a, &b) <= 2e-3, "{}", worst(&a, &b));
+    same_caches(&cpu, &gpu, "prompt");
+}

@@ -208,3 +208,25 @@ impl DeviceStream {
         })
     }
 }
+
+impl DeviceStream {
+    /// The most tokens, at most `want` and at least 1, that one run takes with its
+    /// activations in at most half of the device memory the weights and cache heads leave
+    /// free, and each activation binding (the widest: a projection row, the MLP's gate and
+    /// up rows, or a row of logits) within the device's storage-buffer range.
+    pub fn chunk_room(&self, want: usize) -> usize {
+        let sh = self.model.shape;
+        let (d, h, i, v) = (sh.hidden, sh.heads, sh.intermediate, sh.vocab);
+        let pw = sh.proj_width();
+        // h, x, q, k, v, o, op [D]; p [pw]; log f, norms, lse [4 H]; gu, a [3 I]; logits
+        // [V]; the gates' readback [3 H + 2 D] (f32 words).
+        let per_token = 4 * (9 * d + pw + 7 * h + 3 * i + v) as u64;
+        let widest = 4 * pw.max(2 * i).max(v) as u64;
+        let heap = super::super::weights::device_heap(&self.model.ctx);
+        let free = heap.saturating_sub(self.model.bytes() + self.bytes()) / 2;
+        let by_memory = free / per_token.max(1);
+        let by_range = self.model.ctx.info.max_storage_buffer_range / widest.max(1);
+        let fits = usize::try_from(by_memory.min(by_range)).unwrap_or(usize::MAX);
+        want.min(fits).max(1)
+    }
+}
