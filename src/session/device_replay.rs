@@ -32,6 +32,16 @@ pub(super) struct Replay {
     pub(super) key_end: Vec<u32>,
 }
 
+/// One head's keys of before the chunk, as the continuation kernel takes them.
+#[derive(Default)]
+struct Rows {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    c: Vec<f64>,
+    /// The first query that no longer sees each row.
+    end: Vec<u32>,
+}
+
 /// Row `slot` of `hc` (`hd` values of K and of V) in f32.
 pub(super) fn row_f32(hc: &HeadCache, slot: usize, hd: usize) -> Result<(Vec<f32>, Vec<f32>)> {
     let at = slot * hd..(slot + 1) * hd;
@@ -64,29 +74,34 @@ pub(super) fn attend(
 ) -> Result<AttentionStats> {
     let t = replay.key_end.len() / heads.len().max(1);
     let end = u32::try_from(t).map_err(|_| Error::invalid("chunk of 2^32 tokens or more"))?;
-    let mut rows: Vec<(Vec<f32>, Vec<f32>, Vec<f64>, Vec<u32>)> = Vec::with_capacity(heads.len());
+    let mut rows: Vec<Rows> = Vec::with_capacity(heads.len());
     for (hc, ev) in heads.iter().zip(&replay.evicted) {
-        let (mut kk, mut vv, mut cc, mut ee) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut r = Rows::default();
         for s in (0..hc.len()).filter(|&s| hc.pos[s] < pos0) {
             let (a, b) = row_f32(hc, s, hd)?;
-            kk.extend(a);
-            vv.extend(b);
-            cc.push(hc.c[s]);
-            ee.push(end);
+            r.k.extend(a);
+            r.v.extend(b);
+            r.c.push(hc.c[s]);
+            r.end.push(end);
         }
         for e in ev {
-            kk.extend_from_slice(&e.k);
-            vv.extend_from_slice(&e.v);
-            cc.push(e.c);
-            ee.push(e.end);
+            r.k.extend_from_slice(&e.k);
+            r.v.extend_from_slice(&e.v);
+            r.c.push(e.c);
+            r.end.push(e.end);
         }
-        rows.push((kk, vv, cc, ee));
+        rows.push(r);
     }
     let views: Vec<CacheHead<'_, f32>> = rows
         .iter()
-        .map(|(k, v, c, _)| CacheHead { k, v, c, pos: None })
+        .map(|r| CacheHead {
+            k: &r.k,
+            v: &r.v,
+            c: &r.c,
+            pos: None,
+        })
         .collect();
-    let cache_end: Vec<&[u32]> = rows.iter().map(|r| &r.3[..]).collect();
+    let cache_end: Vec<&[u32]> = rows.iter().map(|r| &r.end[..]).collect();
     let call = ContinueCall {
         args: ContinueArgs {
             head_dim: hd,
