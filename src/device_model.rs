@@ -10,8 +10,15 @@
 //! whole state: when the device fails (lost, out of memory) the session drops it and
 //! continues on the CPU. A run that fails part-way has advanced the bookkeeping of the
 //! layers whose gates came back; the CPU then recomputes those layers without bookkeeping
-//! (their cache already holds the run's rows) and runs the others as usual, so the stream
-//! continues as if the device had finished.
+//! (their cache already holds the run's rows; a continuation chunk's layers also kept the
+//! rows their policy evicted during the chunk, [`super::device_replay`]) and runs the
+//! others as usual, so the stream continues as if the device had finished.
+//!
+//! A chunk of a stream that already has a cache (a prompt past the first chunk, a later
+//! feed) is one run as well: per layer the session plans a continuation (the chunk's `c`,
+//! the ACP tile flags and pair counts of the CPU continuation kernel, where each key stops
+//! being seen when the policy evicts it inside the chunk, and the chunk's row operations),
+//! and the device attends the resident cache and the chunk's own keys in one tiled pass.
 //!
 //! A decode token (after the first chunk) is one submission instead: before it the session
 //! lists, per head, the evictions its policy may make at the token with the largest `c_t`

@@ -394,7 +394,10 @@ fn prompt_chunks_after_the_first_are_one_run_each() {
     }
     let layers = model.info().layers as u64;
     let st = gpu.stats();
-    assert_eq!(st.device_submissions, (layers + 1) * n.div_ceil(chunk) as u64);
+    assert_eq!(
+        st.device_submissions,
+        (layers + 1) * n.div_ceil(chunk) as u64
+    );
     assert_eq!(st.kept_pairs, cpu.stats().kept_pairs);
     for l in 0..model.info().layers {
         for h in 0..model.info().heads {
