@@ -10,8 +10,15 @@
 //! whole state: when the device fails (lost, out of memory) the session drops it and
 //! continues on the CPU. A run that fails part-way has advanced the bookkeeping of the
 //! layers whose gates came back; the CPU then recomputes those layers without bookkeeping
-//! (their cache already holds the run's rows) and runs the others as usual, so the stream
-//! continues as if the device had finished.
+//! (their cache already holds the run's rows; a continuation chunk's layers also kept the
+//! rows their policy evicted during the chunk, [`super::device_replay`]) and runs the
+//! others as usual, so the stream continues as if the device had finished.
+//!
+//! A chunk of a stream that already has a cache (a prompt past the first chunk, a later
+//! feed) is one run as well: per layer the session plans a continuation (the chunk's `c`,
+//! the ACP tile flags and pair counts of the CPU continuation kernel, where each key stops
+//! being seen when the policy evicts it inside the chunk, and the chunk's row operations),
+//! and the device attends the resident cache and the chunk's own keys in one tiled pass.
 //!
 //! A decode token (after the first chunk) is one submission instead: before it the session
 //! lists, per head, the evictions its policy may make at the token with the largest `c_t`
@@ -25,6 +32,7 @@
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
 
+use super::device_replay::{Evicted, Replay, attend as replay_attend, row_f32};
 use super::forward::{Layout, Member, Scratch, decode_step, layer_forward};
 use super::*;
 use crate::backend::PrefillCall;
@@ -32,9 +40,11 @@ use crate::config::{HiddenAct, OgateAct};
 use crate::model::{LayerWeights, QK_EPS};
 use crate::ops;
 use foxedge_core::contract::Acp;
+use foxedge_core::retention::Eviction;
 use foxedge_vulkan::model::{
-    self as vm, Act, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan, ModelOptions,
-    ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead, TokenPlan,
+    self as vm, Act, ContinuePlan, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan,
+    ModelOptions, ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead,
+    TokenPlan,
 };
 use half::f16;
 use std::sync::{Mutex, OnceLock, Weak};
@@ -61,6 +71,11 @@ impl std::fmt::Debug for Device {
 }
 
 impl Device {
+    /// The most tokens, at most `want`, that one device run takes (its activations fit).
+    pub(super) fn chunk_room(&self, want: usize) -> usize {
+        self.stream.chunk_room(want)
+    }
+
     /// Forgets the stream's tokens on the device.
     pub(super) fn reset(&mut self) -> Result<()> {
         self.bytes_uploaded = 0;
@@ -327,6 +342,9 @@ struct Keeper<'s> {
     /// The device decided ACP itself (a one-token step): the plan's decisions are left
     /// empty.
     acp_on_device: bool,
+    /// Per layer planned as a continuation: what its bookkeeping removed, for the CPU to
+    /// finish the chunk exactly if the device fails.
+    replays: Vec<Option<Replay>>,
 }
 
 impl Keeper<'_> {
@@ -365,6 +383,9 @@ impl Keeper<'_> {
         let pos0 = self.pos0;
         let scores = self.scores;
         // The CPU's `append`: evictions (their moves into `moves[h]`), then the new row.
+        let mut log: Vec<(usize, Eviction)> = Vec::new();
+        let continuation = !self.fresh && n > 1 && !self.acp_on_device;
+        let mut evicted: Vec<Vec<Evicted>> = (0..nh).map(|_| Vec::new()).collect();
         let mut append =
             |state: &mut LayerState, r: usize, moves: &mut Vec<Vec<RowOp>>| -> Result<()> {
                 let sc = scores.map(|sc| {
@@ -376,6 +397,23 @@ impl Keeper<'_> {
                 state
                     .policy
                     .append(pos0 + r as u64, &c_rows[r * nh..(r + 1) * nh], sc, |ev| {
+                        log.push((r, ev));
+                        if continuation && ev.position < pos0 && failed.is_none() {
+                            let hc = &heads[ev.head];
+                            let slot = ev.slot as usize;
+                            match (row_f32(hc, slot, hd), hc.c.get(slot)) {
+                                (Ok((k, v)), Some(&c)) => evicted[ev.head].push(Evicted {
+                                    k,
+                                    v,
+                                    c,
+                                    end: r as u32,
+                                }),
+                                (Err(e), _) => failed = Some(e),
+                                (_, None) => {
+                                    failed = Some(Error::Internal("evicted an empty slot".into()))
+                                }
+                            }
+                        }
                         if let Some((from, to)) = ev.moved() {
                             moves[ev.head].push(RowOp::Move { from, to });
                         }
@@ -442,6 +480,84 @@ impl Keeper<'_> {
                 }
             }
             return Ok(LayerPlan::Chunk { c, delta, ops });
+        }
+        if continuation {
+            // A continuation: the chunk attends the cache as it is now, then its rows (and
+            // the evictions made while appending them) join the cache.
+            let live: Vec<usize> = state.heads.iter().map(HeadCache::len).collect();
+            let cache_c: Vec<Vec<f64>> = state.heads.iter().map(|hc| hc.c.clone()).collect();
+            let pre: Vec<Vec<RowOp>> = (0..nh)
+                .map(|h| {
+                    if rebased[h] {
+                        meta_ops(&state.heads[h])
+                    } else {
+                        Vec::new()
+                    }
+                })
+                .collect();
+            let mut delta = Vec::with_capacity(nh);
+            for h in 0..nh {
+                let big_n = live[h] + n;
+                delta.push(match (ln_eps, certified) {
+                    (None, _) => None,
+                    (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], big_n, e)?),
+                    (Some(e), false) => {
+                        let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
+                        let uu = foxedge_core::threshold::bound_from_norms(
+                            qm,
+                            state.k_norm_max[h],
+                            scale,
+                        )?;
+                        Some(foxedge_core::threshold::threshold(uu, big_n, e)?)
+                    }
+                });
+            }
+            let mut ops = vec![Vec::new(); nh];
+            for r in 0..n {
+                append(state, r, &mut ops)?;
+            }
+            let (ends, key_end) = if log.is_empty() {
+                (vec![Vec::new(); nh], vec![n as u32; n * nh])
+            } else {
+                let (cache_end, key_end) = super::forward::chunk_ends(&live, &log, n)?;
+                let ends = cache_end
+                    .into_iter()
+                    .enumerate()
+                    .map(|(h, mut e)| {
+                        e.extend((0..n).map(|r| key_end[r * nh + h]));
+                        e
+                    })
+                    .collect();
+                (ends, key_end)
+            };
+            if self.replays.len() <= l {
+                self.replays.resize_with(l + 1, || None);
+            }
+            self.replays[l] = Some(Replay {
+                evicted,
+                q_c: c_rows.clone(),
+                key_end,
+            });
+            let mut c = vec![0.0f64; nh * n];
+            let (mut kept, mut stats) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
+            for h in 0..nh {
+                for r in 0..n {
+                    c[h * n + r] = c_rows[r * nh + h];
+                }
+                let e = (!ends[h].is_empty()).then_some(&ends[h][..]);
+                let (k, st) = vm::continue_blocks(&cache_c[h], &c[h * n..(h + 1) * n], delta[h], e);
+                kept.push(k);
+                stats.push(st);
+            }
+            return Ok(LayerPlan::Continue(ContinuePlan {
+                c,
+                pre,
+                live,
+                kept,
+                stats,
+                ends,
+                ops,
+            }));
         }
         let mut steps = Vec::with_capacity(n);
         for r in 0..n {
@@ -519,20 +635,6 @@ impl Session {
             self.device_chunk(a, sa, la, all_rows)?;
             return self.forward_chunk(b, sb, lb, all_rows, None);
         }
-        if !fresh && ids.len() > 1 {
-            // A continuation attends the cache token by token: one run per token.
-            for (r, id) in ids.iter().enumerate() {
-                let last = r + 1 == ids.len();
-                let out = match logits.as_deref_mut() {
-                    Some(l) if all_rows => Some(&mut l[r * v..(r + 1) * v]),
-                    Some(l) if last => Some(l),
-                    _ => None,
-                };
-                let sc = scores.map(|s| &s[r..r + 1]);
-                self.forward_chunk(std::slice::from_ref(id), sc, out, false, None)?;
-            }
-            return Ok(());
-        }
         if !fresh && ids.len() == 1 {
             match self.step_plan() {
                 Ok(Some(plan)) => return self.device_step(ids[0], plan, scores, logits),
@@ -556,6 +658,7 @@ impl Session {
             fresh,
             scores,
             acp_on_device: false,
+            replays: Vec::new(),
         };
         let mut layers_done = 0usize;
         let mut own_err: Option<Error> = None;
@@ -580,6 +683,7 @@ impl Session {
             },
             out,
         );
+        let replays = std::mem::take(&mut keeper.replays);
         if let Some(e) = own_err {
             self.device = Some(dev);
             return Err(e);
@@ -608,7 +712,8 @@ impl Session {
                 }
                 eprintln!("foxedge: {err}; the session continues on the CPU");
                 self.stats.device_layers = 0;
-                self.cpu_finish(ids, scores, logits, all_rows, layers_done, &shift_before)
+                let done = (layers_done, &replays[..]);
+                self.cpu_finish(ids, scores, logits, all_rows, done, &shift_before)
             }
         }
     }
@@ -728,7 +833,7 @@ impl Session {
                 }
                 eprintln!("foxedge: {err}; the session continues on the CPU");
                 self.stats.device_layers = 0;
-                return self.cpu_finish(&[id], scores, logits, false, 0, &shift_before);
+                return self.cpu_finish(&[id], scores, logits, false, (0, &[]), &shift_before);
             }
         };
         let pos0 = self.stats.tokens;
@@ -738,6 +843,7 @@ impl Session {
             fresh: false,
             scores,
             acp_on_device: true,
+            replays: Vec::new(),
         };
         // Heads whose operations the device made differently from the policy.
         let mut differ = Vec::new();
@@ -823,15 +929,16 @@ impl Session {
             .map_err(device_error)
     }
 
-    /// The CPU's forward of a chunk whose first `done` layers' bookkeeping the device run
-    /// already made: those layers are recomputed without it, the others run as usual.
+    /// The CPU's forward of a chunk whose first `done.0` layers' bookkeeping the device run
+    /// already made: those layers are recomputed without it (a continuation's with what
+    /// `done.1` kept of its keys), the others run as usual.
     fn cpu_finish(
         &mut self,
         ids: &[u32],
         scores: Option<&[f32]>,
         logits: Option<&mut [f32]>,
         all_rows: bool,
-        done: usize,
+        (done, replays): (usize, &[Option<Replay>]),
         shift_before: &[(Vec<f32>, Vec<f32>)],
     ) -> Result<()> {
         let model = Arc::clone(&self.model);
@@ -843,7 +950,8 @@ impl Session {
         let pos0 = self.stats.tokens;
         for (l, shift) in shift_before.iter().enumerate().take(info.layers) {
             if l < done {
-                self.replay_layer(&model, l, &mut h, t, shift, &mut s)?;
+                let rp = replays.get(l).and_then(Option::as_ref);
+                self.replay_layer(&model, l, &mut h, (t, rp), shift, &mut s)?;
             } else {
                 let mut me = [Member {
                     s: self,
@@ -873,13 +981,14 @@ impl Session {
     /// Layer `l` on `t` rows of `h` whose bookkeeping is done (its cache holds the rows of
     /// these tokens, its gate streams and shift state are past them): the dense math of
     /// `layer_forward` with the shift state of before the run, and attention over the chunk
-    /// itself (a fresh stream's chunk) or over the cache (one token).
+    /// itself (a fresh stream's chunk), over the keys of before it and itself (a
+    /// continuation, `replay`) or over the cache (one token).
     fn replay_layer(
         &mut self,
         model: &Model,
         l: usize,
         h: &mut [f32],
-        t: usize,
+        (t, replay): (usize, Option<&Replay>),
         shift: &(Vec<f32>, Vec<f32>),
         s: &mut Scratch,
     ) -> Result<()> {
@@ -920,7 +1029,32 @@ impl Session {
         let certified = self.certified[l];
         let u = &self.u[l];
         let state = &self.layers[l];
-        if t > 1 {
+        if let Some(rp) = replay {
+            let scale = 1.0 / (hd as f64).sqrt();
+            let mut u_obs = vec![0.0f64; nh];
+            if !certified {
+                for (hh, uh) in u_obs.iter_mut().enumerate() {
+                    let qn = (0..t)
+                        .map(|r| {
+                            let qh = &s.q[r * d + hh * hd..][..hd];
+                            f64::from(ops::dot(qh, qh)).sqrt()
+                        })
+                        .fold(0.0, f64::max);
+                    *uh =
+                        foxedge_core::threshold::bound_from_norms(qn, state.k_norm_max[hh], scale)?;
+                }
+            }
+            let acp = match (ln_eps, certified) {
+                (None, _) => Acp::Off,
+                (Some(ln_eps), true) => Acp::Bound { u, ln_eps },
+                (Some(ln_eps), false) => Acp::Bound { u: &u_obs, ln_eps },
+            };
+            let (b, pos0) = (self.backend.as_ref(), self.stats.tokens);
+            let qkv = (&s.q[..], &s.k[..], &s.v[..]);
+            let st = replay_attend(b, &state.heads, pos0, hd, rp, qkv, acp, &mut s.o)?;
+            self.stats.kept_pairs += st.kept_pairs();
+            self.stats.total_pairs += st.total_pairs();
+        } else if t > 1 {
             let acp = match (ln_eps, certified) {
                 (None, _) => Acp::Off,
                 (Some(ln_eps), true) => Acp::Bound { u, ln_eps },

@@ -11,10 +11,18 @@ use foxedge_core::retention::{ForcedOrder, HeadState, PolicyConfig, RetentionPol
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Most tokens of one chunk on a device running the whole model, with the default
+/// [`SessionOptions::prefill_chunk`].
+pub const DEVICE_PREFILL_CHUNK: usize = 2048;
+
 mod cache;
+#[cfg(all(test, feature = "vulkan"))]
+mod device_continue_tests;
 #[cfg(feature = "vulkan")]
 #[path = "device_model.rs"]
 mod device_model;
+#[cfg(feature = "vulkan")]
+mod device_replay;
 mod file;
 mod forward;
 #[cfg(all(test, feature = "vulkan"))]
@@ -102,7 +110,9 @@ pub struct SessionOptions {
     pub window: usize,
     /// The first `sinks` tokens of the stream are never evicted.
     pub sinks: usize,
-    /// Tokens per prefill chunk (> 0). Default 512. A feed of several tokens runs in
+    /// Tokens per prefill chunk (> 0). Default 512 (on a device running the whole model,
+    /// the default lets a chunk grow to [`DEVICE_PREFILL_CHUNK`] tokens where the device
+    /// has room for them). A feed of several tokens runs in
     /// chunks of at most this many: each chunk's dense layers are one matrix product over
     /// its rows and its attention one tiled kernel call over the retained cache and the
     /// chunk itself, each token seeing exactly the keys it would see fed alone (evictions
@@ -674,7 +684,7 @@ impl Session {
 
         let start = Instant::now();
         let mut logits_out = logits_out;
-        let chunk = self.opts.prefill_chunk;
+        let chunk = self.chunk_len(tokens.len(), hidden.is_some());
         let n_chunks = tokens.len().div_ceil(chunk);
         for (ci, ids) in tokens.chunks(chunk).enumerate() {
             let logits = match logits_out.as_deref_mut() {
@@ -693,6 +703,22 @@ impl Session {
         }
         self.count_feed(tokens.len(), start.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// Tokens per chunk of a feed of `n`: `prefill_chunk`, except on the device with the
+    /// default `prefill_chunk`, where a chunk takes up to [`DEVICE_PREFILL_CHUNK`] tokens
+    /// as far as the device holds their activations (fewer runs, wider matrix products).
+    fn chunk_len(&self, n: usize, hidden: bool) -> usize {
+        let chunk = self.opts.prefill_chunk;
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &self.device
+            && !hidden
+            && chunk == SessionOptions::default().prefill_chunk
+        {
+            return d.chunk_room(n.min(DEVICE_PREFILL_CHUNK)).max(chunk);
+        }
+        let _ = (n, hidden);
+        chunk
     }
 
     /// Runs one chunk through every layer (on the device while the session has one and no

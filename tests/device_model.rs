@@ -60,15 +60,17 @@ fn compare(model: &Arc<Model>, opts: &SessionOptions, prompt: &[u32], steps: usi
     }
     let st = gpu.stats();
     assert_eq!(st.device_layers, model.info().layers as u64);
-    // One run for the prompt up to what the budget holds, then one per token.
+    // One run for the prompt up to what the budget holds, one continuation run for the
+    // rest, then one per token.
     let room = match opts.budget {
         Some(Budget::EntriesPerHead(b)) => b.min(n),
         _ => n,
     };
-    assert_eq!(st.device_runs, (1 + n - room + steps) as u64);
+    assert_eq!(st.device_runs, (1 + usize::from(n > room) + steps) as u64);
     // ACP: the device's decisions (fused steps decide on the device) are the CPU's. A
-    // prompt past the budget is a continuation call on the CPU (pruned per tile, its
-    // queries blind to keys evicted before them) and tokens on the device.
+    // prompt past the budget is one continuation call on the CPU (pruned per tile, its
+    // queries blind to keys evicted before them) and a prefill then a continuation on the
+    // device: other tiles.
     if n == room {
         assert_eq!(st.total_pairs, cpu.stats().total_pairs, "{test}");
         assert_eq!(st.kept_pairs, cpu.stats().kept_pairs, "{test}");
@@ -377,10 +379,10 @@ fn scored_evictions_take_the_per_layer_path() {
 }
 
 /// A prompt longer than `prefill_chunk`: the first chunk runs the prefill kernels, every
-/// later prompt token attends the cache as a one-submission step; every row's logits and
-/// the cache equal the CPU's.
+/// later chunk is one continuation run (`layers + 1` submissions); every row's logits,
+/// the ACP pair counts and the cache equal the CPU's.
 #[test]
-fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
+fn prompt_chunks_after_the_first_are_one_run_each() {
     let model = tiny();
     let ids = input_ids();
     let (chunk, n) = (32usize, 80usize);
@@ -388,7 +390,7 @@ fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
         prefill_chunk: chunk,
         ..SessionOptions::default()
     };
-    let test = "prompt_tokens_after_the_first_chunk_are_one_submission_each";
+    let test = "prompt_chunks_after_the_first_are_one_run_each";
     let Some((mut cpu, mut gpu)) = device_pair(&model, &opts, test) else {
         return;
     };
@@ -405,7 +407,10 @@ fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
     }
     let layers = model.info().layers as u64;
     let st = gpu.stats();
-    assert_eq!(st.device_submissions, layers + 1 + (n - chunk) as u64);
+    assert_eq!(
+        st.device_submissions,
+        (layers + 1) * n.div_ceil(chunk) as u64
+    );
     assert_eq!(st.kept_pairs, cpu.stats().kept_pairs);
     for l in 0..model.info().layers {
         for h in 0..model.info().heads {
@@ -414,9 +419,9 @@ fn prompt_tokens_after_the_first_chunk_are_one_submission_each() {
     }
 }
 
-/// Continuation: a stream fed in chunks of random sizes after a long first chunk. On the
-/// device a chunk after the first runs one token per device run (its attention over the
-/// resident cache); on the CPU it runs the continuation kernel. Every row's logits within
+/// Continuation: a stream fed in chunks of random sizes after a long first chunk. A chunk
+/// after the first runs the continuation kernel, on the device (`continue.comp`, one run)
+/// and on the CPU. Every row's logits within
 /// the tolerance, with certified eviction and a budget; the caches hold the same positions.
 #[test]
 fn continuation_chunks_on_the_device_match_cpu() {

@@ -13,6 +13,9 @@
 //! With `cache` as the first argument: the same matrix-vector products on one matrix that
 //! stays in L2 (the kernels' compute ceiling, weight GB/s), one thread.
 //!
+//! `rows=N` among the arguments: `N` activation rows per product instead of one (several
+//! sessions decoding in one batch); the weight GB/s then counts `W` once per product.
+//!
 //! `FOXEDGE_CLOCK=cpu` times one-thread runs by the calling thread's CPU time instead of
 //! the wall clock (on a machine shared with other work, a descheduled thread then does not
 //! count as slow); two-thread runs always use the wall clock. `q8-canonical` is the
@@ -107,6 +110,12 @@ fn main() {
     if !mode.is_empty() {
         args.remove(0);
     }
+    let rows: usize = args
+        .iter()
+        .find_map(|a| a.strip_prefix("rows=")?.parse().ok())
+        .unwrap_or(1)
+        .max(1);
+    args.retain(|a| !a.starts_with("rows="));
     let rounds: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(15);
     let mut shapes: Vec<(usize, usize)> = args
         .iter()
@@ -123,18 +132,23 @@ fn main() {
     );
     match mode.as_str() {
         "matmul" => return matmuls(rounds, &shapes),
-        "cache" => return in_cache(rounds, &shapes),
+        "cache" => return in_cache(rounds, rows, &shapes),
         _ => {}
     }
     let dram: Vec<f32> = (0..POOL / 4).map(|i| i as f32).collect();
-    println!("shape fmt threads | weight GB/s best | dram GB/s best | ratio median (min..max)");
+    println!(
+        "{rows} row(s); shape fmt threads | weight GB/s best | dram GB/s best | ratio median (min..max)"
+    );
     for (out, inp) in shapes {
         let w: Vec<f32> = (0..out * inp)
             .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1)
             .collect();
-        let x: Vec<f32> = (0..inp).map(|i| (i % 13) as f32 / 13.0 - 0.5).collect();
-        let mut y = vec![0.0f32; out];
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| (i % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        let mut y = vec![0.0f32; rows * out];
         let canon = canonical::available().then_some((WeightFormat::Q8, true));
+        let canon = canon.filter(|_| rows == 1);
         let kinds = WeightFormat::ALL.iter().map(|&f| (f, false)).chain(canon);
         for (f, canonical) in kinds {
             let bytes = f.matrix_bytes(out, inp).expect("size");
@@ -152,7 +166,7 @@ fn main() {
                 for _ in 0..rounds {
                     let t0 = now(threads);
                     for h in &pool {
-                        h.run(out, inp, black_box(&x), 1, &mut y, threads);
+                        h.run(out, inp, black_box(&x), rows, &mut y, threads);
                     }
                     let gw = (copies * bytes) as f64 / (now(threads) - t0) / 1e9;
                     let t0 = now(threads);
@@ -223,15 +237,18 @@ fn matmuls(rounds: usize, shapes: &[(usize, usize)]) {
 }
 
 /// Best weight GB/s of one-thread matrix-vector products on a matrix already in cache.
-fn in_cache(rounds: usize, shapes: &[(usize, usize)]) {
-    println!("shape fmt | weight GB/s best, one thread, matrix in cache");
+fn in_cache(rounds: usize, rows: usize, shapes: &[(usize, usize)]) {
+    println!("{rows} row(s); shape fmt | weight GB/s best, one thread, matrix in cache");
     for &(out, inp) in shapes {
         let w: Vec<f32> = (0..out * inp)
             .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1)
             .collect();
-        let x: Vec<f32> = (0..inp).map(|i| (i % 13) as f32 / 13.0 - 0.5).collect();
-        let mut y = vec![0.0f32; out];
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| (i % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        let mut y = vec![0.0f32; rows * out];
         let canon = canonical::available().then_some((WeightFormat::Q8, true));
+        let canon = canon.filter(|_| rows == 1);
         for (f, canonical) in WeightFormat::ALL.iter().map(|&f| (f, false)).chain(canon) {
             let h = held(f, canonical, &w, out, inp);
             let bytes = f.matrix_bytes(out, inp).expect("size") as f64;
@@ -239,7 +256,7 @@ fn in_cache(rounds: usize, shapes: &[(usize, usize)]) {
             for _ in 0..rounds {
                 let t0 = now(1);
                 for _ in 0..100 {
-                    h.run(out, inp, black_box(&x), 1, &mut y, 1);
+                    h.run(out, inp, black_box(&x), rows, &mut y, 1);
                 }
                 best = best.max(100.0 * bytes / (now(1) - t0) / 1e9);
             }

@@ -656,7 +656,7 @@ fn store_chunk(
 /// key_end[r * heads + h])`, the first query that no longer sees cache entry `j` or new key
 /// `r` (`t` when all do). A key evicted while token `r` was appended is not seen by query
 /// `r`: token by token, a query attends the cache after its own append.
-fn chunk_ends(
+pub(super) fn chunk_ends(
     n0: &[usize],
     log: &[(usize, Eviction)],
     t: usize,

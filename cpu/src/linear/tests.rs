@@ -114,6 +114,8 @@ fn float_formats_match_reference() {
         (64, 768, 1),
         (33, 100, 3),
         (19, 64, 9),
+        (37, 300, 8),
+        (35, 97, 12),
         (70, 130, 70),
     ]
     .iter()
@@ -506,7 +508,7 @@ fn a_row_alone_equals_the_row_among_others() {
         (&p8).into(),
         (&p4).into(),
     ];
-    for rows in [2, 3, 5, 8, 17, ROW_EXACT_ROWS] {
+    for rows in [2, 3, 5, 8, 12, 17, ROW_EXACT_ROWS] {
         let x = randn(&mut rng, rows * inp, 1.0);
         let y0 = randn(&mut rng, rows * out, 1.0);
         for (name, &m) in ["f32", "f16", "bf16", "q8", "q4"].iter().zip(&mats) {

@@ -38,8 +38,8 @@ mod step;
 mod weights;
 
 pub use step::{
-    DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats, StepAcp,
-    StepEvict, StepHead, StepOutput, TokenPlan,
+    ContinuePlan, DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats,
+    StepAcp, StepEvict, StepHead, StepOutput, TokenPlan,
 };
 pub use weights::DeviceModel;
 
@@ -232,4 +232,164 @@ pub fn decode_blocks(
         kept.clear();
     }
     (kept, st)
+}
+
+/// Queries and keys per ACP block of a continuation chunk (foxedge-cpu's default
+/// `block_q` / `block_k`).
+pub const CONTINUE_BLOCK: usize = 64;
+
+/// ACP decisions of one head of a continuation chunk (`continue.comp`), as
+/// `foxedge_cpu::prefill_continue` decides them with 64-query by 64-key tiles: for query
+/// block `I` (rows `t0..t1` of the chunk, `c_ref = q_c[t0]`, the block's largest `c`) and
+/// key block `J` (64 cache rows in slot order, then 64 chunk keys up to the diagonal), the
+/// block is skipped when no query of `I` sees a key of `J` (ends, causality), or when
+/// `c_ref - min_J c_j < delta` (foxedge-core's `continue_tile_pruned`: every weight of the
+/// block is below `eps / N`).
+///
+/// `cache_c`: the head's cache rows' `c` (slot order); `q_c`: the chunk's `c` (`[n]`, same
+/// origin); `ends`: the first query that no longer sees each cache row (`[live]`) then
+/// each chunk key (`[n]`), `None` when every query sees every key it follows.
+///
+/// Returns the flags `[query block][cache blocks + chunk blocks]` (1 = attend; empty when
+/// `delta` is `None` and no ends cut a block) and the head's statistics, pair for pair the
+/// CPU kernel's.
+pub fn continue_blocks(
+    cache_c: &[f64],
+    q_c: &[f64],
+    delta: Option<f64>,
+    ends: Option<&[u32]>,
+) -> (Vec<u32>, HeadStats) {
+    use foxedge_core::contract::acp;
+    const B: usize = CONTINUE_BLOCK;
+    let (live, t) = (cache_c.len(), q_c.len());
+    let end = |j: usize| ends.map_or(t, |e| e[j] as usize);
+    let (ncb, nnb) = (live.div_ceil(B), t.div_ceil(B));
+    let stride = ncb + nnb;
+    let mut kept = vec![0u32; t.div_ceil(B) * stride];
+    let mut st = HeadStats {
+        delta,
+        ..HeadStats::default()
+    };
+    let cache_min: Vec<f64> = cache_c.chunks(B).map(acp::block_min).collect();
+    for qb in 0..t.div_ceil(B) {
+        let t0 = qb * B;
+        let nq = (t - t0).min(B);
+        let c_ref = q_c[t0];
+        let row = &mut kept[qb * stride..(qb + 1) * stride];
+        let mut count = |pairs: u64, key_min: f64, flag: &mut u32| {
+            if pairs == 0 {
+                return;
+            }
+            st.total_pairs += pairs;
+            st.total_blocks += 1;
+            if delta.is_some_and(|dl| acp::continue_tile_pruned(c_ref, key_min, dl)) {
+                return;
+            }
+            st.kept_pairs += pairs;
+            st.kept_blocks += 1;
+            *flag = 1;
+        };
+        for kb in 0..ncb {
+            let pairs: u64 = (kb * B..((kb + 1) * B).min(live))
+                .map(|j| end(j).saturating_sub(t0).min(nq) as u64)
+                .sum();
+            count(pairs, cache_min[kb], &mut row[kb]);
+        }
+        let p_last = t0 + nq - 1;
+        for (nb, j0) in (0..=p_last).step_by(B).enumerate() {
+            let nk = (p_last + 1 - j0).min(B);
+            let pairs: u64 = (j0..j0 + nk)
+                .map(|i| {
+                    let seen = end(live + i).saturating_sub(t0).min(nq);
+                    seen.saturating_sub(i.saturating_sub(t0)) as u64
+                })
+                .sum();
+            count(pairs, acp::block_min(&q_c[j0..j0 + nk]), &mut row[ncb + nb]);
+        }
+    }
+    if delta.is_none() && ends.is_none() {
+        kept.clear();
+    }
+    (kept, st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use foxedge_core::contract::{Acp, CacheHead, ContinueArgs, ContinueOptions};
+    use proptest::prelude::*;
+
+    /// A head of `live` cache rows (unordered `c` <= 0), a chunk of `t` queries (`c`
+    /// non-increasing below the cache's), optional ends, optional delta.
+    fn case() -> impl Strategy<Value = (Vec<f64>, Vec<f64>, Option<Vec<u32>>, Option<f64>)> {
+        (0usize..200, 1usize..150).prop_flat_map(|(live, t)| {
+            (
+                prop::collection::vec(-40.0f64..0.0, live),
+                prop::collection::vec(0.0f64..1.5, t),
+                prop::collection::vec(0u32..1000, live + t),
+                any::<bool>(),
+                prop::option::of(-20.0f64..-0.5),
+            )
+                .prop_map(move |(cache_c, steps, raw, cut, delta)| {
+                    let mut q_c = Vec::with_capacity(t);
+                    let mut c = 0.0;
+                    for s in steps {
+                        c -= s;
+                        q_c.push(c);
+                    }
+                    let tt = t as u32;
+                    let ends = cut.then(|| {
+                        let mut e: Vec<u32> = raw[..live].iter().map(|x| x % (tt + 1)).collect();
+                        // A chunk key is seen by its own query: its end is after it.
+                        e.extend((0..t).map(|i| i as u32 + 1 + raw[live + i] % (tt - i as u32)));
+                        e
+                    });
+                    (cache_c, q_c, ends, delta)
+                })
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The flags' statistics are the CPU continuation kernel's, block for block and pair
+        /// for pair, and a flag is set exactly for each kept block.
+        #[test]
+        fn continue_blocks_count_what_the_cpu_kernel_keeps((cache_c, q_c, ends, delta) in case()) {
+            let (live, t, d) = (cache_c.len(), q_c.len(), 8);
+            let ck = vec![0.1f32; live * d];
+            let (q, k) = (vec![0.2f32; t * d], vec![0.3f32; t * d]);
+            let cache = [CacheHead { k: &ck, v: &ck, c: &cache_c, pos: None }];
+            let cache_end = ends.as_ref().map(|e| [&e[..live]]);
+            let args = ContinueArgs {
+                head_dim: d,
+                n_queries: t,
+                q: &q,
+                k: &k,
+                v: &k,
+                q_c: &q_c,
+                key_end: ends.as_ref().map(|e| &e[live..]),
+                cache: &cache,
+                cache_end: cache_end.as_ref().map(|e| &e[..]),
+            };
+            let dl = delta.map(|x| [x]);
+            let opts = ContinueOptions {
+                acp: dl.as_ref().map_or(Acp::Off, |x| Acp::Threshold(x)),
+                ..ContinueOptions::default()
+            };
+            let mut out = vec![0.0f32; t * d];
+            let cpu = foxedge_cpu::prefill_continue(&args, &opts, &mut out).unwrap();
+            let (kept, st) = continue_blocks(&cache_c, &q_c, delta, ends.as_deref());
+            let c = &cpu.heads[0];
+            prop_assert_eq!(
+                (st.kept_pairs, st.total_pairs, st.kept_blocks, st.total_blocks),
+                (c.kept_pairs, c.total_pairs, c.kept_blocks, c.total_blocks)
+            );
+            if !kept.is_empty() {
+                prop_assert_eq!(kept.iter().map(|&x| u64::from(x)).sum::<u64>(), st.kept_blocks);
+            } else {
+                prop_assert_eq!(st.kept_blocks, st.total_blocks);
+            }
+        }
+    }
 }

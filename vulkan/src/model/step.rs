@@ -8,9 +8,11 @@
 //! those few values. The cache stays on the device: a step uploads the caller's row
 //! operations (a few words per row) and per-query metadata, never cache rows.
 
+mod cont;
 mod fused;
 mod gates;
 
+pub use cont::ContinuePlan;
 pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
 
 use super::ops::{Rec, XIn};
@@ -87,6 +89,9 @@ pub enum LayerPlan {
     /// Each token in turn (`n` plans): its row operations, then its query attends the
     /// cache.
     Tokens(Vec<TokenPlan>),
+    /// A chunk of a stream that has a cache: its queries attend the cache rows and,
+    /// causally, their own keys in one tiled pass; then its rows join the cache.
+    Continue(ContinuePlan),
 }
 
 /// What a layer's gates gave, for the plan callback.
@@ -852,6 +857,7 @@ impl DeviceStream {
                 self.apply_ops(rec, l, n, &no_q, stats)?;
                 Ok(st)
             }
+            LayerPlan::Continue(cp) => self.attend_continue(rec, l, n, cp, stats),
             LayerPlan::Tokens(steps) => {
                 if steps.len() != n || steps.iter().any(|s| s.heads.len() != nh) {
                     return Err(foxedge_core::Error::BadLength {
