@@ -5,7 +5,7 @@
 // 0. The attention inputs (attn_pre.glsl, token 0 of 1): q, k, v, log f and the norms;
 //    then the head's columns of the layer's shift state become this token's raw k, v
 //    (each thread rewrites the state words it alone read).
-// 1. Gates (thread 0). c_t = c_{t-1} + max(log f_t, -1e4) (foxedge_core::gate::GateStream
+// 1. Gates. c_t = c_{t-1} + max(log f_t, -1e4) (foxedge_core::gate::GateStream
 //    ::push) as a double-float pair (hi, lo), as the attention kernels take c: c_{t-1} comes
 //    from the host's f64 stream (split into hi + lo, exact to 2^-48 relative) and the sum
 //    is an exact two-sum, renormalized. c_t goes to the decode query (group-padded: head h
@@ -13,12 +13,12 @@
 //    the step's readback (ctout, at the head's counts index). Evictions (foxedge_core
 //    RetentionPolicy::next_evictions): the host lists the head's candidates in eviction
 //    order with thresholds (double-float, non-increasing); the step evicts the k
-//    candidates with c_t <= threshold. Each candidate has one operation among the step's
-//    operations (its swap-delete move, or nothing); those past k become nothing (kind 3),
-//    the token's row goes to slot live - k, and the query attends live - k + 1 rows:
-//    written into the put operation, the ACP and decode metadata, with the ACP threshold
-//    for that many rows (a table of k + 1 double-floats, when given) and k in the step's
-//    counts. A non-finite log gate sets flag[0] (reported as non-finite activations, as
+//    candidates with c_t <= threshold (a thread per candidate). Each candidate has one
+//    operation among the step's operations (its swap-delete move, or nothing); those past
+//    k are skipped, the token's row goes to slot live - k, and the query attends
+//    live - k + 1 rows: written into the put operation, the ACP and decode metadata, with
+//    the ACP threshold for that many rows (a table of k + 1 double-floats, when given) and
+//    k in the step's counts. A non-finite log gate sets flag[0] (reported as non-finite activations, as
 //    attention reports them).
 // 2. Row operations (rowops.glsl), in order: the host's moves and metas, the evictions,
 //    the token's row.
@@ -86,12 +86,14 @@ bool less(vec2 a, vec2 b) { return a.x < b.x || (a.x == b.x && a.y < b.y); }
 uvec4 words4(uint i) { return uvec4(w[i], w[i + 1u], w[i + 2u], w[i + 3u]); }
 
 shared vec2 s_ct;
+shared uint s_k;
 shared vec2 s_min[64];
 shared uint s_blocks;
 shared uint s_rows;
 
 // Step 1 for head h: returns c_t.
-vec2 gates(uint h, uvec4 r0, uvec4 r1, uvec4 r2) {
+// c_t of head h (thread 0).
+vec2 gate_ct(uint h, uvec4 r2) {
     const float g = lf[h];
     if (isnan(g) || isinf(g) || g > 0.0) flag[0] = 1u;
     const precise float x = max(g, -1.0e4);
@@ -105,17 +107,15 @@ vec2 gates(uint h, uvec4 r0, uvec4 r1, uvec4 r2) {
     const vec2 ct = vec2(hi, lo2);
     qc[(h / 8u) * pc.qstride + h % 8u] = ct;
     ctout[r2.y] = ct;
+    return ct;
+}
 
-    uint k = 0u;
-    for (uint i = 0u; i < r0.y; ++i) {
-        const vec2 t = uintBitsToFloat(uvec2(w[r0.w + 2u * i], w[r0.w + 2u * i + 1u]));
-        if (le(ct, t)) k = i + 1u;
-    }
-    for (uint i = k; i < r0.y; ++i) w[r0.z + 8u * i] = 3u;
+// What k evictions at c_t leave (thread 0): the token's row and the attended rows.
+void gate_apply(uint k, vec2 ct, uvec4 r0, uvec4 r1, uvec4 r2) {
     const uint live = r1.x - k;
     w[r0.x + 2u] = live;
-    w[r0.x + 4u] = floatBitsToUint(hi);
-    w[r0.x + 5u] = floatBitsToUint(lo2);
+    w[r0.x + 4u] = floatBitsToUint(ct.x);
+    w[r0.x + 5u] = floatBitsToUint(ct.y);
     w[r1.y] = live + 1u;
     w[r1.z] = live + 1u;
     if (r1.w != NONE) {
@@ -123,7 +123,6 @@ vec2 gates(uint h, uvec4 r0, uvec4 r1, uvec4 r2) {
         w[r2.x + 1u] = w[r1.w + 2u * k + 1u];
     }
     stats[r2.y].z = k;
-    return ct;
 }
 
 void main() {
@@ -141,17 +140,33 @@ void main() {
     const uint ri = pc.rc_at + 12u * h;
     const uvec4 r0 = words4(ri), r1 = words4(ri + 4u), r2 = words4(ri + 8u);
     if (tid == 0u) {
-        s_ct = gates(h, r0, r1, r2);
+        s_ct = gate_ct(h, r2);
+        s_k = 0u;
         s_blocks = 0u;
         s_rows = 0u;
     }
-    memoryBarrierBuffer();
     memoryBarrierShared();
     barrier();
+    // Candidate i is evicted when c_t <= its threshold (non-increasing: a prefix); a
+    // thread per candidate.
+    for (uint i = tid; i < r0.y; i += 64u) {
+        const vec2 t = uintBitsToFloat(uvec2(w[r0.w + 2u * i], w[r0.w + 2u * i + 1u]));
+        if (le(s_ct, t)) atomicMax(s_k, i + 1u);
+    }
+    memoryBarrierShared();
+    barrier();
+    const uint k = s_k;
+    if (tid == 0u) gate_apply(k, s_ct, r0, r1, r2);
+    memoryBarrierBuffer();
+    barrier();
 
+    // The host's operations, the k evictions made (the other candidates' operations are
+    // skipped), the token's row.
     const uvec4 rg = words4(r2.z);
-    for (uint i = 0u; i < rg.y; ++i) {
-        const uint o = pc.var_at + 8u * (rg.x + i);
+    const uint n_host = rg.y - r0.y - 1u;
+    for (uint i = 0u; i < n_host + k + 1u; ++i) {
+        const uint op = i < n_host + k ? i : rg.y - 1u;
+        const uint o = pc.var_at + 8u * (rg.x + op);
         row_op(slot, rg.w, rg.z, 1u, words4(o), words4(o + 4u), tid);
         memoryBarrierBuffer();
         barrier();
