@@ -215,6 +215,12 @@ impl Drop for DeviceStream {
                 t.recorded
             );
         }
+        let (n, t) = self.model.ctx.compiled();
+        eprintln!(
+            "foxedge-vulkan: {n} pipelines compiled by this context so far, {:.0} ms of host \
+             time (within the first submissions' record)",
+            t.as_secs_f64() * 1e3
+        );
     }
 }
 
