@@ -377,8 +377,11 @@ impl Keeper<'_> {
         }
         state.k_shift.copy_from_slice(&g.shift[..d]);
         state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
-        let row =
-            |x: &[f32], h: usize, r: usize| -> Vec<f32> { x[(h * n + r) * hd..][..hd].to_vec() };
+        let (gk, gv) = (g.k, g.v);
+        let row = |h: usize, r: usize| {
+            let at = (h * n + r) * hd;
+            (&gk[at..at + hd], &gv[at..at + hd])
+        };
         let mut score_row = vec![0.0f32; nh];
         let pos0 = self.pos0;
         let scores = self.scores;
@@ -429,7 +432,8 @@ impl Keeper<'_> {
                 for (h, hc) in heads.iter_mut().enumerate() {
                     let c = c_rows[r * nh + h];
                     let pos = pos0 + r as u64;
-                    hc.push(&row(g.k, h, r), &row(g.v, h, r), c, pos)?;
+                    let (k, v) = row(h, r);
+                    hc.push(k, v, c, pos)?;
                     moves[h].push(RowOp::Put {
                         token: r as u32,
                         slot: (hc.len() - 1) as u32,

@@ -116,6 +116,58 @@ fn generate_json_and_options() {
     assert_eq!(text.lines().next(), a.lines().next());
 }
 
+/// `--backend vulkan`: `generate` and `bench --model` first run an untimed warm-up session;
+/// its tokens stay out of the reported session's statistics (the same prompt and decode
+/// counts as on the CPU) and the bench reports every row. Without a Vulkan driver both
+/// fail with the backend's error.
+#[test]
+fn vulkan_generate_and_bench_warm_up_outside_their_figures() {
+    let generate = |backend: &str| {
+        foxedge()
+            .args(["generate", "--prompt", "def f(x):\n", "--max-tokens", "3"])
+            .args(["--temperature", "0", "--json", "--backend", backend])
+            .output()
+            .unwrap()
+    };
+    let json = |out: &std::process::Output| -> serde_json::Value {
+        assert_succeeded(out);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        serde_json::from_str(text.lines().last().unwrap()).unwrap()
+    };
+    let out = generate("vulkan");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("backend unavailable: vulkan"), "{err}");
+        return;
+    }
+    let (cpu, vk) = (json(&generate("cpu")), json(&out));
+    for key in ["prefill_tokens", "decode_tokens", "tokens"] {
+        assert_eq!(cpu[key], vk[key], "{key}");
+    }
+    let out = foxedge()
+        .args([
+            "bench",
+            "--model",
+            "models/fox-tiny-pro",
+            "--backend",
+            "vulkan",
+        ])
+        .args([
+            "--prompt", "16", "--gen", "2", "--depth", "0,32", "--reps", "1",
+        ])
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    for row in rows {
+        assert_eq!(row["samples"].as_array().unwrap().len(), 1);
+        assert!(row["median_tps"].as_f64().unwrap() > 0.0);
+    }
+}
+
 /// Usage errors (a bad value, conflicting or unknown flags, a missing required one, an unknown
 /// command) and errors while running exit 1, as `foxedge: <message>`.
 #[test]

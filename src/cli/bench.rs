@@ -113,7 +113,8 @@ struct Method {
 ///
 /// With --model DIR: the whole model, like llama-bench: at each --depth, --prompt tokens
 /// in one call (prefill at depth 0, continuation after it) and --gen tokens decoded one at
-/// a time; median, min and max tokens/s over --reps runs, weight bytes, resident memory
+/// a time (after one untimed warm-up pass with --backend vulkan); median, min and max
+/// tokens/s over --reps runs, weight bytes, resident memory
 /// (after load and peak) and the cache's peak bytes; --weights picks the weight format.
 ///
 /// Without --model: attention prefill and decode per backend, dense and with ACP, on the

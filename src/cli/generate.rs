@@ -23,7 +23,8 @@ const DEFAULT_PROMPT: &str = "import os\nimport sys\n\n\ndef main():\n";
 /// of text (EOS) or at a --stop string (not printed). Ends with a statistics line (--json:
 /// one JSON object): prefill and decode tokens/s, cache entries live and evicted (certified
 /// / forced), peak cache bytes, the fraction of attention pairs ACP pruned, and the largest
-/// eviction certificate B_t ("no guarantee" where none holds).
+/// eviction certificate B_t ("no guarantee" where none holds). With --backend vulkan, a
+/// throwaway session first feeds 5 tokens untimed (the device's one-time pipeline compiles).
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
@@ -170,6 +171,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         cache_dtype: a.cache_dtype,
         ..SessionOptions::default()
     };
+    super::warm_up(&model, &opts)?;
     let mut session = Session::new(model, opts)?;
     if let Some(p) = resumed {
         session.restore(p)?;

@@ -13,8 +13,11 @@ pub mod quantize;
 pub mod tokenize;
 
 use clap::{Args, Parser, Subcommand};
-use foxedge::{Error, Model, ModelOptions, Result, WeightFormat};
+use foxedge::{
+    BackendKind, Error, Model, ModelOptions, Result, Session, SessionOptions, WeightFormat,
+};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Forgetting Attention (FoX) inference with ACP and a certified retention cache
 ///
@@ -147,6 +150,24 @@ pub fn default_model_dir() -> Result<PathBuf> {
 
 /// Runs `foxedge <args>`; returns the process exit code: 0 on success (and for `--help`,
 /// `--version`), 2 for a usage error, 1 for an error while running.
+/// One untimed pass of a throwaway `--backend vulkan` session through each device path
+/// a session takes (a first chunk, a continuation chunk, a one-token step), so one-time
+/// costs of the process (the device's pipeline compiles, first allocations) stay out of
+/// the timed figures, as llama.cpp's warm-up decode does. Other backends: nothing.
+pub fn warm_up(model: &Arc<Model>, opts: &SessionOptions) -> Result<()> {
+    if opts.backend != BackendKind::Vulkan {
+        return Ok(());
+    }
+    let vocab = model.info().vocab;
+    let mut s = Session::new(model.clone(), opts.clone())?;
+    let mut logits = vec![0.0f32; vocab];
+    for ids in [&[1u32, 2][..], &[3, 4], &[5]] {
+        let ids: Vec<u32> = ids.iter().map(|&i| i % vocab as u32).collect();
+        s.feed(&ids, Some(&mut logits))?;
+    }
+    Ok(())
+}
+
 pub fn run(argv: Vec<String>) -> i32 {
     let cli = match Cli::try_parse_from(argv) {
         Ok(c) => c,

@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use vulkano::buffer::{Buffer, BufferCreateInfo, BufferUsage, Subbuffer};
 use vulkano::command_buffer::allocator::StandardCommandBufferAllocator;
@@ -158,6 +159,9 @@ pub(crate) struct Context {
     /// Nanoseconds a submit polls its fence before blocking ([`SPIN_ENV`]).
     pub spin_wait_ns: std::sync::atomic::AtomicU64,
     pipelines: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
+    /// Pipelines compiled so far, and the host nanoseconds their creation took.
+    compiled: std::sync::atomic::AtomicU64,
+    compile_ns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Context {
@@ -432,6 +436,8 @@ impl Context {
             decode_no_subgroups: false.into(),
             spin_wait_ns: spin_us(props.device_type).saturating_mul(1000).into(),
             pipelines: Mutex::new(HashMap::new()),
+            compiled: 0.into(),
+            compile_ns: 0.into(),
         })
     }
 
@@ -457,6 +463,7 @@ impl Context {
                 "{name}: SPIR-V length not a multiple of 4"
             )));
         }
+        let t0 = std::time::Instant::now();
         let words: Vec<u32> = spv
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -488,7 +495,18 @@ impl Context {
         if let Ok(mut m) = self.pipelines.lock() {
             m.insert(key, pipe.clone());
         }
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.compile_ns.fetch_add(ns, Ordering::Relaxed);
+        self.compiled.fetch_add(1, Ordering::Relaxed);
         Ok(pipe)
+    }
+
+    /// Pipelines this context has compiled, and the host time their creation took.
+    pub fn compiled(&self) -> (u64, std::time::Duration) {
+        (
+            self.compiled.load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.compile_ns.load(Ordering::Relaxed)),
+        )
     }
 
     /// A device-local buffer of `words` u32 words (storage and transfer).

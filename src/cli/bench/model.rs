@@ -7,7 +7,8 @@
 //! (`N * gen` per second). With `--restore`, the session after the prompt is saved to
 //! bytes and loaded back: the tokens it holds per second of loading, to set against
 //! feeding them.
-//! Repeated `--reps` times: median, min and max tokens/s. Also: load time, weight bytes,
+//! Repeated `--reps` times: median, min and max tokens/s, after one untimed warm-up
+//! ([`crate::cli::warm_up`]). Also: load time, weight bytes,
 //! resident memory before and after load and at the end (`VmRSS`, `VmHWM` of
 //! `/proc/self/status`) and the cache's peak bytes.
 
@@ -142,6 +143,7 @@ pub(super) fn run(a: &BenchArgs) -> Result<()> {
         cache_dtype: a.cache_dtype,
         ..SessionOptions::default()
     };
+    crate::cli::warm_up(&model, &opts)?;
     let mut rows = Vec::new();
     let mut peak_cache = 0u64;
     let bar = progress::bar((depths.len() * reps) as u64, "runs", quiet);

@@ -152,6 +152,9 @@ pub struct HostTimes {
     pub build: std::time::Duration,
     pub submit: std::time::Duration,
     pub wait: std::time::Duration,
+    /// Between a chunk run's submissions: reading a layer's gates back and the caller's
+    /// plan callback ([`DeviceStream::run`]; not counted for one-token steps).
+    pub plan: std::time::Duration,
     pub submissions: u64,
     /// Command buffers recorded for one-token steps (each replayed until a buffer it binds
     /// is re-allocated or its shape changes).
@@ -164,6 +167,7 @@ impl HostTimes {
         self.build += o.build;
         self.submit += o.submit;
         self.wait += o.wait;
+        self.plan += o.plan;
         self.submissions += o.submissions;
         self.recorded += o.recorded;
     }
@@ -215,15 +219,23 @@ impl Drop for DeviceStream {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / t.submissions as f64;
             eprintln!(
                 "foxedge-vulkan: {what}: {} submissions, host µs each: record {:.0}, build \
-                 {:.0}, submit {:.0}, wait {:.0} ({} step command buffers recorded)",
+                 {:.0}, submit {:.0}, wait {:.0}, plan {:.0} ({} step command buffers \
+                 recorded)",
                 t.submissions,
                 us(t.record),
                 us(t.build),
                 us(t.submit),
                 us(t.wait),
+                us(t.plan),
                 t.recorded
             );
         }
+        let (n, t) = self.model.ctx.compiled();
+        eprintln!(
+            "foxedge-vulkan: {n} pipelines compiled by this context so far, {:.0} ms of host \
+             time (within the first submissions' record)",
+            t.as_secs_f64() * 1e3
+        );
     }
 }
 
@@ -612,10 +624,17 @@ impl DeviceStream {
             self.submit(rec, &mut stats)?;
             stats.bytes_downloaded += rb_words as u64 * 4;
 
+            let planning = std::time::Instant::now();
             let layer_plan = {
                 let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
                 plan(&gl.read(&w, l, n, 0, gl.words))?
             };
+            let t = HostTimes {
+                plan: planning.elapsed(),
+                ..HostTimes::default()
+            };
+            stats.host.add(&t);
+            self.times.add(&t);
 
             rec = Rec::new(&ctx)?;
             let st = self.attend(&mut rec, l, n, &layer_plan, &mut stats)?;
