@@ -103,7 +103,9 @@ pub enum BackendKind {
     Cpu,
     /// Vulkan compute kernels (foxedge-vulkan).
     Vulkan,
-    /// Picks cpu, vulkan or hybrid from measured costs; the CPU when there is no device.
+    /// In a session: the whole model on a discrete or integrated GPU, else the layers on the
+    /// CPU with each attention call on cpu, vulkan or hybrid by measured costs; the CPU when
+    /// there is no device.
     Auto,
     /// Heavy heads on the GPU, light heads on the CPU (needs the Vulkan backend).
     Hybrid,

@@ -1,5 +1,6 @@
 //! The whole model on a Vulkan device for a [`Session`]: `--backend vulkan` runs every layer
-//! there (foxedge-vulkan's `model`); `auto` keeps the layers on the CPU (see [`open`]).
+//! there (foxedge-vulkan's `model`); `auto` does so on a GPU and keeps the layers on the CPU
+//! with a CPU implementation of Vulkan (see [`open`]).
 //!
 //! The session keeps its bookkeeping exactly as on the CPU: the gate streams (c in f64), the
 //! retention policy and its evictions, the ACP decisions, and a host shadow of every cache
@@ -91,6 +92,12 @@ fn vulkan() -> std::result::Result<foxedge_vulkan::Vulkan, String> {
         .clone()
 }
 
+/// Whether `auto` runs the whole model on a device of this type (vulkano's
+/// `PhysicalDeviceType` name): a discrete or integrated GPU.
+fn auto_runs_on(device_type: &str) -> bool {
+    matches!(device_type, "DiscreteGpu" | "IntegratedGpu")
+}
+
 /// Device copies of models, one per model alive (uploaded at the first session).
 type Uploaded = Vec<(Weak<Model>, Arc<DeviceModel>)>;
 
@@ -156,16 +163,15 @@ fn device_error(e: foxedge_vulkan::Error) -> Error {
 }
 
 /// The device state for a session of `kind` on `model`, or `None` (said once per process)
-/// where the model stays on the CPU: `cpu`, `hybrid` and `auto` kinds, no device, a model
-/// over the budget, a device without the kernels' features.
+/// where the model stays on the CPU: `cpu` and `hybrid` kinds, no device, a model over the
+/// budget, a device without the kernels' features, and `auto` on a device that is not a GPU.
 ///
-/// `auto` keeps the layers on the CPU (its attention placement still uses the GPU where that
-/// wins): on the H200 the whole model on the device decodes the 125M shape at 0.5-0.66x
-/// the CPU's speed and the 760M shape at 1.3-2.0x, because recording and building each
-/// step's command buffer costs the host 11-20 ms a token (BENCHMARKS.md); until a step is
-/// replayed instead of recorded, only `--backend vulkan` asks for it.
+/// `auto` takes a discrete or integrated GPU ([`auto_runs_on`]): on the H200 the whole model
+/// there prefills 3.8-7.2x and decodes 2.4-4.2x as fast as the 16-thread CPU backend (125M
+/// and 760M shapes, BENCHMARKS.md). A CPU implementation (lavapipe) shares the cores the CPU
+/// kernels use and loses to them, and a virtual GPU is unmeasured.
 pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
-    if kind != BackendKind::Vulkan {
+    if !matches!(kind, BackendKind::Vulkan | BackendKind::Auto) {
         return None;
     }
     let said = |m: String| {
@@ -183,6 +189,9 @@ pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
             return None;
         }
     };
+    if kind == BackendKind::Auto && !auto_runs_on(&vk.info().device_type) {
+        return None;
+    }
     let dm = match device_model(model, &vk) {
         Ok(m) => m,
         Err(e) => {
@@ -1164,6 +1173,15 @@ mod tests {
     //! the bundled model's logits are O(10), the device's f32 sums differ from the CPU's by
     //! ~1e-6 relative per op over 4 layers).
     use super::*;
+
+    #[test]
+    fn auto_takes_gpus_only() {
+        assert!(auto_runs_on("DiscreteGpu"));
+        assert!(auto_runs_on("IntegratedGpu"));
+        for t in ["Cpu", "VirtualGpu", "Other", ""] {
+            assert!(!auto_runs_on(t), "{t}");
+        }
+    }
 
     fn ids() -> Vec<u32> {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -148,14 +148,13 @@ pub fn default_model_dir() -> Result<PathBuf> {
     )))
 }
 
-/// Runs `foxedge <args>`; returns the process exit code: 0 on success (and for `--help`,
-/// `--version`), 2 for a usage error, 1 for an error while running.
-/// One untimed pass of a throwaway `--backend vulkan` session through each device path
-/// a session takes (a first chunk, a continuation chunk, a one-token step), so one-time
-/// costs of the process (the device's pipeline compiles, first allocations) stay out of
-/// the timed figures, as llama.cpp's warm-up decode does. Other backends: nothing.
+/// One untimed pass of a throwaway session through each device path a session takes (a
+/// first chunk, a continuation chunk, a one-token step), so one-time costs of the process
+/// (the device's pipeline compiles, first allocations) stay out of the timed figures, as
+/// llama.cpp's warm-up decode does. Only where the whole model runs on a device (`vulkan`,
+/// `auto` on a GPU); `auto` that keeps the layers on the CPU stops after one 2-token chunk.
 pub fn warm_up(model: &Arc<Model>, opts: &SessionOptions) -> Result<()> {
-    if opts.backend != BackendKind::Vulkan {
+    if !matches!(opts.backend, BackendKind::Vulkan | BackendKind::Auto) {
         return Ok(());
     }
     let vocab = model.info().vocab;
@@ -164,10 +163,16 @@ pub fn warm_up(model: &Arc<Model>, opts: &SessionOptions) -> Result<()> {
     for ids in [&[1u32, 2][..], &[3, 4], &[5]] {
         let ids: Vec<u32> = ids.iter().map(|&i| i % vocab as u32).collect();
         s.feed(&ids, Some(&mut logits))?;
+        if s.stats().device_layers == 0 {
+            // `auto` kept the layers on the CPU: nothing to compile.
+            break;
+        }
     }
     Ok(())
 }
 
+/// Runs `foxedge <args>`; returns the process exit code: 0 on success (and for `--help`,
+/// `--version`), 2 for a usage error, 1 for an error while running.
 pub fn run(argv: Vec<String>) -> i32 {
     let cli = match Cli::try_parse_from(argv) {
         Ok(c) => c,
