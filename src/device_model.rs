@@ -167,8 +167,8 @@ fn device_error(e: foxedge_vulkan::Error) -> Error {
 /// budget, a device without the kernels' features, and `auto` on a device that is not a GPU.
 ///
 /// `auto` takes a discrete or integrated GPU ([`auto_runs_on`]): on the H200 the whole model
-/// there prefills 3.8-7.2x and decodes 2.4-4.2x as fast as the 16-thread CPU backend (125M
-/// and 760M shapes, BENCHMARKS.md). A CPU implementation (lavapipe) shares the cores the CPU
+/// there prefills 2.9-7.2x and decodes 1.04-4.2x as fast as the 16-thread CPU backend (125M
+/// and 760M shapes, f32 / Q8 / Q4 weights, BENCHMARKS.md). A CPU implementation (lavapipe) shares the cores the CPU
 /// kernels use and loses to them, and a virtual GPU is unmeasured.
 pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
     if !matches!(kind, BackendKind::Vulkan | BackendKind::Auto) {
