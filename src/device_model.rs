@@ -1167,7 +1167,7 @@ impl Session {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     //! Device loss mid-stream: the session drops the device and continues on the CPU from
     //! its host state, so the stream equals a CPU session's (logits within 2e-3 absolute:
     //! the bundled model's logits are O(10), the device's f32 sums differ from the CPU's by
@@ -1183,7 +1183,7 @@ mod tests {
         }
     }
 
-    fn ids() -> Vec<u32> {
+    pub(in crate::session) fn ids() -> Vec<u32> {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let f = std::fs::File::open(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
             .expect("fixture");
@@ -1192,7 +1192,7 @@ mod tests {
         v.into_iter().map(|x| x as u32).collect()
     }
 
-    fn worst(a: &[f32], b: &[f32]) -> f32 {
+    pub(in crate::session) fn worst(a: &[f32], b: &[f32]) -> f32 {
         a.iter()
             .zip(b)
             .map(|(x, y)| (x - y).abs())
@@ -1203,7 +1203,10 @@ mod tests {
     }
 
     /// A CPU session and a whole-model device session, or `None` (skipped) without a device.
-    fn pair(test: &str, opts: &SessionOptions) -> Option<(Session, Session)> {
+    pub(in crate::session) fn pair(
+        test: &str,
+        opts: &SessionOptions,
+    ) -> Option<(Session, Session)> {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).expect("model"));
         let cpu = Session::new(model.clone(), opts.clone()).expect("cpu session");

@@ -4,27 +4,9 @@
 //! bundled model's logits are O(10); the device's f32 sums differ from the CPU's by ~1e-6
 //! relative per op over 4 layers), the same cache positions and eviction counts, and the
 //! same ACP pair counts (the device's tile decisions are the CPU kernel's).
+use super::device_model::tests::{ids, pair, worst};
 use super::*;
 use rand::{Rng, SeedableRng};
-
-fn ids() -> Vec<u32> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let f = std::fs::File::open(root.join("tests/fixtures/fox-tiny-pro/input_ids.npy"))
-        .expect("fixture");
-    let npy = npyz::NpyFile::new(std::io::BufReader::new(f)).expect("npy");
-    let v: Vec<i32> = npy.into_vec().expect("ids");
-    v.into_iter().map(|x| x as u32).collect()
-}
-
-fn worst(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(
-            0.0,
-            |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
-        )
-}
 
 fn argmax(x: &[f32]) -> usize {
     x.iter()
@@ -33,29 +15,6 @@ fn argmax(x: &[f32]) -> usize {
             if v > bv { (i, v) } else { (bi, bv) }
         })
         .0
-}
-
-/// A CPU session and a whole-model device session, or `None` (skipped) without a device.
-fn pair(test: &str, opts: &SessionOptions) -> Option<(Session, Session)> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let model = Arc::new(Model::open(root.join("models/fox-tiny-pro")).expect("model"));
-    let cpu = Session::new(model.clone(), opts.clone()).expect("cpu session");
-    let gpu = crate::test_device::or_skip(
-        Session::new(
-            model,
-            SessionOptions {
-                backend: BackendKind::Vulkan,
-                ..opts.clone()
-            },
-        ),
-        test,
-        "Vulkan",
-    )?;
-    if !gpu.on_device() {
-        crate::test_device::missing(test, &"the whole model did not load on the device");
-        return None;
-    }
-    Some((cpu, gpu))
 }
 
 fn same_caches(cpu: &Session, gpu: &Session, what: &str) {

@@ -298,6 +298,18 @@ pub struct PrefillTile {
 }
 
 impl PrefillTile {
+    /// The specialization constants of a shader built on `prefill.glsl`'s tile (workgroup
+    /// size, head size `d`, rows, keys, threads per row), as `Context::pipeline` takes them.
+    pub fn constants(&self, d: usize) -> [(u32, u32); 5] {
+        [
+            (0, self.bm * self.tpr),
+            (1, d as u32),
+            (2, self.bm),
+            (3, self.bn),
+            (4, self.tpr),
+        ]
+    }
+
     /// Shared memory of `prefill.glsl` for this tile and head size (bytes).
     pub fn shared_bytes(&self, d: usize) -> usize {
         let (bm, bn, tpr) = (self.bm as usize, self.bn as usize, self.tpr as usize);
@@ -647,17 +659,7 @@ pub(crate) fn prepare<T: Storage>(
             let tile = PrefillTile::choose(ctx, d)?;
             let spv = if f16 { PREFILL_F16 } else { PREFILL_F32 };
             let name = if f16 { "prefill_f16" } else { "prefill_f32" };
-            let pipe = ctx.pipeline(
-                name,
-                spv,
-                &[
-                    (0, tile.bm * tile.tpr),
-                    (1, d as u32),
-                    (2, tile.bm),
-                    (3, tile.bn),
-                    (4, tile.tpr),
-                ],
-            )?;
+            let pipe = ctx.pipeline(name, spv, &tile.constants(d))?;
             (tile, pipe)
         }
     };

@@ -1120,17 +1120,7 @@ impl DeviceStream {
         let (hbuf, up) = hdata.upload(rec)?;
         stats.bytes_uploaded += up;
         let tile = crate::prefill::PrefillTile::choose(&ctx, hd)?;
-        let pipe = ctx.pipeline(
-            "prefill_f32",
-            PREFILL_F32,
-            &[
-                (0, tile.bm * tile.tpr),
-                (1, hd as u32),
-                (2, tile.bm),
-                (3, tile.bn),
-                (4, tile.tpr),
-            ],
-        )?;
+        let pipe = ctx.pipeline("prefill_f32", PREFILL_F32, &tile.constants(hd))?;
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {

@@ -346,4 +346,4 @@ pub(crate) fn device_heap(ctx: &Context) -> u64 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -14,7 +14,8 @@
 //! without it they print why and return.
 
 use super::{Rec, XIn};
-use crate::device::{Context, DeviceSelection};
+use crate::device::Context;
+use crate::model::weights::tests::device;
 use crate::model::weights::{Mat, Uploader};
 use crate::model::{Act, Weights};
 use foxedge_core::quant::WeightFormat;
@@ -23,23 +24,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use vulkano::buffer::Subbuffer;
-
-fn device(test: &str) -> Option<Arc<Context>> {
-    match Context::new(&DeviceSelection::FromEnv) {
-        Ok(c) => Some(Arc::new(c)),
-        Err(e) => {
-            let ci = std::env::var("CI").is_ok_and(|v| {
-                !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false")
-            });
-            assert!(
-                !ci,
-                "{test}: CI is set, so a Vulkan device is required: {e}"
-            );
-            eprintln!("SKIPPED {test}: no Vulkan device ({e}); with CI set this fails");
-            None
-        }
-    }
-}
 
 fn words(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()

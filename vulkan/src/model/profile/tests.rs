@@ -5,7 +5,8 @@
 //! Vulkan device: lavapipe here and in CI. With `CI` set, a missing device fails the tests;
 //! without it they print why and return.
 
-use crate::device::{Context, DeviceSelection};
+use crate::device::Context;
+use crate::model::weights::tests::device;
 use crate::model::{
     Act, DeviceModel, DeviceStream, LayerWeights, ModelOptions, ModelShape, ModelWeights, Output,
     QkNorm, StepAcp, StepHead, Weights,
@@ -13,23 +14,6 @@ use crate::model::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
-
-fn device(test: &str) -> Option<Arc<Context>> {
-    match Context::new(&DeviceSelection::FromEnv) {
-        Ok(c) => Some(Arc::new(c)),
-        Err(e) => {
-            let ci = std::env::var("CI").is_ok_and(|v| {
-                !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false")
-            });
-            assert!(
-                !ci,
-                "{test}: CI is set, so a Vulkan device is required: {e}"
-            );
-            eprintln!("SKIPPED {test}: no Vulkan device ({e}); with CI set this fails");
-            None
-        }
-    }
-}
 
 /// A random FoX Pro model of 2 layers: vocab 64, hidden 32, 2 heads of 16, MLP 64.
 fn tiny_model(ctx: &Arc<Context>) -> Arc<DeviceModel> {

@@ -147,17 +147,7 @@ impl DeviceStream {
         let (hbuf, up) = hdata.upload(rec)?;
         stats.bytes_uploaded += up;
 
-        let pipe = ctx.pipeline(
-            "continue",
-            CONTINUE,
-            &[
-                (0, tile.bm * tile.tpr),
-                (1, hd as u32),
-                (2, tile.bm),
-                (3, tile.bn),
-                (4, tile.tpr),
-            ],
-        )?;
+        let pipe = ctx.pipeline("continue", CONTINUE, &tile.constants(hd))?;
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {

@@ -22,7 +22,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
-fn device(test: &str) -> Option<Arc<Context>> {
+/// The test device, or `None` (skipped, said why) without one; with `CI` set a missing
+/// device fails the test.
+pub(in crate::model) fn device(test: &str) -> Option<Arc<Context>> {
     match Context::new(&DeviceSelection::FromEnv) {
         Ok(c) => Some(Arc::new(c)),
         Err(e) => {
