@@ -91,6 +91,8 @@ pub(crate) struct Rec<'c> {
     pub tag: &'static str,
     /// Timestamps after every command (`FOXEDGE_VK_PROFILE`).
     pub prof: Option<Prof>,
+    /// Flops of the next command [`Rec::run`] records, for the profile.
+    flops: f64,
 }
 
 impl<'c> Rec<'c> {
@@ -102,6 +104,7 @@ impl<'c> Rec<'c> {
             started: std::time::Instant::now(),
             tag: "other",
             prof: None,
+            flops: 0.0,
         })
     }
 
@@ -114,6 +117,7 @@ impl<'c> Rec<'c> {
             started: std::time::Instant::now(),
             tag: "other",
             prof: None,
+            flops: 0.0,
         })
     }
 
@@ -126,8 +130,9 @@ impl<'c> Rec<'c> {
 
     /// Stamps the end of a command of `kind` when profiling.
     pub fn mark(&mut self, kind: &'static str) -> Result<()> {
+        let flops = std::mem::take(&mut self.flops);
         match &mut self.prof {
-            Some(p) => p.mark(&mut self.b, kind),
+            Some(p) => p.mark(&mut self.b, kind, flops),
             None => Ok(()),
         }
     }
@@ -142,6 +147,7 @@ impl<'c> Rec<'c> {
         groups: [u32; 3],
     ) -> Result<()> {
         if groups.contains(&0) {
+            self.flops = 0.0;
             return Ok(());
         }
         let layout = pipe
@@ -271,6 +277,7 @@ impl<'c> Rec<'c> {
             ldy: u32,
         }
         for (w, r0, rows) in &m.chunks {
+            self.flops = 2.0 * (n * rows * m.cols) as f64;
             self.run(
                 &pipe,
                 vec![

@@ -1,7 +1,9 @@
 //! Per-command GPU profile of the device model (`FOXEDGE_VK_PROFILE=1`): a timestamp after
 //! every command a [`super::ops::Rec`] records, each gap charged to the kind of the command
-//! before it, summed per kind over a stream's one-token steps and printed (stderr) when the
-//! stream is dropped. Off by default: a recording without a [`Prof`] writes no timestamps.
+//! before it, summed per kind and printed (stderr) when the stream is dropped, in two tables:
+//! the one-token steps (per step), and the multi-row runs (prefill and continuation chunks,
+//! per run, with the matrix products' rate: `2 n rows K` flops over the command's time).
+//! Off by default: a recording without a [`Prof`] writes no timestamps.
 //!
 //! A timestamp (`ALL_COMMANDS` stage) is written when every command before it has
 //! completed, so a gap is its command's device time plus the barrier before it, in µs
@@ -26,7 +28,8 @@ pub(crate) fn enabled() -> bool {
 pub(crate) struct Prof {
     stamps: Stamps,
     cap: u32,
-    kinds: Vec<&'static str>,
+    /// (kind, flops) of every command.
+    kinds: Vec<(&'static str, f64)>,
 }
 
 impl Prof {
@@ -49,18 +52,20 @@ impl Prof {
         }))
     }
 
-    /// Stamps the end of a command of `kind` (commands past the pool's size go untimed;
-    /// [`Prof::dropped`] counts them).
+    /// Stamps the end of a command of `kind` doing `flops` floating-point operations (0:
+    /// not counted) (commands past the pool's size go untimed; [`Prof::dropped`] counts
+    /// them).
     pub fn mark(
         &mut self,
         b: &mut AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>,
         kind: &'static str,
+        flops: f64,
     ) -> Result<()> {
         let i = self.kinds.len() as u32 + 1;
         if i < self.cap {
             self.stamps.stamp(b, i)?;
         }
-        self.kinds.push(kind);
+        self.kinds.push((kind, flops));
         Ok(())
     }
 
@@ -76,39 +81,65 @@ impl Prof {
         if gaps.len() != n {
             return;
         }
-        for (kind, us) in self.kinds.iter().zip(gaps) {
+        for (&(kind, flops), us) in self.kinds.iter().zip(gaps) {
             let e = acc.kinds.entry(kind).or_default();
             e.0 += us;
             e.1 += 1;
+            e.2 += flops;
         }
         acc.untimed += self.dropped() as u64;
         acc.submissions += 1;
     }
 }
 
-/// GPU time per command kind, summed over submissions.
+/// GPU time per command kind, summed over submissions (or over runs of several
+/// submissions, [`Profile::add_run`]).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Profile {
-    /// kind -> (µs, commands).
-    kinds: BTreeMap<&'static str, (f64, u64)>,
+    /// kind -> (µs, commands, flops).
+    kinds: BTreeMap<&'static str, (f64, u64, f64)>,
     submissions: u64,
     untimed: u64,
+    /// Runs and their tokens, where the profile counts runs.
+    runs: u64,
+    tokens: u64,
 }
 
 impl Profile {
-    /// The table, one line per kind (largest total first): commands and µs per submission,
-    /// µs per command, share of the total.
+    /// Counts one run of `tokens` tokens (its submissions collected before or after).
+    pub fn add_run(&mut self, tokens: usize) {
+        self.runs += 1;
+        self.tokens += tokens as u64;
+    }
+
+    /// The table, one line per kind (largest total first): commands and µs per submission
+    /// (per run where runs are counted), µs per command, share of the total, and TFLOP/s
+    /// for the kinds whose commands count flops.
     pub fn table(&self, what: &str) -> String {
         use std::fmt::Write;
-        let n = self.submissions.max(1) as f64;
+        let (count, per) = if self.runs > 0 {
+            (self.runs, "run")
+        } else {
+            (self.submissions, "sub")
+        };
+        let n = count.max(1) as f64;
         let total: f64 = self.kinds.values().map(|v| v.0).sum();
         let cmds: u64 = self.kinds.values().map(|v| v.1).sum();
         let mut rows: Vec<_> = self.kinds.iter().collect();
         rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        let tokens = if self.runs > 0 {
+            format!(
+                " ({} tokens, {:.2} µs per token, {} submissions)",
+                self.tokens,
+                total / self.tokens.max(1) as f64,
+                self.submissions
+            )
+        } else {
+            String::new()
+        };
         let mut s = format!(
-            "foxedge-vulkan: GPU profile of {} {what}: {:.1} µs and {:.1} commands each{}\n\
-             {:<14} {:>9} {:>10} {:>10} {:>6}\n",
-            self.submissions,
+            "foxedge-vulkan: GPU profile of {count} {what}{tokens}: {:.1} µs and {:.1} \
+             commands each{}\n{:<14} {:>9} {:>10} {:>10} {:>6} {:>8}\n",
             total / n,
             cmds as f64 / n,
             if self.untimed > 0 {
@@ -117,15 +148,21 @@ impl Profile {
                 String::new()
             },
             "kind",
-            "cmds/sub",
-            "µs/sub",
+            format!("cmds/{per}"),
+            format!("µs/{per}"),
             "µs/cmd",
             "share",
+            "TFLOP/s",
         );
-        for (kind, (us, c)) in rows {
+        for (kind, (us, c, flops)) in rows {
+            let rate = if *flops > 0.0 && *us > 0.0 {
+                format!("{:>8.2}", flops / us * 1e-6)
+            } else {
+                format!("{:>8}", "")
+            };
             let _ = writeln!(
                 s,
-                "{kind:<14} {:>9.1} {:>10.1} {:>10.2} {:>5.1}%",
+                "{kind:<14} {:>9.1} {:>10.1} {:>10.2} {:>5.1}% {rate}",
                 *c as f64 / n,
                 us / n,
                 us / (*c).max(1) as f64,
@@ -142,7 +179,19 @@ impl Profile {
     /// (µs, commands) of `kind` summed over the submissions.
     #[cfg(test)]
     pub fn kind(&self, kind: &str) -> Option<(f64, u64)> {
-        self.kinds.get(kind).copied()
+        self.kinds.get(kind).map(|k| (k.0, k.1))
+    }
+
+    /// Flops counted for `kind`, summed over the submissions.
+    #[cfg(test)]
+    pub fn flops(&self, kind: &str) -> Option<f64> {
+        self.kinds.get(kind).map(|k| k.2)
+    }
+
+    /// Runs profiled ([`Profile::add_run`]).
+    #[cfg(test)]
+    pub fn runs(&self) -> u64 {
+        self.runs
     }
 
     /// Submissions profiled.

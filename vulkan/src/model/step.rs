@@ -209,6 +209,9 @@ impl Drop for DeviceStream {
         if !self.profile.is_empty() {
             eprint!("{}", self.profile.table("one-token steps"));
         }
+        if !self.run_profile.is_empty() {
+            eprint!("{}", self.run_profile.table("multi-row runs"));
+        }
         if std::env::var_os("FOXEDGE_VK_TIMING").is_none() {
             return;
         }
@@ -262,10 +265,11 @@ pub struct DeviceStream {
     /// Host times of every submission of this stream, and of its one-token steps.
     times: HostTimes,
     step_times: HostTimes,
-    /// Whether a recorded step times its commands (`FOXEDGE_VK_PROFILE`), and their GPU
-    /// time per kind over the one-token steps.
+    /// Whether a recorded step or run times its commands (`FOXEDGE_VK_PROFILE`), and their
+    /// GPU time per kind over the one-token steps and over the runs ([`Self::run`]).
     profiling: bool,
     profile: profile::Profile,
+    run_profile: profile::Profile,
 }
 
 impl std::fmt::Debug for DeviceStream {
@@ -388,6 +392,7 @@ impl DeviceStream {
             step_times: HostTimes::default(),
             profiling: profile::enabled(),
             profile: profile::Profile::default(),
+            run_profile: profile::Profile::default(),
         };
         s.reset()?;
         Ok(s)
@@ -425,6 +430,24 @@ impl DeviceStream {
         &self.profile
     }
 
+    /// GPU time per command kind of the profiled runs ([`Self::run`]).
+    #[cfg(test)]
+    pub(crate) fn run_gpu_profile(&self) -> &profile::Profile {
+        &self.run_profile
+    }
+
+    /// A recording of [`Self::run`], timing its commands when profiling.
+    fn run_rec<'c>(&self, ctx: &'c Arc<crate::device::Context>) -> Result<Rec<'c>> {
+        let mut rec = Rec::new(ctx)?;
+        if self.profiling {
+            // A layer's submission: norms, projection chunks, attention (one command per
+            // head group or token), cache operations and copies.
+            let sh = &self.model.shape;
+            rec.profile(1024 + 16 * sh.heads as u32)?;
+        }
+        Ok(rec)
+    }
+
     /// Host times of every submission of this stream so far.
     pub fn host_times(&self) -> HostTimes {
         self.times
@@ -438,17 +461,23 @@ impl DeviceStream {
     }
 
     /// Submits `rec`, or reports the device lost where [`Self::fail_after`] says so.
-    fn submit(&mut self, rec: Rec<'_>, stats: &mut RunStats) -> Result<()> {
+    /// A profiled recording's timestamps join the runs' profile.
+    fn submit(&mut self, mut rec: Rec<'_>, stats: &mut RunStats) -> Result<()> {
         let record = rec.started.elapsed();
         let t0 = std::time::Instant::now();
         let dispatches = rec.dispatches;
+        let prof = rec.prof.take();
         let cb = rec.b.build()?;
         let t = HostTimes {
             record,
             build: t0.elapsed(),
             ..HostTimes::default()
         };
-        self.submit_built(cb, dispatches, t, stats, false)
+        self.submit_built(cb, dispatches, t, stats, false)?;
+        if let Some(p) = prof {
+            p.collect(&mut self.run_profile);
+        }
+        Ok(())
     }
 
     /// Submits a built command buffer of `dispatches` dispatches whose recording took
@@ -598,8 +627,9 @@ impl DeviceStream {
         let rb_words = gl.words + 2 * sh.hidden;
         let rb = ctx.host_buffer(rb_words, false)?;
 
-        let mut rec = Rec::new(&ctx)?;
+        let mut rec = self.run_rec(&ctx)?;
         rec.b.fill_buffer(self.flag.clone(), 0)?;
+        rec.mark("fill")?;
         let mut hdata = HostData::new(align);
         let ids_at = hdata.push(tokens);
         let (hbuf, up) = hdata.upload(&rec)?;
@@ -636,7 +666,7 @@ impl DeviceStream {
             stats.host.add(&t);
             self.times.add(&t);
 
-            rec = Rec::new(&ctx)?;
+            rec = self.run_rec(&ctx)?;
             let st = self.attend(&mut rec, l, n, &layer_plan, &mut stats)?;
             stats.attention.push(st);
             self.record_post(&mut rec, l, n)?;
@@ -647,6 +677,9 @@ impl DeviceStream {
         let host = ctx.host_buffer(logits_words(rows, v), false)?;
         stats.bytes_downloaded += self.record_head(&mut rec, n, &out, &logits, &am, &host)?;
         self.submit(rec, &mut stats)?;
+        if self.profiling {
+            self.run_profile.add_run(n);
+        }
         let w = host.read().map_err(|e| Error::Vulkan(e.to_string()))?;
         read_head(&w, rows * v, out, &mut stats)?;
         Ok(stats)
@@ -680,7 +713,7 @@ impl DeviceStream {
             rec.matvec(&model.lm_head, xin, &s.h, (n - 1) * d, logits, 0, false)?;
         } else if rows > 0 {
             rec.rmsnorm(d, rows, &s.h, &model.norm, sh.norm_eps, &s.x)?;
-            rec.tag = "lm_head";
+            rec.tag = "mm_lm_head";
             rec.linear(&model.lm_head, rows, &s.x, logits, 0, v, false)?;
         }
         if rows > 0 {
@@ -734,7 +767,7 @@ impl DeviceStream {
             return rec.matvec_many(&lw.pre, xin, &s.h, &s.p);
         }
         rec.rmsnorm(d, n, &s.h, &lw.attn_norm, sh.norm_eps, &s.x)?;
-        rec.tag = "mv_pre";
+        rec.tag = "mm_pre";
         for (m, col) in &lw.pre {
             rec.linear(m, n, &s.x, &s.p, *col, pw, false)?;
         }
@@ -822,7 +855,7 @@ impl DeviceStream {
             },
         ];
         rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
-        rec.tag = "mv_o";
+        rec.tag = if n == 1 { "mv_o" } else { "mm_o" };
         rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
         if n == 1 {
             // The MLP norm and the gated activation fused into the products' input reads.
@@ -833,14 +866,14 @@ impl DeviceStream {
             return rec.matvec(&lw.down, XIn::Glu(sh.mlp_act), &s.gu, 0, &s.h, 0, true);
         }
         rec.rmsnorm(d, n, &s.h, &lw.mlp_norm, sh.norm_eps, &s.x)?;
-        rec.tag = "mv_gate_up";
+        rec.tag = "mm_gate_up";
         rec.linear(&lw.gate_up, n, &s.x, &s.gu, 0, 2 * sh.intermediate, false)?;
         let act = match sh.mlp_act {
             Act::Silu => 0,
             Act::Sigmoid => 1,
         };
         rec.swiglu(sh.intermediate, act, n, &s.gu, &s.a)?;
-        rec.tag = "mv_down";
+        rec.tag = "mm_down";
         rec.linear(&lw.down, n, &s.a, &s.h, 0, d, true)
     }
 

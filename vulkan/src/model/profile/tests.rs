@@ -1,6 +1,6 @@
-//! The profile on lavapipe: a recorded step with timestamps after every command gives the
-//! same logits, bit for bit, as one without, and charges every command of the step to its
-//! kind once per submission.
+//! The profile on lavapipe: a recorded step (or a multi-row run) with timestamps after
+//! every command gives the same logits, bit for bit, as one without, and charges every
+//! command to its kind once per submission (and the products' flops to theirs).
 //!
 //! Vulkan device: lavapipe here and in CI. With `CI` set, a missing device fails the tests;
 //! without it they print why and return.
@@ -8,8 +8,8 @@
 use crate::device::Context;
 use crate::model::weights::tests::device;
 use crate::model::{
-    Act, DeviceModel, DeviceStream, LayerWeights, ModelOptions, ModelShape, ModelWeights, Output,
-    QkNorm, StepAcp, StepHead, Weights,
+    Act, DeviceModel, DeviceStream, Gates, LayerPlan, LayerWeights, ModelOptions, ModelShape,
+    ModelWeights, Output, QkNorm, RowOp, StepAcp, StepHead, Weights,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -185,4 +185,110 @@ fn a_profiled_step_times_every_command_and_changes_nothing() {
     }
     let table = p.table("steps");
     assert!(table.contains("mv_gate_up") && table.contains("GPU profile of 4 steps"));
+}
+
+/// Runs `tokens` as one fresh chunk (dense causal attention, every row stored); returns
+/// every token's logits.
+fn chunk(model: &Arc<DeviceModel>, profiling: bool, tokens: &[u32]) -> (DeviceStream, Vec<f32>) {
+    let mut s = DeviceStream::new(model.clone()).expect("stream");
+    s.set_profiling(profiling);
+    let nh = model.shape.heads;
+    let n = tokens.len();
+    let mut plan = |g: &Gates<'_>| {
+        let mut c = vec![0.0f64; nh * n];
+        let mut ops = vec![Vec::new(); nh];
+        for h in 0..nh {
+            let mut acc = 0.0f64;
+            for t in 0..n {
+                acc += f64::from(g.log_f[t * nh + h]);
+                c[h * n + t] = acc;
+                ops[h].push(RowOp::Put {
+                    token: t as u32,
+                    slot: t as u32,
+                    c: acc,
+                    pos: t as u64,
+                });
+            }
+        }
+        Ok(LayerPlan::Chunk {
+            c,
+            delta: vec![None; nh],
+            ops,
+        })
+    };
+    let mut logits = vec![0.0f32; n * model.shape.vocab];
+    s.run(tokens, &mut plan, Output::All(&mut logits))
+        .expect("chunk runs");
+    (s, logits)
+}
+
+#[test]
+fn a_profiled_chunk_times_every_command_and_counts_the_products_flops() {
+    let Some(ctx) = device("profiled_chunk") else {
+        return;
+    };
+    let model = tiny_model(&ctx);
+    let tokens = [3u32, 17, 40, 5, 9, 63, 0, 21, 8];
+    let (plain, want) = chunk(&model, false, &tokens);
+    assert!(plain.run_gpu_profile().is_empty());
+    let (prof, got) = chunk(&model, true, &tokens);
+    assert_eq!(
+        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the profile must not change the run"
+    );
+    assert!(prof.gpu_profile().is_empty(), "no one-token step ran");
+    let p = prof.run_gpu_profile();
+    if p.is_empty() {
+        eprintln!("profiled_chunk: the device's queue has no timestamps");
+        return;
+    }
+    let sh = model.shape;
+    let (n, nl) = (tokens.len() as f64, sh.layers as u64);
+    let (d, i, pw) = (
+        sh.hidden as f64,
+        sh.intermediate as f64,
+        sh.proj_width() as f64,
+    );
+    assert_eq!(p.runs(), 1);
+    assert_eq!(p.submissions(), nl + 1);
+    let npre = model.layers[0].pre.len() as u64;
+    for (kind, cmds, flops) in [
+        ("embed", 1, 0.0),
+        ("rmsnorm", 2 * nl + 1, 0.0),
+        ("mm_pre", npre * nl, 2.0 * n * d * pw),
+        ("attn_pre", nl, 0.0),
+        ("prefill", nl, 0.0),
+        ("attn_post", nl, 0.0),
+        ("mm_o", nl, 2.0 * n * d * d),
+        ("mm_gate_up", nl, 2.0 * n * d * 2.0 * i),
+        ("swiglu", nl, 0.0),
+        ("mm_down", nl, 2.0 * n * i * d),
+        ("mm_lm_head", 1, 0.0),
+    ] {
+        let (us, c) = p.kind(kind).unwrap_or_else(|| panic!("{kind} timed"));
+        assert_eq!(c, cmds, "{kind}");
+        assert!(us.is_finite() && us >= 0.0, "{kind}: {us} µs");
+        if flops > 0.0 {
+            assert_eq!(p.flops(kind), Some(flops * nl as f64), "{kind} flops");
+        }
+    }
+    assert_eq!(p.flops("mm_lm_head"), Some(2.0 * n * d * sh.vocab as f64));
+    for kind in [
+        "mv_pre",
+        "mv_o",
+        "mv_gate_up",
+        "mv_down",
+        "lm_head",
+        "decode",
+    ] {
+        assert!(p.kind(kind).is_none(), "{kind}");
+    }
+    let table = p.table("multi-row runs");
+    assert!(
+        table.contains("GPU profile of 1 multi-row runs (9 tokens")
+            && table.contains("mm_down")
+            && table.contains("TFLOP/s"),
+        "{table}"
+    );
 }

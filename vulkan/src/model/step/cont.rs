@@ -157,6 +157,7 @@ impl DeviceStream {
             scale_log2: f32,
         }
         let n_qt = n.div_ceil(tile.bm as usize);
+        rec.tag = "continue";
         let s = self
             .scratch
             .as_ref()
