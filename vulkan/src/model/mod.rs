@@ -31,6 +31,7 @@
 //! layer's gates back once. Cache `c` goes to the device as a
 //! double-float pair (`pack::split_f64`), as the attention kernels take it.
 
+mod matmul;
 mod ops;
 mod profile;
 mod projections;

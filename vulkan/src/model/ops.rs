@@ -18,21 +18,11 @@ static MV: [&[u8]; 3] = [
     include_bytes!("../../shaders/mv_f16.spv"),
     include_bytes!("../../shaders/mv_bf16.spv"),
 ];
-static MM: [&[u8]; 3] = [
-    include_bytes!("../../shaders/mm_f32.spv"),
-    include_bytes!("../../shaders/mm_f16.spv"),
-    include_bytes!("../../shaders/mm_bf16.spv"),
-];
 static MV_NAMES: [&str; 3] = ["mv_f32", "mv_f16", "mv_bf16"];
-static MM_NAMES: [&str; 3] = ["mm_f32", "mm_f16", "mm_bf16"];
-/// The block formats' kernels (`mvq.glsl`, `mmq.glsl`), Q8 then Q4 (formats 3, 4).
+/// The block formats' kernels (`mvq.glsl`), Q8 then Q4 (formats 3, 4).
 static MVQ: [(&str, &[u8]); 2] = [
     ("mv_q8", include_bytes!("../../shaders/mv_q8.spv")),
     ("mv_q4", include_bytes!("../../shaders/mv_q4.spv")),
-];
-static MMQ: [(&str, &[u8]); 2] = [
-    ("mm_q8", include_bytes!("../../shaders/mm_q8.spv")),
-    ("mm_q4", include_bytes!("../../shaders/mm_q4.spv")),
 ];
 static EMBED: &[u8] = include_bytes!("../../shaders/embed.spv");
 static RMSNORM: &[u8] = include_bytes!("../../shaders/rmsnorm.spv");
@@ -45,8 +35,6 @@ static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 /// Threads per workgroup and per row of the matrix-vector kernel.
 pub(super) const MV_WGS: u32 = 256;
 pub(super) const MV_TPR: u32 = 32;
-/// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
-const MM_TILE: u32 = 64;
 
 /// How a matrix-vector product reads its input (`xin.glsl`).
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +80,7 @@ pub(crate) struct Rec<'c> {
     /// Timestamps after every command (`FOXEDGE_VK_PROFILE`).
     pub prof: Option<Prof>,
     /// Flops of the next command [`Rec::run`] records, for the profile.
-    flops: f64,
+    pub(super) flops: f64,
 }
 
 impl<'c> Rec<'c> {
@@ -245,60 +233,6 @@ impl<'c> Rec<'c> {
     pub(super) fn block_lanes(&self, cols: usize) -> u32 {
         let most = (self.ctx.info.max_workgroup_invocations as usize / 16).clamp(1, 64);
         1u32 << (cols / 32).clamp(1, most).ilog2()
-    }
-
-    /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats:
-    /// `mm.glsl` for float formats, `mmq.glsl` (the same tiles) for Q8 / Q4.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &mut self,
-        m: &Mat,
-        n: usize,
-        x: &Subbuffer<[u32]>,
-        y: &Subbuffer<[u32]>,
-        y_off: usize,
-        ldy: usize,
-        acc: bool,
-    ) -> Result<()> {
-        let (name, spv) = if m.format >= 3 {
-            MMQ[usize::from(m.format == 4)]
-        } else {
-            (MM_NAMES[m.format as usize], MM[m.format as usize])
-        };
-        let pipe = self
-            .ctx
-            .pipeline(name, spv, &[(0, m.cols as u32), (1, u32::from(acc))])?;
-        #[derive(BufferContents, Clone, Copy)]
-        #[repr(C)]
-        struct P {
-            n: u32,
-            rows: u32,
-            y_off: u32,
-            ldy: u32,
-        }
-        for (w, r0, rows) in &m.chunks {
-            self.flops = 2.0 * (n * rows * m.cols) as f64;
-            self.run(
-                &pipe,
-                vec![
-                    WriteDescriptorSet::buffer(0, w.clone()),
-                    WriteDescriptorSet::buffer(1, x.clone()),
-                    WriteDescriptorSet::buffer(2, y.clone()),
-                ],
-                P {
-                    n: n as u32,
-                    rows: *rows as u32,
-                    y_off: (y_off + r0) as u32,
-                    ldy: ldy as u32,
-                },
-                [
-                    rows.div_ceil(MM_TILE as usize) as u32,
-                    n.div_ceil(MM_TILE as usize) as u32,
-                    1,
-                ],
-            )?;
-        }
-        Ok(())
     }
 
     /// One token or many: the matrix-vector kernel for one, the tiled product for more.
@@ -531,4 +465,4 @@ impl<'c> Rec<'c> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -34,11 +34,11 @@ fn floats(w: &[u32]) -> Vec<f32> {
 }
 
 /// The weight formats of the tests.
-const FORMATS: [&str; 5] = ["f32", "f16", "bf16", "q8", "q4"];
+pub(in crate::model) const FORMATS: [&str; 5] = ["f32", "f16", "bf16", "q8", "q4"];
 
 /// A random `rows x k` matrix in `fmt` on the device (chunked at `limit` words) and its
 /// stored values as f32.
-fn matrix(
+pub(in crate::model) fn matrix(
     ctx: &Context,
     fmt: &str,
     (rows, k): (usize, usize),

@@ -1,0 +1,4 @@
+#version 450
+#define WFMT 1
+#extension GL_GOOGLE_include_directive : require
+#include "mmt.glsl"
