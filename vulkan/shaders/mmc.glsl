@@ -16,11 +16,10 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_control_flow_attributes : enable
 
-layout(local_size_x_id = 3) in;                // 4 SG
+layout(local_size_x_id = 3) in;                // 4 subgroups
 layout(constant_id = 0) const uint K = 256;    // row length
 layout(constant_id = 1) const uint ACC = 0;    // 1: add into Y
 layout(constant_id = 2) const uint FN = 4;     // 16-row fragments per subgroup: 2 or 4
-layout(constant_id = 3) const uint WGS = 128;  // 4 subgroups
 const uint BM = 64u;
 const uint BN = 32u * FN;
 const uint BK = 32u;
@@ -63,7 +62,7 @@ void put_w(uint at, vec4 v) { [[unroll]] for (uint i = 0; i < 4u; ++i) wh[at + i
 
 // X[t0 .., k0 .. k0 + 32] into xh (zeros past n and K).
 void stage_x(uint t0, uint k0) {
-    for (uint e = gl_LocalInvocationIndex; e < BM * 8u; e += WGS) {
+    for (uint e = gl_LocalInvocationIndex; e < BM * 8u; e += gl_WorkGroupSize.x) {
         const uint tt = e / 8u, c = e % 8u;
         const uint t = t0 + tt, k = k0 + 4u * c;
         put_x(tt * ST + 4u * c, (t < pc.n && k < K) ? X[(t * K + k) / 4u] : vec4(0.0));
@@ -74,7 +73,7 @@ void stage_x(uint t0, uint k0) {
 void stage_w(uint r0, uint k0) {
 #ifdef QFMT
     const uint kb = k0 / 32u;
-    for (uint e = gl_LocalInvocationIndex; e < BN * QW; e += WGS) {
+    for (uint e = gl_LocalInvocationIndex; e < BN * QW; e += gl_WorkGroupSize.x) {
         const uint j = e % 16u, c = (e / 16u) % QW, gi = e / (16u * QW);
         const uint rr = 16u * gi + j, r = r0 + rr;
         vec4 lo = vec4(0.0), hi = vec4(0.0);
@@ -97,7 +96,7 @@ void stage_w(uint r0, uint k0) {
 #else
     const uint PER = BK / EPW;  // uvec4s per row of the slice
     const uint KW4 = K / EPW;   // uvec4s per weight row
-    for (uint e = gl_LocalInvocationIndex; e < BN * PER; e += WGS) {
+    for (uint e = gl_LocalInvocationIndex; e < BN * PER; e += gl_WorkGroupSize.x) {
         const uint rr = e / PER, c = e % PER;
         const uint r = r0 + rr, k = k0 + EPW * c;
         vec4 a = vec4(0.0), b = vec4(0.0);

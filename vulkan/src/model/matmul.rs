@@ -20,8 +20,10 @@ use super::ops::Rec;
 use super::weights::Mat;
 use crate::device::Context;
 use crate::error::Result;
+use std::sync::Arc;
 use vulkano::buffer::{BufferContents, Subbuffer};
 use vulkano::descriptor_set::WriteDescriptorSet;
+use vulkano::pipeline::ComputePipeline;
 
 /// `mm.glsl` / `mmq.glsl` by format (f32, f16, bf16, Q8, Q4).
 static TILE64: [(&str, &[u8]); 5] = [
@@ -88,9 +90,15 @@ fn coop_off() -> bool {
     *OFF.get_or_init(|| std::env::var(COOPMAT_ENV).is_ok_and(|v| v.trim() == "0"))
 }
 
+/// Set when a [`MmKernel::Coop`] pipeline failed to build: the products take the SIMT
+/// kernel from then on.
+static COOP_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Whether `ctx` runs [`MmKernel::Coop`].
 pub(crate) fn coop_available(ctx: &Context) -> bool {
-    ctx.info.coopmat_khr && ctx.info.subgroup_size.is_some()
+    ctx.info.coopmat_khr
+        && ctx.info.subgroup_size.is_some()
+        && !COOP_FAILED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// What [`MM_ENV`] asks for, read once.
@@ -144,7 +152,8 @@ impl MmKernel {
 
 impl Rec<'_> {
     /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats,
-    /// with the kernel [`MmKernel::choose`] picks.
+    /// with the kernel [`MmKernel::choose`] picks (the SIMT kernel where the
+    /// cooperative-matrix pipeline fails to build).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &mut self,
@@ -158,10 +167,25 @@ impl Rec<'_> {
     ) -> Result<()> {
         let rows = m.chunks.iter().map(|c| c.2).max().unwrap_or(0);
         let kernel = MmKernel::choose(self.ctx, n, rows);
-        self.matmul_with(kernel, m, n, x, y, y_off, ldy, acc)
+        let (kernel, pipe) = match self.mm_pipeline(kernel, m, acc) {
+            Ok(p) => (kernel, p),
+            Err(e) if matches!(kernel, MmKernel::Coop { .. }) => {
+                COOP_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+                eprintln!(
+                    "foxedge-vulkan: the cooperative-matrix product does not build on {} ({e}); \
+                     using the SIMT kernel",
+                    self.ctx.info.name
+                );
+                let kernel = MmKernel::choose(self.ctx, n, rows);
+                (kernel, self.mm_pipeline(kernel, m, acc)?)
+            }
+            Err(e) => return Err(e),
+        };
+        self.mm_record(kernel, &pipe, m, n, x, y, y_off, ldy)
     }
 
-    /// [`Rec::matmul`] with `kernel`.
+    /// [`Rec::matmul`] with `kernel` (the tests run every kernel).
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_with(
         &mut self,
@@ -174,25 +198,46 @@ impl Rec<'_> {
         ldy: usize,
         acc: bool,
     ) -> Result<()> {
+        let pipe = self.mm_pipeline(kernel, m, acc)?;
+        self.mm_record(kernel, &pipe, m, n, x, y, y_off, ldy)
+    }
+
+    /// The pipeline of `kernel` for `m`'s format and row length.
+    fn mm_pipeline(&self, kernel: MmKernel, m: &Mat, acc: bool) -> Result<Arc<ComputePipeline>> {
         let f = m.format as usize;
         let (k, acc) = (m.cols as u32, u32::from(acc));
-        let pipe = match kernel {
+        match kernel {
             MmKernel::Tile64 => {
                 let (name, spv) = TILE64[f];
-                self.ctx.pipeline(name, spv, &[(0, k), (1, acc)])?
+                self.ctx.pipeline(name, spv, &[(0, k), (1, acc)])
             }
             MmKernel::Simt { tm, tn } => {
                 let (name, spv) = SIMT[f];
                 self.ctx
-                    .pipeline(name, spv, &[(0, k), (1, acc), (2, tm), (3, tn)])?
+                    .pipeline(name, spv, &[(0, k), (1, acc), (2, tm), (3, tn)])
             }
             MmKernel::Coop { fnn } => {
                 let sg = self.ctx.info.subgroup_size.unwrap_or(32);
                 let (name, spv) = COOP[f];
                 self.ctx
-                    .pipeline(name, spv, &[(0, k), (1, acc), (2, fnn), (3, 4 * sg)])?
+                    .pipeline(name, spv, &[(0, k), (1, acc), (2, fnn), (3, 4 * sg)])
             }
-        };
+        }
+    }
+
+    /// Records `kernel`'s dispatches (one per chunk of `m`) with `pipe`.
+    #[allow(clippy::too_many_arguments)]
+    fn mm_record(
+        &mut self,
+        kernel: MmKernel,
+        pipe: &Arc<ComputePipeline>,
+        m: &Mat,
+        n: usize,
+        x: &Subbuffer<[u32]>,
+        y: &Subbuffer<[u32]>,
+        y_off: usize,
+        ldy: usize,
+    ) -> Result<()> {
         let (bm, bn) = kernel.tile();
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
@@ -205,7 +250,7 @@ impl Rec<'_> {
         for (w, r0, rows) in &m.chunks {
             self.flops = 2.0 * (n * rows * m.cols) as f64;
             self.run(
-                &pipe,
+                pipe,
                 vec![
                     WriteDescriptorSet::buffer(0, w.clone()),
                     WriteDescriptorSet::buffer(1, x.clone()),
