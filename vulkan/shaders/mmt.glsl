@@ -9,7 +9,8 @@
 // loads along k, W as uvec4 loads (Q8 / Q4: half a block, dequantized, w = d q exact in
 // f32), both transposed into shared memory k-major; then every thread adds its TM x TN
 // outer products in f32, k in order (so each output is the same f32 sum of K products, in
-// the order of k, as a sequential loop).
+// the order of k, as a sequential loop). The next slice's global loads are issued before
+// these products and land in registers, stored to shared memory after the slice's barrier.
 #extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint K = 256;    // row length
@@ -51,45 +52,82 @@ shared vec4 ws[BK * WS / 4u];   // ws[k][r]: float k WS + r
 void put_x(uint k, uint t, float v) { xs[(k * XS + t) / 4u][t % 4u] = v; }
 void put_w(uint k, uint r, float v) { ws[(k * WS + r) / 4u][r % 4u] = v; }
 
-// X[t0 .., k0 .. k0 + 16] into xs (zeros past n and K).
-void stage_x(uint t0, uint k0) {
-    for (uint e = gl_LocalInvocationIndex; e < BM * 4u; e += 256u) {
+// A thread's share of one k slice, held in registers from its fetch (global loads issued
+// before the previous slice's products) to its store in shared memory.
+const uint NX = TM / 4u;   // vec4s of X (BM * 4 / 256)
+vec4 xr[NX];
+#ifdef QFMT
+const uint NW = TN / 4u;   // words of W (BN * 4 / 256) and their block scales
+uint wr[NW];
+float wd[NW];
+#else
+const uint PER = 16u / EPW;               // uvec4s per weight row of the slice
+const uint NW = (BN * PER + 255u) / 256u;
+const uint KW4 = K / EPW;                 // uvec4s per weight row
+uvec4 wr[NW];
+#endif
+
+// X[t0 .., k0 .. k0 + 16] and W[r0 .., k0 .. k0 + 16] into registers (zeros past n, rows, K).
+void fetch(uint t0, uint r0, uint k0) {
+    const uint tid = gl_LocalInvocationIndex;
+    [[unroll]] for (uint s = 0; s < NX; ++s) {
+        const uint e = tid + 256u * s;
         const uint tt = e / 4u, c = e % 4u;
         const uint t = t0 + tt, k = k0 + 4u * c;
-        const vec4 v = (t < pc.n && k < K) ? X[(t * K + k) / 4u] : vec4(0.0);
-        [[unroll]] for (uint i = 0; i < 4u; ++i) put_x(4u * c + i, tt, v[i]);
+        xr[s] = (t < pc.n && k < K) ? X[(t * K + k) / 4u] : vec4(0.0);
     }
-}
-
-// W[r0 .., k0 .. k0 + 16] into ws, as f32 (zeros past rows and K).
-void stage_w(uint r0, uint k0) {
 #ifdef QFMT
-    // Half h of block kb: Q8 words 4h + c; Q4 the low (h = 0) or high nibbles of words c.
+    // Half h of block kb: Q8 words 4h + c; Q4 words c (their low or high nibbles).
     const uint kb = k0 / 32u, h = (k0 / 16u) % 2u;
-    for (uint e = gl_LocalInvocationIndex; e < BN * 4u; e += 256u) {
+    [[unroll]] for (uint s = 0; s < NW; ++s) {
+        const uint e = tid + 256u * s;
         const uint j = e % 16u, c = (e / 16u) % 4u, gi = e / 64u;
-        const uint rr = 16u * gi + j, r = r0 + rr;
-        vec4 v = vec4(0.0);
+        const uint r = r0 + 16u * gi + j;
+        wr[s] = 0u;
+        wd[s] = 0.0;
         if (r < pc.rows) {
             const uint tile = q_tile(GW, r / 16u, kb);
-            const float d = q_scale(tile, kb, j);
-#if QFMT == 8
-            v = d * q8x4(q_word(tile, kb, j, 4u * h + c));
-#else
-            v = d * q4x4(q_word(tile, kb, j, c) >> (4u * h));
-#endif
+            wd[s] = q_scale(tile, kb, j);
+            wr[s] = q_word(tile, kb, j, QFMT == 8 ? 4u * h + c : c);
         }
-        [[unroll]] for (uint i = 0; i < 4u; ++i) put_w(4u * c + i, rr, v[i]);
     }
 #else
-    // A uvec4 holds EPW weights of a row: 16 / EPW of them per row of the slice.
-    const uint PER = 16u / EPW;
-    const uint KW4 = K / EPW;   // uvec4s per weight row
-    for (uint e = gl_LocalInvocationIndex; e < BN * PER; e += 256u) {
+    [[unroll]] for (uint s = 0; s < NW; ++s) {
+        const uint e = tid + 256u * s;
         const uint rr = e / PER, c = e % PER;
         const uint r = r0 + rr, k = k0 + EPW * c;
-        vec4 a = vec4(0.0), b = vec4(0.0);
-        if (r < pc.rows && k < K) unpack8(W[r * KW4 + k / EPW], a, b);
+        wr[s] = (e < BN * PER && r < pc.rows && k < K) ? W[r * KW4 + k / EPW] : uvec4(0u);
+    }
+#endif
+}
+
+// The fetched slice (at k0) into xs and ws, W as f32 (Q8 / Q4: w = d q).
+void store(uint k0) {
+    const uint tid = gl_LocalInvocationIndex;
+    [[unroll]] for (uint s = 0; s < NX; ++s) {
+        const uint e = tid + 256u * s;
+        const uint tt = e / 4u, c = e % 4u;
+        [[unroll]] for (uint i = 0; i < 4u; ++i) put_x(4u * c + i, tt, xr[s][i]);
+    }
+#ifdef QFMT
+    const uint h = (k0 / 16u) % 2u;
+    [[unroll]] for (uint s = 0; s < NW; ++s) {
+        const uint e = tid + 256u * s;
+        const uint j = e % 16u, c = (e / 16u) % 4u, gi = e / 64u;
+#if QFMT == 8
+        const vec4 v = wd[s] * q8x4(wr[s]);
+#else
+        const vec4 v = wd[s] * q4x4(wr[s] >> (4u * h));
+#endif
+        [[unroll]] for (uint i = 0; i < 4u; ++i) put_w(4u * c + i, 16u * gi + j, v[i]);
+    }
+#else
+    [[unroll]] for (uint s = 0; s < NW; ++s) {
+        const uint e = tid + 256u * s;
+        if (e >= BN * PER) continue;
+        const uint rr = e / PER, c = e % PER;
+        vec4 a, b;
+        unpack8(wr[s], a, b);
         [[unroll]] for (uint i = 0; i < 4u; ++i) put_w(EPW * c + i, rr, a[i]);
         if (EPW == 8u) {
             [[unroll]] for (uint i = 0; i < 4u; ++i) put_w(EPW * c + 4u + i, rr, b[i]);
@@ -108,10 +146,11 @@ void main() {
     const uint tx = tid % 16u, ty = tid / 16u;
     float acc[TM][TN];
     [[unroll]] for (uint i = 0; i < TM; ++i) [[unroll]] for (uint j = 0; j < TN; ++j) acc[i][j] = 0.0;
+    fetch(t0, r0, 0u);
     for (uint k0 = 0; k0 < K; k0 += BK) {
-        stage_x(t0, k0);
-        stage_w(r0, k0);
+        store(k0);
         barrier();
+        if (k0 + BK < K) fetch(t0, r0, k0 + BK);
         [[unroll]] for (uint kk = 0; kk < BK; ++kk) {
             vec4 a[TM / 4u], b[TN / 4u];
             [[unroll]] for (uint g = 0; g < TM / 4u; ++g) a[g] = xs[(kk * XS + 64u * g) / 4u + ty];
