@@ -150,6 +150,69 @@ impl MmKernel {
     }
 }
 
+/// The pipeline of `kernel` for `m`'s format and row length.
+fn pipeline(ctx: &Context, kernel: MmKernel, m: &Mat, acc: bool) -> Result<Arc<ComputePipeline>> {
+    let f = m.format as usize;
+    let (k, acc) = (m.cols as u32, u32::from(acc));
+    match kernel {
+        MmKernel::Tile64 => {
+            let (name, spv) = TILE64[f];
+            ctx.pipeline(name, spv, &[(0, k), (1, acc)])
+        }
+        MmKernel::Simt { tm, tn } => {
+            let (name, spv) = SIMT[f];
+            ctx.pipeline(name, spv, &[(0, k), (1, acc), (2, tm), (3, tn)])
+        }
+        MmKernel::Coop { fnn } => {
+            let sg = ctx.info.subgroup_size.unwrap_or(32);
+            let (name, spv) = COOP[f];
+            ctx.pipeline(name, spv, &[(0, k), (1, acc), (2, fnn), (3, 4 * sg)])
+        }
+    }
+}
+
+/// The pipeline [`MmKernel::choose`] picks, or the SIMT kernel's where the
+/// cooperative-matrix pipeline fails to build (said once on stderr; from then on the
+/// products take the SIMT kernel).
+fn chosen(
+    ctx: &Context,
+    n: usize,
+    rows: usize,
+    m: &Mat,
+    acc: bool,
+) -> Result<(MmKernel, Arc<ComputePipeline>)> {
+    let kernel = MmKernel::choose(ctx, n, rows);
+    match pipeline(ctx, kernel, m, acc) {
+        Ok(p) => Ok((kernel, p)),
+        Err(e) if matches!(kernel, MmKernel::Coop { .. }) => {
+            COOP_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+            eprintln!(
+                "foxedge-vulkan: the cooperative-matrix product does not build on {} ({e}); \
+                 using the SIMT kernel",
+                ctx.info.name
+            );
+            let kernel = MmKernel::choose(ctx, n, rows);
+            Ok((kernel, pipeline(ctx, kernel, m, acc)?))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Builds the pipelines of the n-row products of `mats` (matrix, adds into Y) for every
+/// kernel a chunk may take, so that no prompt's run compiles one (a pipeline is built once
+/// per context: [`Context::pipeline`] keeps them).
+pub(crate) fn warm(ctx: &Context, mats: &[(&Mat, bool)]) -> Result<()> {
+    for &(m, acc) in mats {
+        let rows = m.chunks.iter().map(|c| c.2).max().unwrap_or(0);
+        // A few rows, and chunks of 64 and 2048 tokens (the products' tile choice of
+        // every size in between is one of theirs or of the widths between).
+        for n in [SMALL_N, 64, 256, 1024, 2048] {
+            chosen(ctx, n, rows, m, acc)?;
+        }
+    }
+    Ok(())
+}
+
 impl Rec<'_> {
     /// `Y[t, y_off + r] (+)= sum_k X[t, k] W[r, k]` for `n` tokens, Y rows of `ldy` floats,
     /// with the kernel [`MmKernel::choose`] picks (the SIMT kernel where the
@@ -166,21 +229,7 @@ impl Rec<'_> {
         acc: bool,
     ) -> Result<()> {
         let rows = m.chunks.iter().map(|c| c.2).max().unwrap_or(0);
-        let kernel = MmKernel::choose(self.ctx, n, rows);
-        let (kernel, pipe) = match self.mm_pipeline(kernel, m, acc) {
-            Ok(p) => (kernel, p),
-            Err(e) if matches!(kernel, MmKernel::Coop { .. }) => {
-                COOP_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
-                eprintln!(
-                    "foxedge-vulkan: the cooperative-matrix product does not build on {} ({e}); \
-                     using the SIMT kernel",
-                    self.ctx.info.name
-                );
-                let kernel = MmKernel::choose(self.ctx, n, rows);
-                (kernel, self.mm_pipeline(kernel, m, acc)?)
-            }
-            Err(e) => return Err(e),
-        };
+        let (kernel, pipe) = chosen(self.ctx, n, rows, m, acc)?;
         self.mm_record(kernel, &pipe, m, n, x, y, y_off, ldy)
     }
 
@@ -198,31 +247,8 @@ impl Rec<'_> {
         ldy: usize,
         acc: bool,
     ) -> Result<()> {
-        let pipe = self.mm_pipeline(kernel, m, acc)?;
+        let pipe = pipeline(self.ctx, kernel, m, acc)?;
         self.mm_record(kernel, &pipe, m, n, x, y, y_off, ldy)
-    }
-
-    /// The pipeline of `kernel` for `m`'s format and row length.
-    fn mm_pipeline(&self, kernel: MmKernel, m: &Mat, acc: bool) -> Result<Arc<ComputePipeline>> {
-        let f = m.format as usize;
-        let (k, acc) = (m.cols as u32, u32::from(acc));
-        match kernel {
-            MmKernel::Tile64 => {
-                let (name, spv) = TILE64[f];
-                self.ctx.pipeline(name, spv, &[(0, k), (1, acc)])
-            }
-            MmKernel::Simt { tm, tn } => {
-                let (name, spv) = SIMT[f];
-                self.ctx
-                    .pipeline(name, spv, &[(0, k), (1, acc), (2, tm), (3, tn)])
-            }
-            MmKernel::Coop { fnn } => {
-                let sg = self.ctx.info.subgroup_size.unwrap_or(32);
-                let (name, spv) = COOP[f];
-                self.ctx
-                    .pipeline(name, spv, &[(0, k), (1, acc), (2, fnn), (3, 4 * sg)])
-            }
-        }
     }
 
     /// Records `kernel`'s dispatches (one per chunk of `m`) with `pipe`.

@@ -310,7 +310,7 @@ impl DeviceModel {
                 down: up.mat(&l.down, d, i)?,
             });
         }
-        Ok(Self {
+        let model = Self {
             ctx: ctx.clone(),
             shape,
             embeddings,
@@ -318,7 +318,15 @@ impl DeviceModel {
             norm,
             lm_head,
             bytes: up.bytes,
-        })
+        };
+        // Every product pipeline a prompt's chunks take, built now rather than in a run.
+        let mut mats: Vec<(&Mat, bool)> = vec![(&model.lm_head, false)];
+        for l in &model.layers {
+            mats.extend(l.pre.iter().map(|(m, _)| (m, false)));
+            mats.extend([(&l.o, true), (&l.gate_up, false), (&l.down, true)]);
+        }
+        super::matmul::warm(ctx, &mats)?;
+        Ok(model)
     }
 
     /// The model's sizes.
