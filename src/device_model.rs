@@ -60,6 +60,26 @@ pub(super) struct Device {
     /// Bytes the host wrote for the device and runs made, since the session was created.
     pub(super) bytes_uploaded: u64,
     pub(super) runs: u64,
+    /// `ln n` of a step's key counts.
+    ln: LnTable,
+}
+
+/// `ln n` for key counts `n` ([`foxedge_core::threshold::ln_keys`], the same bits),
+/// tabulated as the cache grows: a one-token step lists an ACP threshold per possible
+/// number of evictions of every head, each with the logarithm of its key count.
+#[derive(Debug, Default)]
+struct LnTable(Vec<f64>);
+
+impl LnTable {
+    fn get(&mut self, n: usize) -> f64 {
+        if n >= self.0.len() {
+            let from = self.0.len();
+            let to = n.max(2 * from);
+            self.0
+                .extend((from..=to).map(foxedge_core::threshold::ln_keys));
+        }
+        self.0[n]
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -208,6 +228,7 @@ pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
             vk,
             bytes_uploaded: 0,
             runs: 0,
+            ln: LnTable::default(),
         }),
         Err(e) => {
             said(format!("no device stream: {e}"));
@@ -590,6 +611,8 @@ impl Keeper<'_> {
                 let live = hc.len();
                 let delta = match (ln_eps, certified) {
                     (None, _) => None,
+                    // The step decided ACP on the device from its plan's thresholds.
+                    (Some(_), true) if self.acp_on_device => None,
                     (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], live, e)?),
                     (Some(e), false) => {
                         let uu = foxedge_core::threshold::bound_from_norms(
@@ -743,8 +766,13 @@ impl Session {
         let pos = self.stats.tokens;
         let ln_eps = self.opts.ln_eps;
         let limit = self.policy_cfg.head_limit();
+        let Some(dev) = self.device.as_mut() else {
+            return Err(Error::Internal("a step plan without a device".into()));
+        };
+        let ln = &mut dev.ln;
         let mut plan = Vec::with_capacity(info.layers);
         let mut cand = Vec::new();
+        let mut slots: Vec<u32> = Vec::new();
         for l in 0..info.layers {
             let certified = self.certified[l];
             let state = &mut self.layers[l];
@@ -760,7 +788,8 @@ impl Session {
                     return Ok(None);
                 };
                 // The swap-deletes of evicting the candidates in order.
-                let mut slots: Vec<u32> = cand[..n].iter().map(|c| c.slot).collect();
+                slots.clear();
+                slots.extend(cand[..n].iter().map(|c| c.slot));
                 let mut evict = Vec::with_capacity(n);
                 let mut last = live;
                 for i in 0..n {
@@ -782,7 +811,8 @@ impl Session {
                     (Some(e), true) => StepAcp::Delta(
                         (0..=n)
                             .map(|k| {
-                                foxedge_core::threshold::threshold(self.u[l][h], live - k + 1, e)
+                                let ln_n = ln.get(live - k + 1);
+                                foxedge_core::threshold::threshold_ln(self.u[l][h], ln_n, e)
                             })
                             .collect::<std::result::Result<_, _>>()?,
                     ),
@@ -826,11 +856,6 @@ impl Session {
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device step without a device".into()));
         };
-        let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
-            .layers
-            .iter()
-            .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
-            .collect();
         let mut logits = logits;
         let out = match logits.as_deref_mut() {
             None => Output::Nothing,
@@ -846,6 +871,12 @@ impl Session {
                 }
                 eprintln!("foxedge: {err}; the session continues on the CPU");
                 self.stats.device_layers = 0;
+                // The step changed nothing of the session's: the shift states are as before.
+                let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
+                    .layers
+                    .iter()
+                    .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
+                    .collect();
                 return self.cpu_finish(&[id], scores, logits, false, (0, &[]), &shift_before);
             }
         };
@@ -883,6 +914,7 @@ impl Session {
                 }
             }
         }
+        dev.stream.recycle(got);
         for st in &rs.attention {
             self.stats.kept_pairs += st.kept_pairs();
             self.stats.total_pairs += st.total_pairs();
@@ -1173,6 +1205,18 @@ pub(super) mod tests {
     //! the bundled model's logits are O(10), the device's f32 sums differ from the CPU's by
     //! ~1e-6 relative per op over 4 layers).
     use super::*;
+
+    proptest::proptest! {
+        /// The table grown on demand holds `ln_keys(n)` bit for bit, in any order of use.
+        #[test]
+        fn ln_table_is_ln_keys(ns in proptest::collection::vec(0usize..5000, 1..40)) {
+            let mut t = LnTable::default();
+            for n in ns {
+                let want = foxedge_core::threshold::ln_keys(n);
+                proptest::prop_assert_eq!(t.get(n).to_bits(), want.to_bits());
+            }
+        }
+    }
 
     #[test]
     fn auto_takes_gpus_only() {
