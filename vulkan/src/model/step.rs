@@ -496,6 +496,23 @@ impl DeviceStream {
         Ok(())
     }
 
+    /// The decode pipeline of one-token steps, made once per subgroup setting of the context.
+    fn step_kernel(&mut self) -> Result<crate::decode::Kernel> {
+        let ctx = &self.model.ctx;
+        let nosg = ctx
+            .decode_no_subgroups
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if let Some((f, k)) = &self.kernel
+            && *f == nosg
+        {
+            return Ok(k.clone());
+        }
+        let hd = self.model.shape.head_dim;
+        let k = crate::decode::kernel(ctx, &crate::DecodeTuning::default(), hd, false)?;
+        self.kernel = Some((nosg, k.clone()));
+        Ok(k)
+    }
+
     /// The model this stream runs.
     pub fn model(&self) -> &Arc<DeviceModel> {
         &self.model
