@@ -42,9 +42,24 @@ static SWIGLU: &[u8] = include_bytes!("../../shaders/swiglu.spv");
 static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
-/// Threads per workgroup and per row of the matrix-vector kernel.
-pub(super) const MV_WGS: u32 = 256;
+/// Threads per row of the matrix-vector kernel.
 pub(super) const MV_TPR: u32 = 32;
+/// Threads per workgroup of `mv.glsl` for a dispatch of `rows` rows: `MV_TPR` a row, 2 to
+/// 8 rows (about one row team per 512 rows, so that narrow layers still spread over many
+/// workgroups; each workgroup stages the whole input once). `FOXEDGE_VK_MV_TEAMS` (1..=8,
+/// a power of two) fixes the rows per workgroup.
+pub(super) fn mv_wgs(rows: usize) -> u32 {
+    static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_MV_TEAMS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|t| (1..=8).contains(t) && t.is_power_of_two())
+    });
+    let teams = fixed.unwrap_or_else(|| 1 << (rows / 512).clamp(2, 8).ilog2());
+    MV_TPR * teams
+}
+
 /// Output tile of the matrix kernel (`mm.glsl`): BM tokens x BN rows.
 const MM_TILE: u32 = 64;
 
@@ -183,28 +198,33 @@ impl<'c> Rec<'c> {
         acc: bool,
     ) -> Result<()> {
         let [code, eps] = xin.spec();
+        let rows: usize = m.chunks.iter().map(|c| c.2).sum();
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
+            let wgs = 16 * self.block_lanes(m.cols);
             let spec = [
-                (0, 16 * self.block_lanes(m.cols)),
+                (0, wgs),
                 (1, m.cols as u32),
                 (2, u32::from(acc)),
                 (8, code),
                 (9, eps),
+                (10, self.xin_tile(m.cols, wgs)?),
             ];
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m.format as usize;
+            let wgs = mv_wgs(rows);
             let spec = [
-                (0, MV_WGS),
+                (0, wgs),
                 (1, m.cols as u32),
                 (2, MV_TPR),
                 (3, u32::from(acc)),
                 (8, code),
                 (9, eps),
+                (10, self.xin_tile(m.cols, wgs)?),
             ];
             let pipe = self.ctx.pipeline(MV_NAMES[f], MV[f], &spec)?;
-            (pipe, (MV_WGS / MV_TPR) as usize)
+            (pipe, (wgs / MV_TPR) as usize)
         };
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
@@ -232,6 +252,21 @@ impl<'c> Rec<'c> {
             )?;
         }
         Ok(())
+    }
+
+    /// Input vec4 per tile of `xin.glsl` for rows of `cols` weights and `wgs` threads: all
+    /// of them when they fit in shared memory beside the kernel's reductions (`red`, `xss`:
+    /// `wgs` floats each; `lv`: 16), else the most that fit, a multiple of 8 (whole Q8 / Q4
+    /// blocks and float row words).
+    pub(super) fn xin_tile(&self, cols: usize, wgs: u32) -> Result<u32> {
+        let fixed = 8 * wgs as usize + 64;
+        let room = (self.ctx.info.max_shared_memory as usize).saturating_sub(fixed) / 16 / 8 * 8;
+        if room == 0 {
+            return Err(Error::Unsupported(
+                "too little shared memory for the decode products".into(),
+            ));
+        }
+        Ok((cols / 4).min(room) as u32)
     }
 
     /// Threads per row of `mvq.glsl` for rows of `cols` weights: a power of two, at most

@@ -1,7 +1,8 @@
 //! The decode products with their input transform fused in (`xin.glsl` in `mv.glsl`,
-//! `mvn.glsl`, `mvq.glsl`): RMSNorm and the gated activation, against an f64 reference, on
-//! fresh random inputs in every weight format (f16 / bf16 weights and Q8 / Q4 blocks taken
-//! at their stored values).
+//! `mvq.glsl`, single and MULTI): RMSNorm and the gated activation, against an f64
+//! reference, on fresh random inputs in every weight format (f16 / bf16 weights and Q8 / Q4
+//! blocks taken at their stored values), with rows long enough for the input to be staged
+//! in several tiles (8192 floats: more than 32 KiB of shared memory).
 //!
 //! Tolerance: |y - ref| <= (2K + 64) 2^-24 (sum_i |w_i x'_i| + |y0|), x' the f64 input
 //! after the transform. The product alone stays within (K + 8) 2^-24 of that sum
@@ -170,7 +171,7 @@ fn fused_norm_and_activation_products_match_f64() {
     };
     let mut r = StdRng::seed_from_u64(42);
     for fmt in FORMATS {
-        for (rows, k) in [(16, 32), (37, 96), (70, 768), (21, 1536)] {
+        for (rows, k) in [(16, 32), (37, 96), (70, 768), (21, 1536), (9, 8192)] {
             // A small binding limit splits the matrix into several chunks.
             let limit = if rows > 30 { 16 * k } else { 1 << 24 };
             let (m, w) = matrix(&ctx, fmt, (rows, k), limit, &mut r);
@@ -209,8 +210,8 @@ fn fused_norm_and_activation_products_match_f64() {
     }
 }
 
-/// Several matrices of one normed input in one dispatch (decode's projections): `mvn.glsl`
-/// for the float formats, `mvq.glsl` with MULTI for Q8 / Q4.
+/// Several matrices of one normed input in one dispatch (decode's projections): `mv.glsl`
+/// with MULTI for the float formats, `mvq.glsl` with MULTI for Q8 / Q4.
 #[test]
 fn fused_norm_projections_match_f64() {
     let Some(ctx) = device("fused_norm_projections") else {
