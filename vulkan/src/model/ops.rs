@@ -72,25 +72,67 @@ pub(crate) enum XIn<'a> {
     Norm(&'a Subbuffer<[u32]>, f64),
     /// `act(g) * u` of the `2K` inputs `[g | u]`.
     Glu(Act),
+    /// The attention output before o_proj (`attn_post.comp` of one token): the `K` inputs
+    /// (heads of `head_dim`) GroupRMSNorm-ed with this weight and eps when `norm` is given,
+    /// times `act(g)` of the gate logits in the projections row `p` when `gate` is.
+    Post {
+        norm: Option<(&'a Subbuffer<[u32]>, f64)>,
+        gate: Option<Act>,
+        p: &'a Subbuffer<[u32]>,
+        head_dim: usize,
+    },
 }
 
 impl XIn<'_> {
-    /// Specialization constants 8 (`XIN`) and 9 (eps, f32 bits).
-    pub(super) fn spec(&self) -> [u32; 2] {
-        match *self {
-            XIn::Plain => [0, 0],
-            XIn::Norm(_, eps) => [1, (eps as f32).to_bits()],
-            XIn::Glu(Act::Silu) => [2, 0],
-            XIn::Glu(Act::Sigmoid) => [3, 0],
-        }
+    /// Specialization constants 8 (`XIN`), 9 (eps, f32 bits), 11 and 12 (XIN 4's head dim
+    /// and mode).
+    pub(super) fn spec(&self) -> [(u32, u32); 4] {
+        let eps = |e: f64| (e as f32).to_bits();
+        let [code, e, hd, mode] = match *self {
+            XIn::Plain => [0, 0, 4, 0],
+            XIn::Norm(_, e) => [1, eps(e), 4, 0],
+            XIn::Glu(Act::Silu) => [2, 0, 4, 0],
+            XIn::Glu(Act::Sigmoid) => [3, 0, 4, 0],
+            XIn::Post {
+                norm,
+                gate,
+                head_dim,
+                ..
+            } => {
+                let g = match gate {
+                    None => 0,
+                    Some(Act::Sigmoid) => 2,
+                    Some(Act::Silu) => 4,
+                };
+                let (n, e) = norm.map_or((0, 0), |(_, e)| (1, eps(e)));
+                [4, e, head_dim as u32, n | g]
+            }
+        };
+        [(8, code), (9, e), (11, hd), (12, mode)]
     }
 
     /// The norm weight (binding 3).
     pub(super) fn weight(&self) -> Option<&Subbuffer<[u32]>> {
         match self {
             XIn::Norm(w, _) => Some(w),
+            XIn::Post {
+                norm: Some((w, _)), ..
+            } => Some(w),
             _ => None,
         }
+    }
+
+    /// The projections row (binding 4).
+    pub(super) fn gates(&self) -> Option<&Subbuffer<[u32]>> {
+        match self {
+            XIn::Post { p, .. } => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether the whole input must be staged at once (XIN 4).
+    pub(super) fn whole(&self) -> bool {
+        matches!(self, XIn::Post { .. })
     }
 }
 
@@ -197,32 +239,22 @@ impl<'c> Rec<'c> {
         y_off: usize,
         acc: bool,
     ) -> Result<()> {
-        let [code, eps] = xin.spec();
-        let rows: usize = m.chunks.iter().map(|c| c.2).sum();
+        let wgs = self.mv_threads(m);
+        let tile = self.xin_tile(m.cols, wgs)?;
+        if xin.whole() && tile as usize != m.cols / 4 {
+            return Err(Error::Unsupported(
+                "the attention output's transform needs the whole row in shared memory".into(),
+            ));
+        }
+        let mut spec = vec![(0, wgs), (1, m.cols as u32), (10, tile)];
+        spec.extend(xin.spec());
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
-            let wgs = 16 * self.block_lanes(m.cols);
-            let spec = [
-                (0, wgs),
-                (1, m.cols as u32),
-                (2, u32::from(acc)),
-                (8, code),
-                (9, eps),
-                (10, self.xin_tile(m.cols, wgs)?),
-            ];
+            spec.push((2, u32::from(acc)));
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m.format as usize;
-            let wgs = mv_wgs(rows);
-            let spec = [
-                (0, wgs),
-                (1, m.cols as u32),
-                (2, MV_TPR),
-                (3, u32::from(acc)),
-                (8, code),
-                (9, eps),
-                (10, self.xin_tile(m.cols, wgs)?),
-            ];
+            spec.extend([(2, MV_TPR), (3, u32::from(acc))]);
             let pipe = self.ctx.pipeline(MV_NAMES[f], MV[f], &spec)?;
             (pipe, (wgs / MV_TPR) as usize)
         };
@@ -234,6 +266,7 @@ impl<'c> Rec<'c> {
             x_off4: u32,
         }
         let nw = xin.weight().unwrap_or(x).clone();
+        let pg = xin.gates().unwrap_or(x).clone();
         for (w, r0, rows) in &m.chunks {
             self.run(
                 &pipe,
@@ -242,6 +275,7 @@ impl<'c> Rec<'c> {
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
                     WriteDescriptorSet::buffer(3, nw.clone()),
+                    WriteDescriptorSet::buffer(4, pg.clone()),
                 ],
                 P {
                     rows: *rows as u32,
@@ -252,6 +286,22 @@ impl<'c> Rec<'c> {
             )?;
         }
         Ok(())
+    }
+
+    /// Threads per workgroup of [`Rec::matvec`] on `m`.
+    fn mv_threads(&self, m: &Mat) -> u32 {
+        if m.format >= 3 {
+            16 * self.block_lanes(m.cols)
+        } else {
+            mv_wgs(m.chunks.iter().map(|c| c.2).sum())
+        }
+    }
+
+    /// Whether [`Rec::matvec`] on `m` stages its whole input at once (as [`XIn::Post`]
+    /// needs).
+    pub(super) fn stages_whole(&self, m: &Mat) -> bool {
+        self.xin_tile(m.cols, self.mv_threads(m))
+            .is_ok_and(|t| t as usize == m.cols / 4)
     }
 
     /// Input vec4 per tile of `xin.glsl` for rows of `cols` weights and `wgs` threads: all

@@ -6,7 +6,7 @@
 
 use super::ops::{MV_TPR, Rec, XIn, mv_wgs};
 use super::weights::Mat;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use vulkano::buffer::{BufferContents, Subbuffer};
 use vulkano::descriptor_set::WriteDescriptorSet;
 
@@ -48,37 +48,34 @@ impl Rec<'_> {
             }
             return Ok(());
         }
-        let [code, eps] = xin.spec();
         let rows: usize = mats
             .iter()
             .flat_map(|(m, _)| m.chunks.iter().map(|c| c.2))
             .sum();
+        let wgs = if m0.format >= 3 {
+            16 * self.block_lanes(m0.cols)
+        } else {
+            mv_wgs(rows)
+        };
+        let tile = self.xin_tile(m0.cols, wgs)?;
+        if xin.whole() && tile as usize != m0.cols / 4 {
+            return Err(Error::Unsupported(
+                "the attention output's transform needs the whole row in shared memory".into(),
+            ));
+        }
+        let mut spec = vec![(0, wgs), (1, m0.cols as u32), (10, tile)];
+        spec.extend(xin.spec());
         let (pipe, teams) = if m0.format >= 3 {
             let (name, spv) = MVNQ[usize::from(m0.format == 4)];
-            let wgs = 16 * self.block_lanes(m0.cols);
-            let spec = [
-                (0, wgs),
-                (1, m0.cols as u32),
-                (8, code),
-                (9, eps),
-                (10, self.xin_tile(m0.cols, wgs)?),
-            ];
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m0.format as usize;
-            let wgs = mv_wgs(rows);
-            let spec = [
-                (0, wgs),
-                (1, m0.cols as u32),
-                (2, MV_TPR),
-                (8, code),
-                (9, eps),
-                (10, self.xin_tile(m0.cols, wgs)?),
-            ];
+            spec.push((2, MV_TPR));
             let pipe = self.ctx.pipeline(MVN_NAMES[f], MVN[f], &spec)?;
             (pipe, (wgs / MV_TPR) as usize)
         };
         let nw = xin.weight().unwrap_or(x);
+        let pg = xin.gates().unwrap_or(x);
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {
@@ -119,6 +116,7 @@ impl Rec<'_> {
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
                     WriteDescriptorSet::buffer(3, nw.clone()),
+                    WriteDescriptorSet::buffer(4, pg.clone()),
                 ],
                 p,
                 [groups as u32, 1, 1],

@@ -802,7 +802,9 @@ impl DeviceStream {
     }
 
     /// Records the rest of layer `l` after its attention (in `s.o`, head-major): output norm
-    /// and gate, output projection into the residual, the MLP into the residual.
+    /// and gate, output projection into the residual, the MLP into the residual (one token:
+    /// the norm and gate fused into the projection's input reads where it stages its whole
+    /// input, `XIn::Post`).
     fn record_post(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
         let sh = self.model.shape;
         let lw = &self.model.layers[l];
@@ -811,19 +813,31 @@ impl DeviceStream {
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        let spec = [
-            sh.heads as u32,
-            sh.head_dim as u32,
-            u32::from(sh.output_norm),
-            match sh.output_gate {
-                None => 0,
-                Some(Act::Sigmoid) => 1,
-                Some(Act::Silu) => 2,
-            },
-        ];
-        rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
-        rec.tag = "mv_o";
-        rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        if n == 1 && rec.stages_whole(&lw.o) {
+            // The output norm and gate fused into o_proj's input reads.
+            rec.tag = "mv_o";
+            let xin = XIn::Post {
+                norm: sh.output_norm.then_some((&lw.output_norm, sh.norm_eps)),
+                gate: sh.output_gate,
+                p: &s.p,
+                head_dim: sh.head_dim,
+            };
+            rec.matvec(&lw.o, xin, &s.o, 0, &s.h, 0, true)?;
+        } else {
+            let spec = [
+                sh.heads as u32,
+                sh.head_dim as u32,
+                u32::from(sh.output_norm),
+                match sh.output_gate {
+                    None => 0,
+                    Some(Act::Sigmoid) => 1,
+                    Some(Act::Silu) => 2,
+                },
+            ];
+            rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
+            rec.tag = "mv_o";
+            rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        }
         if n == 1 {
             // The MLP norm and the gated activation fused into the products' input reads.
             rec.tag = "mv_gate_up";
