@@ -46,9 +46,11 @@ static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 pub(super) const MV_TPR: u32 = 32;
 /// Threads per workgroup of `mv.glsl` for a dispatch of `rows` rows: `MV_TPR` a row, 2 to
 /// 8 rows (about one row team per 512 rows, so that narrow layers still spread over many
-/// workgroups; each workgroup stages the whole input once). `FOXEDGE_VK_MV_TEAMS` (1..=8,
-/// a power of two) fixes the rows per workgroup.
-pub(super) fn mv_wgs(rows: usize) -> u32 {
+/// workgroups; each workgroup stages the whole input once); 8 on a CPU device (`cpu`:
+/// lavapipe), where workgroups do not run in parallel beyond its cores and each one's
+/// staging costs. `FOXEDGE_VK_MV_TEAMS` (1..=8, a power of two) fixes the rows per
+/// workgroup.
+pub(super) fn mv_wgs(rows: usize, cpu: bool) -> u32 {
     static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     let fixed = *FIXED.get_or_init(|| {
         std::env::var("FOXEDGE_VK_MV_TEAMS")
@@ -56,7 +58,13 @@ pub(super) fn mv_wgs(rows: usize) -> u32 {
             .and_then(|v| v.trim().parse::<u32>().ok())
             .filter(|t| (1..=8).contains(t) && t.is_power_of_two())
     });
-    let teams = fixed.unwrap_or_else(|| 1 << (rows / 512).clamp(2, 8).ilog2());
+    let teams = fixed.unwrap_or_else(|| {
+        if cpu {
+            8
+        } else {
+            1 << (rows / 512).clamp(2, 8).ilog2()
+        }
+    });
     MV_TPR * teams
 }
 
@@ -293,8 +301,13 @@ impl<'c> Rec<'c> {
         if m.format >= 3 {
             16 * self.block_lanes(m.cols)
         } else {
-            mv_wgs(m.chunks.iter().map(|c| c.2).sum())
+            mv_wgs(m.chunks.iter().map(|c| c.2).sum(), self.on_cpu())
         }
+    }
+
+    /// Whether the device is a CPU (lavapipe).
+    pub(super) fn on_cpu(&self) -> bool {
+        self.ctx.info.device_type == "Cpu"
     }
 
     /// Whether [`Rec::matvec`] on `m` stages its whole input at once (as [`XIn::Post`]

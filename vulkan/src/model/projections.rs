@@ -55,7 +55,7 @@ impl Rec<'_> {
         let wgs = if m0.format >= 3 {
             16 * self.block_lanes(m0.cols)
         } else {
-            mv_wgs(rows)
+            mv_wgs(rows, self.on_cpu())
         };
         let tile = self.xin_tile(m0.cols, wgs)?;
         if xin.whole() && tile as usize != m0.cols / 4 {

@@ -622,13 +622,8 @@ impl DeviceStream {
             parts: parts_max,
         };
         self.fused_bufs(need, qstride * nh.div_ceil(slots) * 2, slots)?;
-        let kernel = crate::decode::kernel_slots(
-            &ctx,
-            &crate::DecodeTuning::default(),
-            hd,
-            false,
-            slots,
-        )?;
+        let kernel =
+            crate::decode::kernel_slots(&ctx, &crate::DecodeTuning::default(), hd, false, slots)?;
         let key = Key {
             out: match &out {
                 Output::Nothing => 0,
@@ -915,7 +910,12 @@ impl DeviceStream {
             .max_per_stage_descriptor_storage_buffers
             .min(props.max_descriptor_set_storage_buffers) as usize;
         let fit = most.saturating_sub(15).max(HPD);
-        self.model.shape.heads.min(fit).min(cap.unwrap_or(usize::MAX)).max(1)
+        self.model
+            .shape
+            .heads
+            .min(fit)
+            .min(cap.unwrap_or(usize::MAX))
+            .max(1)
     }
 
     /// The cache buffers of heads `h0..h1` of layer `l`, padded to `slots` with the last.
