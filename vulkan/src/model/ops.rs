@@ -93,14 +93,16 @@ pub(crate) enum XIn<'a> {
 
 impl XIn<'_> {
     /// Specialization constants 8 (`XIN`), 9 (eps, f32 bits), 11 and 12 (XIN 4's head dim
-    /// and mode).
-    pub(super) fn spec(&self) -> [(u32, u32); 4] {
+    /// and mode; otherwise the head dim is the row length `cols`, so that the per-head
+    /// array holds one float).
+    pub(super) fn spec(&self, cols: usize) -> [(u32, u32); 4] {
         let eps = |e: f64| (e as f32).to_bits();
+        let k = cols as u32;
         let [code, e, hd, mode] = match *self {
-            XIn::Plain => [0, 0, 4, 0],
-            XIn::Norm(_, e) => [1, eps(e), 4, 0],
-            XIn::Glu(Act::Silu) => [2, 0, 4, 0],
-            XIn::Glu(Act::Sigmoid) => [3, 0, 4, 0],
+            XIn::Plain => [0, 0, k, 0],
+            XIn::Norm(_, e) => [1, eps(e), k, 0],
+            XIn::Glu(Act::Silu) => [2, 0, k, 0],
+            XIn::Glu(Act::Sigmoid) => [3, 0, k, 0],
             XIn::Post {
                 norm,
                 gate,
@@ -141,6 +143,14 @@ impl XIn<'_> {
     /// Whether the whole input must be staged at once (XIN 4).
     pub(super) fn whole(&self) -> bool {
         matches!(self, XIn::Post { .. })
+    }
+
+    /// Floats of `xin.glsl`'s per-head array (`xhr`) for rows of `cols`.
+    pub(super) fn heads(&self, cols: usize) -> usize {
+        match *self {
+            XIn::Post { head_dim, .. } => cols / head_dim.max(1),
+            _ => 1,
+        }
     }
 }
 
@@ -248,14 +258,14 @@ impl<'c> Rec<'c> {
         acc: bool,
     ) -> Result<()> {
         let wgs = self.mv_threads(m);
-        let tile = self.xin_tile(m.cols, wgs)?;
+        let tile = self.xin_tile(m.cols, wgs, xin.heads(m.cols))?;
         if xin.whole() && tile as usize != m.cols / 4 {
             return Err(Error::Unsupported(
                 "the attention output's transform needs the whole row in shared memory".into(),
             ));
         }
         let mut spec = vec![(0, wgs), (1, m.cols as u32), (10, tile)];
-        spec.extend(xin.spec());
+        spec.extend(xin.spec(m.cols));
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
             spec.push((2, u32::from(acc)));
@@ -310,19 +320,19 @@ impl<'c> Rec<'c> {
         self.ctx.info.device_type == "Cpu"
     }
 
-    /// Whether [`Rec::matvec`] on `m` stages its whole input at once (as [`XIn::Post`]
-    /// needs).
-    pub(super) fn stages_whole(&self, m: &Mat) -> bool {
-        self.xin_tile(m.cols, self.mv_threads(m))
+    /// Whether [`Rec::matvec`] on `m` stages its whole input at once with heads of
+    /// `head_dim` (as [`XIn::Post`] needs).
+    pub(super) fn stages_whole(&self, m: &Mat, head_dim: usize) -> bool {
+        self.xin_tile(m.cols, self.mv_threads(m), m.cols / head_dim.max(1))
             .is_ok_and(|t| t as usize == m.cols / 4)
     }
 
     /// Input vec4 per tile of `xin.glsl` for rows of `cols` weights and `wgs` threads: all
     /// of them when they fit in shared memory beside the kernel's reductions (`red`, `xss`:
-    /// `wgs` floats each; `lv`: 16), else the most that fit, a multiple of 8 (whole Q8 / Q4
-    /// blocks and float row words).
-    pub(super) fn xin_tile(&self, cols: usize, wgs: u32) -> Result<u32> {
-        let fixed = 8 * wgs as usize + 64;
+    /// `wgs` floats each; `lv`: 16) and the per-head array (`heads` floats), else the most
+    /// that fit, a multiple of 8 (whole Q8 / Q4 blocks and float row words).
+    pub(super) fn xin_tile(&self, cols: usize, wgs: u32, heads: usize) -> Result<u32> {
+        let fixed = 8 * wgs as usize + 64 + 4 * heads;
         let room = (self.ctx.info.max_shared_memory as usize).saturating_sub(fixed) / 16 / 8 * 8;
         if room == 0 {
             return Err(Error::Unsupported(

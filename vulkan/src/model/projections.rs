@@ -57,14 +57,14 @@ impl Rec<'_> {
         } else {
             mv_wgs(rows, self.on_cpu())
         };
-        let tile = self.xin_tile(m0.cols, wgs)?;
+        let tile = self.xin_tile(m0.cols, wgs, xin.heads(m0.cols))?;
         if xin.whole() && tile as usize != m0.cols / 4 {
             return Err(Error::Unsupported(
                 "the attention output's transform needs the whole row in shared memory".into(),
             ));
         }
         let mut spec = vec![(0, wgs), (1, m0.cols as u32), (10, tile)];
-        spec.extend(xin.spec());
+        spec.extend(xin.spec(m0.cols));
         let (pipe, teams) = if m0.format >= 3 {
             let (name, spv) = MVNQ[usize::from(m0.format == 4)];
             (self.ctx.pipeline(name, spv, &spec)?, 16)

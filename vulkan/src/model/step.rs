@@ -813,7 +813,7 @@ impl DeviceStream {
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        if n == 1 && rec.stages_whole(&lw.o) {
+        if n == 1 && rec.stages_whole(&lw.o, sh.head_dim) {
             // The output norm and gate fused into o_proj's input reads.
             rec.tag = "mv_o";
             let xin = XIn::Post {

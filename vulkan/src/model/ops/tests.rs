@@ -289,7 +289,7 @@ fn fused_attention_output_products_match_f64() {
                     head_dim: hd,
                 };
                 run(&ctx, |rec| {
-                    assert!(rec.stages_whole(&m));
+                    assert!(rec.stages_whole(&m, hd));
                     rec.matvec(&m, xin, &bufs[0], 0, &bufs[2], 0, true)
                         .expect("records")
                 });
