@@ -60,6 +60,30 @@ pub(super) struct Device {
     /// Bytes the host wrote for the device and runs made, since the session was created.
     pub(super) bytes_uploaded: u64,
     pub(super) runs: u64,
+    /// `ln n` of a step's key counts.
+    ln: LnTable,
+    /// `[layer][head]`: heads a step plan re-based that then went the per-layer way
+    /// (`step_plan` gave `None`): the device's rows still hold the old `c`, so the next
+    /// run's plan sends their metas.
+    unsent_metas: Vec<Vec<bool>>,
+}
+
+/// `ln n` for key counts `n` ([`foxedge_core::threshold::ln_keys`], the same bits),
+/// tabulated as the cache grows: a one-token step lists an ACP threshold per possible
+/// number of evictions of every head, each with the logarithm of its key count.
+#[derive(Debug, Default)]
+struct LnTable(Vec<f64>);
+
+impl LnTable {
+    fn get(&mut self, n: usize) -> f64 {
+        if n >= self.0.len() {
+            let from = self.0.len();
+            let to = n.max(2 * from);
+            self.0
+                .extend((from..=to).map(foxedge_core::threshold::ln_keys));
+        }
+        self.0[n]
+    }
 }
 
 impl std::fmt::Debug for Device {
@@ -81,6 +105,7 @@ impl Device {
     pub(super) fn reset(&mut self) -> Result<()> {
         self.bytes_uploaded = 0;
         self.runs = 0;
+        self.unsent_metas.clear();
         self.stream.reset().map_err(device_error)
     }
 }
@@ -208,6 +233,8 @@ pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
             vk,
             bytes_uploaded: 0,
             runs: 0,
+            ln: LnTable::default(),
+            unsent_metas: Vec::new(),
         }),
         Err(e) => {
             said(format!("no device stream: {e}"));
@@ -354,6 +381,9 @@ struct Keeper<'s> {
     /// Per layer planned as a continuation: what its bookkeeping removed, for the CPU to
     /// finish the chunk exactly if the device fails.
     replays: Vec<Option<Replay>>,
+    /// `[layer][head]` re-based before this run without the device's rows ([`Device`]'s
+    /// `unsent_metas`): planned as if re-based now.
+    unsent_metas: Vec<Vec<bool>>,
 }
 
 impl Keeper<'_> {
@@ -368,7 +398,12 @@ impl Keeper<'_> {
         let certified = self.sess.certified[l];
         let u = self.sess.u[l].clone();
         let state = &mut self.sess.layers[l];
-        let rebased = rebase_heads(state)?;
+        let mut rebased = rebase_heads(state)?;
+        if let Some(u) = self.unsent_metas.get(l) {
+            for (r, &x) in rebased.iter_mut().zip(u) {
+                *r |= x;
+            }
+        }
         let mut c_rows = vec![0.0f64; n * nh];
         for r in 0..n {
             for h in 0..nh {
@@ -590,6 +625,8 @@ impl Keeper<'_> {
                 let live = hc.len();
                 let delta = match (ln_eps, certified) {
                     (None, _) => None,
+                    // The step decided ACP on the device from its plan's thresholds.
+                    (Some(_), true) if self.acp_on_device => None,
                     (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], live, e)?),
                     (Some(e), false) => {
                         let uu = foxedge_core::threshold::bound_from_norms(
@@ -658,6 +695,7 @@ impl Session {
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device chunk without a device".into()));
         };
+        let unsent_metas = std::mem::take(&mut dev.unsent_metas);
         let n = ids.len();
         let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
             .layers
@@ -672,6 +710,7 @@ impl Session {
             scores,
             acp_on_device: false,
             replays: Vec::new(),
+            unsent_metas,
         };
         let mut layers_done = 0usize;
         let mut own_err: Option<Error> = None;
@@ -743,12 +782,19 @@ impl Session {
         let pos = self.stats.tokens;
         let ln_eps = self.opts.ln_eps;
         let limit = self.policy_cfg.head_limit();
+        let Some(dev) = self.device.as_mut() else {
+            return Err(Error::Internal("a step plan without a device".into()));
+        };
         let mut plan = Vec::with_capacity(info.layers);
         let mut cand = Vec::new();
+        let mut slots: Vec<u32> = Vec::new();
+        // Heads re-based here: their metas go with the step, or with the run that replaces it.
+        let mut rebased_all: Vec<Vec<bool>> = Vec::with_capacity(info.layers);
         for l in 0..info.layers {
             let certified = self.certified[l];
             let state = &mut self.layers[l];
-            let rebased = rebase_heads(state)?;
+            rebased_all.push(rebase_heads(state)?);
+            let rebased = &rebased_all[l];
             let mut heads = Vec::with_capacity(info.heads);
             for (h, hc) in state.heads.iter().enumerate() {
                 let live = hc.len();
@@ -757,10 +803,12 @@ impl Session {
                     cand.resize(k_max, foxedge_core::retention::Candidate::default());
                 }
                 let Some(n) = state.policy.next_evictions(h, &mut cand[..k_max])? else {
+                    dev.unsent_metas = rebased_all;
                     return Ok(None);
                 };
                 // The swap-deletes of evicting the candidates in order.
-                let mut slots: Vec<u32> = cand[..n].iter().map(|c| c.slot).collect();
+                slots.clear();
+                slots.extend(cand[..n].iter().map(|c| c.slot));
                 let mut evict = Vec::with_capacity(n);
                 let mut last = live;
                 for i in 0..n {
@@ -782,13 +830,15 @@ impl Session {
                     (Some(e), true) => StepAcp::Delta(
                         (0..=n)
                             .map(|k| {
-                                foxedge_core::threshold::threshold(self.u[l][h], live - k + 1, e)
+                                let ln_n = dev.ln.get(live - k + 1);
+                                foxedge_core::threshold::threshold_ln(self.u[l][h], ln_n, e)
                             })
                             .collect::<std::result::Result<_, _>>()?,
                     ),
                     (Some(e), false) => {
                         // Without a certificate only the budget evicts: all n, always.
                         if evict.iter().any(|x| x.at_or_below != f64::INFINITY) {
+                            dev.unsent_metas = rebased_all;
                             return Ok(None);
                         }
                         StepAcp::Norms {
@@ -826,11 +876,6 @@ impl Session {
         let Some(mut dev) = self.device.take() else {
             return Err(Error::Internal("device step without a device".into()));
         };
-        let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
-            .layers
-            .iter()
-            .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
-            .collect();
         let mut logits = logits;
         let out = match logits.as_deref_mut() {
             None => Output::Nothing,
@@ -846,6 +891,12 @@ impl Session {
                 }
                 eprintln!("foxedge: {err}; the session continues on the CPU");
                 self.stats.device_layers = 0;
+                // The step changed nothing of the session's: the shift states are as before.
+                let shift_before: Vec<(Vec<f32>, Vec<f32>)> = self
+                    .layers
+                    .iter()
+                    .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
+                    .collect();
                 return self.cpu_finish(&[id], scores, logits, false, (0, &[]), &shift_before);
             }
         };
@@ -857,6 +908,7 @@ impl Session {
             scores,
             acp_on_device: true,
             replays: Vec::new(),
+            unsent_metas: Vec::new(),
         };
         // Heads whose operations the device made differently from the policy.
         let mut differ = Vec::new();
@@ -883,6 +935,7 @@ impl Session {
                 }
             }
         }
+        dev.stream.recycle(got);
         for st in &rs.attention {
             self.stats.kept_pairs += st.kept_pairs();
             self.stats.total_pairs += st.total_pairs();
@@ -1174,6 +1227,18 @@ pub(super) mod tests {
     //! ~1e-6 relative per op over 4 layers).
     use super::*;
 
+    proptest::proptest! {
+        /// The table grown on demand holds `ln_keys(n)` bit for bit, in any order of use.
+        #[test]
+        fn ln_table_is_ln_keys(ns in proptest::collection::vec(0usize..5000, 1..40)) {
+            let mut t = LnTable::default();
+            for n in ns {
+                let want = foxedge_core::threshold::ln_keys(n);
+                proptest::prop_assert_eq!(t.get(n).to_bits(), want.to_bits());
+            }
+        }
+    }
+
     #[test]
     fn auto_takes_gpus_only() {
         assert!(auto_runs_on("DiscreteGpu"));
@@ -1331,6 +1396,60 @@ pub(super) mod tests {
         );
         assert_eq!(sg.evicted_forced, sc.evicted_forced);
         assert_eq!(sg.evicted_certified, sc.evicted_certified);
+        for l in 0..4 {
+            for h in 0..4 {
+                assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));
+            }
+        }
+    }
+
+    /// Under a layer budget the one-token plan gives way to the per-layer run at every
+    /// token once a layer is full, after re-basing layer 0's heads: their rows' new `c`
+    /// must still reach the device. Both sessions' gate origins are moved by -2e4 (the
+    /// device's heads loaded from the host's rows), so the next token re-bases every head;
+    /// the stream stays the CPU's (logits within 2e-3, cache positions equal).
+    #[test]
+    fn rebase_before_a_per_layer_token_reaches_the_device() {
+        let test = "rebase_before_a_per_layer_token_reaches_the_device";
+        let opts = SessionOptions {
+            budget: Some(Budget::EntriesPerLayer(4 * 24)),
+            window: 8,
+            sinks: 2,
+            ..SessionOptions::default()
+        };
+        let Some((mut cpu, mut gpu)) = pair(test, &opts) else {
+            return;
+        };
+        let ids = ids();
+        let v = cpu.model().info().vocab;
+        let (mut a, mut b) = (vec![0.0f32; v], vec![0.0f32; v]);
+        cpu.feed(&ids[..16], Some(&mut a)).unwrap();
+        gpu.feed(&ids[..16], Some(&mut b)).unwrap();
+        for (i, &t) in ids[16..56].iter().enumerate() {
+            if i == 20 {
+                for s in [&mut cpu, &mut gpu] {
+                    for st in &mut s.layers {
+                        for h in 0..st.gates.len() {
+                            st.gates[h].rebase(-2e4);
+                            st.policy.rebase(h, -2e4).unwrap();
+                            st.heads[h].rebase(-2e4);
+                        }
+                    }
+                }
+                let mut dev = gpu.device.take().expect("on the device");
+                for l in 0..gpu.layers.len() {
+                    for h in 0..gpu.layers[l].heads.len() {
+                        gpu.reload_head(&mut dev, l, h).unwrap();
+                    }
+                }
+                gpu.device = Some(dev);
+            }
+            cpu.feed(&[t], Some(&mut a)).unwrap();
+            gpu.feed(&[t], Some(&mut b)).unwrap();
+            assert!(worst(&a, &b) <= 2e-3, "token {i}: {}", worst(&a, &b));
+            assert!(gpu.on_device(), "token {i}");
+        }
+        assert!(cpu.stats().evicted_forced > 0, "the budget must evict");
         for l in 0..4 {
             for h in 0..4 {
                 assert_eq!(gpu.cache_positions(l, h), cpu.cache_positions(l, h));

@@ -77,8 +77,21 @@ pub fn threshold(u: f64, n_keys: usize, ln_eps: f64) -> Result<f64> {
     if n_keys == 0 {
         return Err(Error::BadArgument("threshold: n_keys must be > 0"));
     }
+    threshold_ln(u, ln_keys(n_keys), ln_eps)
+}
+
+/// `ln n_keys` as [`threshold`] takes it, for callers that tabulate it.
+pub fn ln_keys(n_keys: usize) -> f64 {
+    libm::log(n_keys as f64)
+}
+
+/// [`threshold`] from `ln_n = ln_keys(n_keys)`: the same value, bit for bit.
+///
+/// Errors ([`Error::BadArgument`]): `u` NaN, infinite or negative; `ln_eps` NaN or `> 0`.
+pub fn threshold_ln(u: f64, ln_n: f64, ln_eps: f64) -> Result<f64> {
+    check_u(u)?;
     check_ln_eps(ln_eps)?;
-    Ok(-2.0 * u - libm::log(n_keys as f64) + ln_eps)
+    Ok(-2.0 * u - ln_n + ln_eps)
 }
 
 /// [`threshold`] for every head: `out[h] = threshold(u[h], n_keys, ln_eps)`.
@@ -241,5 +254,22 @@ mod tests {
             LogitBound::Declared(f64::NAN).check(1.0, 1.0, 1.0),
             Err(Error::BadArgument(_))
         ));
+    }
+
+    proptest::proptest! {
+        /// The tabulated form is [`threshold`] bit for bit, errors included.
+        #[test]
+        fn threshold_ln_is_threshold(
+            u in proptest::prop_oneof![0.0f64..1e3, proptest::num::f64::ANY],
+            n in 1usize..1 << 40,
+            ln_eps in proptest::prop_oneof![-1e3f64..=0.0, proptest::num::f64::ANY],
+        ) {
+            let a = threshold(u, n, ln_eps);
+            let b = threshold_ln(u, ln_keys(n), ln_eps);
+            proptest::prop_assert_eq!(a.is_ok(), b.is_ok());
+            if let (Ok(a), Ok(b)) = (a, b) {
+                proptest::prop_assert_eq!(a.to_bits(), b.to_bits());
+            }
+        }
     }
 }

@@ -39,6 +39,14 @@ pub const DEVICE_ENV: &str = "FOXEDGE_VULKAN_DEVICE";
 /// cores a poll would take).
 pub const SPIN_ENV: &str = "FOXEDGE_VULKAN_SPIN_US";
 
+/// Environment variable: `simultaneous` records command buffers that are submitted many
+/// times (the decode step) with `SIMULTANEOUS_USE` instead of none of the usage flags.
+pub const CB_USAGE_ENV: &str = "FOXEDGE_VK_CB_USAGE";
+
+/// Environment variable: `new` gives each replayed submission a fence of its own instead
+/// of resetting and reusing one ([`Context::submit_untracked`]).
+pub const FENCE_ENV: &str = "FOXEDGE_VK_FENCE";
+
 /// Environment variable: `nv` runs the tensor-core prefill through VK_NV_cooperative_matrix
 /// even where VK_KHR_cooperative_matrix can run it (to compare the two on one device).
 pub const COOPMAT_ENV: &str = "FOXEDGE_VULKAN_COOPMAT";
@@ -567,12 +575,20 @@ impl Context {
     }
 
     /// A builder of a command buffer that is submitted many times (one at a time), for
-    /// [`Self::submit_built`].
+    /// [`Self::submit_built`]: `MultipleSubmit`, or `SimultaneousUse` where
+    /// [`CB_USAGE_ENV`] is `simultaneous` (to compare the drivers' submission cost).
     pub fn builder_reusable(&self) -> Result<AutoCommandBufferBuilder<PrimaryAutoCommandBuffer>> {
+        static SIMULTANEOUS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let simultaneous = *SIMULTANEOUS
+            .get_or_init(|| std::env::var(CB_USAGE_ENV).is_ok_and(|v| v.trim() == "simultaneous"));
         Ok(AutoCommandBufferBuilder::primary(
             self.cmd.clone(),
             self.queue.queue_family_index(),
-            CommandBufferUsage::MultipleSubmit,
+            if simultaneous {
+                CommandBufferUsage::SimultaneousUse
+            } else {
+                CommandBufferUsage::MultipleSubmit
+            },
         )?)
     }
 
@@ -624,7 +640,9 @@ impl Context {
     /// [`Self::submit_built`] without a `GpuFuture`: one queue submission with a fence,
     /// skipping vulkano's per-submission check and lock of every buffer the command buffer
     /// uses (a cost that grows with its bindings: most of a replayed decode step's host
-    /// time). Returns the host time of submitting and of waiting.
+    /// time). `fence` is the caller's reused fence: taken (created when `None`), and put
+    /// back unsignaled once the device has finished (left `None` after an error). Returns
+    /// the host time of submitting and of waiting.
     ///
     /// # Safety
     /// While this runs, nothing else may use `cb` nor access the buffers it uses (from
@@ -634,9 +652,13 @@ impl Context {
     pub unsafe fn submit_untracked(
         &self,
         cb: Arc<PrimaryAutoCommandBuffer>,
+        fence: &mut Option<Arc<Fence>>,
     ) -> Result<[std::time::Duration; 2]> {
         let t1 = std::time::Instant::now();
-        let fence = Arc::new(Fence::new(self.device.clone(), FenceCreateInfo::default())?);
+        let f = match fence.take() {
+            Some(f) => f,
+            None => Arc::new(Fence::new(self.device.clone(), FenceCreateInfo::default())?),
+        };
         let info = SubmitInfo {
             command_buffers: vec![CommandBufferSubmitInfo::new(cb)],
             ..Default::default()
@@ -644,18 +666,26 @@ impl Context {
         // SAFETY: the caller guarantees that nothing else uses the command buffer or its
         // resources until this returns; the command buffer (MultipleSubmit) is not pending
         // (the previous submission's fence was waited for); it and the fence are kept alive
-        // (held here) until the fence is signaled below.
-        unsafe { self.queue.with(|mut q| q.submit(&[info], Some(&fence))) }?;
+        // (held here) until the fence is signaled below. The fence is unsignaled: new, or
+        // reset after its last wait.
+        unsafe { self.queue.with(|mut q| q.submit(&[info], Some(&f))) }?;
         let t2 = std::time::Instant::now();
         let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
         if spin > 0 {
             let until = t2 + std::time::Duration::from_nanos(spin);
-            while !fence.is_signaled()? && std::time::Instant::now() < until {
+            while !f.is_signaled()? && std::time::Instant::now() < until {
                 std::hint::spin_loop();
             }
         }
-        fence.wait(None)?;
-        Ok([t2 - t1, t2.elapsed()])
+        f.wait(None)?;
+        let waited = t2.elapsed();
+        static NEW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*NEW.get_or_init(|| std::env::var(FENCE_ENV).is_ok_and(|v| v.trim() == "new")) {
+            // SAFETY: the fence is signaled (waited for above): no queue operation uses it.
+            unsafe { f.reset() }?;
+            *fence = Some(f);
+        }
+        Ok([t2 - t1, waited])
     }
 
     /// Uploads words into new device-local buffers, one copy command each, one submit.

@@ -256,6 +256,13 @@ pub struct DeviceStream {
     /// re-allocated ([`Self::invalidate`]).
     replay: Option<fused::Replay>,
     flag: Subbuffer<[u32]>,
+    /// The fence of replayed steps' submissions, reset and reused.
+    fence: Option<Arc<vulkano::sync::fence::Fence>>,
+    /// The decode pipeline of one-token steps, for the context's subgroup setting and the
+    /// head buffers per dispatch it was made with.
+    kernel: Option<(bool, usize, crate::decode::Kernel)>,
+    /// A step readback's words, kept for the next step ([`Self::recycle`]).
+    spare: Vec<u32>,
     /// Test hook: the submission (counted over runs) that reports a lost device.
     fail_at: Option<u64>,
     submitted: u64,
@@ -382,6 +389,9 @@ impl DeviceStream {
             fused: None,
             replay: None,
             flag,
+            fence: None,
+            kernel: None,
+            spare: Vec::new(),
             fail_at: None,
             submitted: 0,
             times: HostTimes::default(),
@@ -473,7 +483,7 @@ impl DeviceStream {
         let [submit, wait] = if untracked {
             // SAFETY: a stream submits from one thread and waits for each submission; the
             // host touches the buffers of a replayed step only between its submissions.
-            unsafe { self.model.ctx.submit_untracked(cb) }?
+            unsafe { self.model.ctx.submit_untracked(cb, &mut self.fence) }?
         } else {
             self.model.ctx.submit_built(cb)?
         };
@@ -484,6 +494,26 @@ impl DeviceStream {
         self.times.add(&t);
         stats.submissions += 1;
         Ok(())
+    }
+
+    /// The decode pipeline of one-token steps binding `slots` head buffers, made once per
+    /// subgroup setting of the context and slot count.
+    fn step_kernel(&mut self, slots: usize) -> Result<crate::decode::Kernel> {
+        let ctx = &self.model.ctx;
+        let nosg = ctx
+            .decode_no_subgroups
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if let Some((f, n, k)) = &self.kernel
+            && *f == nosg
+            && *n == slots
+        {
+            return Ok(k.clone());
+        }
+        let hd = self.model.shape.head_dim;
+        let tuning = crate::DecodeTuning::default();
+        let k = crate::decode::kernel_slots(ctx, &tuning, hd, false, slots)?;
+        self.kernel = Some((nosg, slots, k.clone()));
+        Ok(k)
     }
 
     /// The model this stream runs.

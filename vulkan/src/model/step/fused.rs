@@ -327,7 +327,7 @@ impl DeviceStream {
         let model = self.model.clone();
         let sh = model.shape;
         let ctx = model.ctx.clone();
-        let (nh, hd, v, nl) = (sh.heads, sh.head_dim, sh.vocab, sh.layers);
+        let (nh, v, nl) = (sh.heads, sh.vocab, sh.layers);
         if token as usize >= v {
             return Err(Error::Input(foxedge_core::Error::BadArgument(
                 "a token id is out of the vocabulary",
@@ -365,8 +365,7 @@ impl DeviceStream {
 
         // Cache heads large enough for the token's row, grown in a submission of their own:
         // the recorded step binds the heads' buffers.
-        let mut grow = super::Rec::new(&ctx)?;
-        let mut grew = false;
+        let mut grow: Option<super::Rec<'_>> = None;
         for (l, heads) in plan.iter().enumerate() {
             for (h, st) in heads.iter().enumerate() {
                 let mut need = st.live + 1;
@@ -384,11 +383,17 @@ impl DeviceStream {
                 if need > u32::MAX as usize / 4 {
                     return Err(Error::Unsupported("cache head too large".into()));
                 }
-                let before = self.heads[l][h].as_ref().map(|b| b.cap);
-                grew |= Some(self.ensure_head(&mut grow, l, h, need)?.cap) != before;
+                if self.heads[l][h].as_ref().is_some_and(|b| b.cap >= need) {
+                    continue;
+                }
+                let rec = match &mut grow {
+                    Some(r) => r,
+                    None => grow.insert(super::Rec::new(&ctx)?),
+                };
+                self.ensure_head(rec, l, h, need)?;
             }
         }
-        if grew {
+        if let Some(grow) = grow {
             let [build, submit, wait] = ctx.submit_timed(grow.b)?;
             let t = HostTimes {
                 build,
@@ -622,8 +627,7 @@ impl DeviceStream {
             parts: parts_max,
         };
         self.fused_bufs(need, qstride * nh.div_ceil(slots) * 2, slots)?;
-        let kernel =
-            crate::decode::kernel_slots(&ctx, &crate::DecodeTuning::default(), hd, false, slots)?;
+        let kernel = self.step_kernel(slots)?;
         let key = Key {
             out: match &out {
                 Output::Nothing => 0,
@@ -681,10 +685,12 @@ impl DeviceStream {
         if let Some(p) = self.replay.as_ref().and_then(|r| r.prof.as_ref()) {
             p.collect(&mut self.profile);
         }
-        let words = {
+        let mut words = std::mem::take(&mut self.spare);
+        {
             let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-            w[..at.words].to_vec()
-        };
+            words.clear();
+            words.extend_from_slice(&w[..at.words]);
+        }
         {
             let w = hout.read().map_err(|e| Error::Vulkan(e.to_string()))?;
             read_head(&w, out_rows(&out, 1) * v, out, &mut stats)?;
@@ -884,6 +890,11 @@ impl DeviceStream {
             },
             build,
         ))
+    }
+
+    /// Takes back a step's readback buffer for the next step (saves its allocation).
+    pub fn recycle(&mut self, out: StepOutput) {
+        self.spare = out.words;
     }
 
     /// Where a step's readback holds what.
