@@ -31,7 +31,7 @@ layout(constant_id = 0) const uint WGS = 128;  // threads, a power of two
 layout(constant_id = 1) const uint D = 64;     // head dim, multiple of 8
 layout(constant_id = 2) const uint TPE = 8;    // lanes per entry, divides RV
 layout(constant_id = 3) const uint UNR = 2;    // entries per team per iteration
-#define HPD 8                                   // head buffers per dispatch
+layout(constant_id = 4) const uint HPD = 8;    // head buffers per dispatch
 #define MAXC 1024                               // chunks per query at most
 #if STORAGE_F16
 const uint EPW = 8;  // elements per uvec4

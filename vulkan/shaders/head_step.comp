@@ -1,6 +1,8 @@
 #version 450
 // One decode token's per-head work between its projections and its attention, for up to
-// SLOTS heads of one layer (head pc.h0 + slot), one workgroup of 64 threads each:
+// SLOTS heads of one layer (head pc.h0 + slot, pc.h0 a multiple of SLOTS; the host binds as
+// many as the device allows, all the layer's heads where it can), one workgroup of 64
+// threads each:
 //
 // 0. The attention inputs (attn_pre.glsl, token 0 of 1): q, k, v, log f and the norms;
 //    then the head's columns of the layer's shift state become this token's raw k, v
@@ -8,9 +10,9 @@
 // 1. Gates. c_t = c_{t-1} + max(log f_t, -1e4) (foxedge_core::gate::GateStream
 //    ::push) as a double-float pair (hi, lo), as the attention kernels take c: c_{t-1} comes
 //    from the host's f64 stream (split into hi + lo, exact to 2^-48 relative) and the sum
-//    is an exact two-sum, renormalized. c_t goes to the decode query (group-padded: head h
-//    at (h / 8) * pc.qstride + h % 8), into the meta of the head's new cache row and into
-//    the step's readback (ctout, at the head's counts index). Evictions (foxedge_core
+//    is an exact two-sum, renormalized. c_t goes to the decode query (group-padded: head
+//    h at (h / SLOTS) * pc.qstride + h % SLOTS), into the meta of the head's new cache row
+//    and into the step's readback (ctout, at the head's counts index). Evictions (foxedge_core
 //    RetentionPolicy::next_evictions): the host lists the head's candidates in eviction
 //    order with thresholds (double-float, non-increasing); the step evicts the k
 //    candidates with c_t <= threshold (a thread per candidate). Each candidate has one
@@ -43,7 +45,7 @@ layout(constant_id = 1) const uint HD = 64;
 layout(constant_id = 2) const uint KSHIFT = 1;
 layout(constant_id = 3) const uint VSHIFT = 1;
 layout(constant_id = 4) const uint QKN = 1;    // 0 none, 1 one weight per head, 2 shared
-#define SLOTS 8
+layout(constant_id = 5) const uint SLOTS = 8;  // head buffers per dispatch
 #include "act.glsl"
 
 layout(std430, set = 0, binding = 0) coherent buffer Hb { uint x[]; } hb[SLOTS];
@@ -65,7 +67,7 @@ layout(std430, set = 0, binding = 15) writeonly buffer Ct { vec2 ctout[]; };   /
 
 layout(push_constant) uniform Push {
     uint h0;
-    uint qstride;  // vec2 per group of 8 heads in qc
+    uint qstride;  // vec2 per group of SLOTS heads in qc
     uint var_at;
     uint cprev_at;
     uint rc_at;
@@ -105,7 +107,7 @@ vec2 gate_ct(uint h, uvec4 r2) {
     precise float hi = s + lo;
     precise float lo2 = lo - (hi - s);
     const vec2 ct = vec2(hi, lo2);
-    qc[(h / 8u) * pc.qstride + h % 8u] = ct;
+    qc[(h / SLOTS) * pc.qstride + h % SLOTS] = ct;
     ctout[r2.y] = ct;
     return ct;
 }
@@ -129,6 +131,10 @@ void main() {
     const uint slot = gl_WorkGroupID.x;
     const uint h = pc.h0 + slot;
     const uint tid = gl_LocalInvocationID.x;
+    // The head's indices (host words this dispatch never writes), loaded first so that
+    // their latency overlaps step 0.
+    const uint ri = pc.rc_at + 12u * h;
+    const uvec4 r0 = words4(ri), r1 = words4(ri + 4u), r2 = words4(ri + 8u);
     attn_pre_row(0u, h, 1u, pc.qk_eps);
     for (uint i = tid; i < HD; i += 64u) {
         const uint c = h * HD + i;
@@ -137,8 +143,6 @@ void main() {
     }
     memoryBarrierBuffer();
     barrier();
-    const uint ri = pc.rc_at + 12u * h;
-    const uvec4 r0 = words4(ri), r1 = words4(ri + 4u), r2 = words4(ri + 8u);
     if (tid == 0u) {
         s_ct = gate_ct(h, r2);
         s_k = 0u;

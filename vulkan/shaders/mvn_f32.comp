@@ -1,4 +1,5 @@
 #version 450
 #define WFMT 0
+#define MULTI 1
 #extension GL_GOOGLE_include_directive : require
-#include "mvn.glsl"
+#include "mv.glsl"

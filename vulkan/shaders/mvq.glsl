@@ -5,8 +5,8 @@
 // blocks lane, lane + LANES, ... (the 16 rows' words of a block are 64 consecutive bytes);
 // the LANES partial sums of a row are added in shared memory. Memory-bound: each weight
 // byte is read once. The input is read through xin.glsl (XIN: as stored, RMS-normed, or the
-// gated activation). With MULTI defined, several matrices of one input in one dispatch, as
-// mvn.glsl: weight bindings s < SLOTS, workgroups first_s .. first_s + ceil(rows_s / 16) - 1
+// gated activation), staged once per workgroup in shared memory. With MULTI defined,
+// several matrices of one input in one dispatch, as mv.glsl: weight bindings s < SLOTS, workgroups first_s .. first_s + ceil(rows_s / 16) - 1
 // run binding s (unused bindings: first_s = 0xffffffff), the input at float 0, no ACC.
 #extension GL_EXT_control_flow_attributes : enable
 layout(local_size_x_id = 0) in;
@@ -75,24 +75,31 @@ void main() {
     const uint x_off4 = pc.x_off4;
 #endif
     const uint r = 16u * g + j;
-    xin_setup(x_off4);
     float acc = 0.0;
-    for (uint kb = lane; kb < NB; kb += LANES) {
-        const uint tile = q_tile(GW, g, kb);
-        const uint xb = 8u * kb;
-        float s = 0.0;
+    // Tiles of XT input vec4 (XT a multiple of 8: whole blocks).
+    for (uint t0 = 0u; t0 < K / 4u; t0 += XT) {
+        const uint n = min(XT, K / 4u - t0);
+        if (t0 > 0u) barrier();
+        xin_stage(x_off4, t0, n);
+        const uint kb0 = t0 / 8u, kb1 = (t0 + n) / 8u;
+        for (uint kb = kb0 + lane; kb < kb1; kb += LANES) {
+            const uint tile = q_tile(GW, g, kb);
+            const uint xb = 8u * (kb - kb0);
+            float s = 0.0;
 #if QFMT == 8
-        [[unroll]] for (uint c = 0; c < 8u; ++c) {
-            s += dot(q8x4(q_word(tile, kb, j, c)), xin(x_off4, xb + c));
-        }
+            [[unroll]] for (uint c = 0; c < 8u; ++c) {
+                s += dot(q8x4(q_word(tile, kb, j, c)), xs[xb + c]);
+            }
 #else
-        [[unroll]] for (uint c = 0; c < 4u; ++c) {
-            const uint w = q_word(tile, kb, j, c);
-            s += dot(q4x4(w), xin(x_off4, xb + c)) + dot(q4x4(w >> 4), xin(x_off4, xb + 4u + c));
-        }
+            [[unroll]] for (uint c = 0; c < 4u; ++c) {
+                const uint w = q_word(tile, kb, j, c);
+                s += dot(q4x4(w), xs[xb + c]) + dot(q4x4(w >> 4), xs[xb + 4u + c]);
+            }
 #endif
-        acc += q_scale(tile, kb, j) * s;
+            acc += q_scale(tile, kb, j) * s;
+        }
     }
+    const float sc = xin_scale();
     red[tid] = acc;
     barrier();
     for (uint s = LANES / 2u; s > 0u; s >>= 1) {
@@ -101,6 +108,6 @@ void main() {
     }
     if (lane == 0u && r < rows) {
         const uint o = y_off + r;
-        y[o] = (ACC != 0u ? y[o] : 0.0) + red[tid];
+        y[o] = (ACC != 0u ? y[o] : 0.0) + red[tid] * sc;
     }
 }

@@ -124,6 +124,19 @@ pub(crate) fn kernel(
     d: usize,
     f16: bool,
 ) -> Result<Kernel> {
+    kernel_slots(ctx, tuning, d, f16, HPD)
+}
+
+/// [`kernel`] binding `slots` head buffers per dispatch (`HPD` in the shader) instead of
+/// [`HPD`].
+pub(crate) fn kernel_slots(
+    ctx: &Arc<Context>,
+    tuning: &DecodeTuning,
+    d: usize,
+    f16: bool,
+    slots: usize,
+) -> Result<Kernel> {
+    let bindings = slots as u32 + BINDINGS - HPD as u32;
     if !ctx
         .device
         .enabled_features()
@@ -134,11 +147,12 @@ pub(crate) fn kernel(
         ));
     }
     let props = ctx.device.physical_device().properties();
-    if props.max_per_stage_descriptor_storage_buffers < BINDINGS
-        || props.max_descriptor_set_storage_buffers < BINDINGS
+    if slots == 0
+        || props.max_per_stage_descriptor_storage_buffers < bindings
+        || props.max_descriptor_set_storage_buffers < bindings
     {
         return Err(Error::Unsupported(format!(
-            "decode binds {BINDINGS} storage buffers; the device allows {}",
+            "decode binds {bindings} storage buffers; the device allows {}",
             props.max_per_stage_descriptor_storage_buffers
         )));
     }
@@ -197,7 +211,13 @@ pub(crate) fn kernel(
     let pipe = ctx.pipeline(
         name,
         spv,
-        &[(0, wgs), (1, d as u32), (2, tpe), (3, tuning.unroll)],
+        &[
+            (0, wgs),
+            (1, d as u32),
+            (2, tpe),
+            (3, tuning.unroll),
+            (4, slots as u32),
+        ],
     )?;
     Ok(Kernel {
         pipe,

@@ -5,7 +5,9 @@
 //!   thread, scalar loads; for a few rows (n <= [`SMALL_N`]).
 //! - `mmt.glsl` ([`MmKernel::Simt`]): register-tiled f32, (16 TM) x (16 TN) tiles, TM x TN
 //!   outputs per thread, vec4 / uvec4 loads; the largest tile that still gives
-//!   [`WAVE`] workgroups. The portable path.
+//!   [`WAVE`] workgroups. The portable path: the default on CPU devices (lavapipe: about
+//!   2.5x Tile64's prefill), and with `FOXEDGE_VK_MM=simt` on GPUs without cooperative
+//!   matrices, which keep Tile64 until it has been measured on one.
 //! - `mmc.glsl` ([`MmKernel::Coop`]): KHR cooperative matrices, X and W rounded to f16 in
 //!   shared memory, f32 accumulators; where the device lists 16x16x16 f16 x f16 -> f32
 //!   subgroup products ([`crate::device::DeviceInfo::coopmat_khr`]), unless
@@ -126,6 +128,9 @@ impl MmKernel {
                     Self::Coop { fnn: 2 }
                 };
             }
+            // A GPU without cooperative matrices keeps the kernel measured on GPUs until
+            // the SIMT kernel has been too.
+            None if ctx.info.device_type != "Cpu" => return Self::Tile64,
             None => {}
         }
         let simt = [(8, 8), (8, 4), (4, 4)].map(|(tm, tn)| Self::Simt { tm, tn });

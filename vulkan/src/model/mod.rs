@@ -5,7 +5,7 @@
 //!
 //! - embedding gather (`embed.comp`), RMSNorm (`rmsnorm.comp`);
 //! - projections: matrix-vector products for one token (`mv.glsl`; the projections of one
-//!   normed row in one dispatch, `mvn.glsl`) and tiled matrix
+//!   normed row in one dispatch, `mv.glsl` with MULTI) and tiled matrix
 //!   products for a chunk (`mm.glsl`), weights f32, f16 or bf16 (`wfmt.glsl`, widened to
 //!   f32 in registers; accumulation in f32); Q8 / Q4 blocks in their packed layout
 //!   (`qblk.glsl`, `mvq.glsl`, `mmq.glsl`: dequantized in registers or into shared memory,

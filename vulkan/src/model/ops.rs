@@ -32,9 +32,31 @@ static SWIGLU: &[u8] = include_bytes!("../../shaders/swiglu.spv");
 static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
-/// Threads per workgroup and per row of the matrix-vector kernel.
-pub(super) const MV_WGS: u32 = 256;
+/// Threads per row of the matrix-vector kernel.
 pub(super) const MV_TPR: u32 = 32;
+/// Threads per workgroup of `mv.glsl` for a dispatch of `rows` rows: `MV_TPR` a row, 2 to
+/// 8 rows (about one row team per 512 rows, so that narrow layers still spread over many
+/// workgroups; each workgroup stages the whole input once); 8 on a CPU device (`cpu`:
+/// lavapipe), where workgroups do not run in parallel beyond its cores and each one's
+/// staging costs. `FOXEDGE_VK_MV_TEAMS` (1..=8, a power of two) fixes the rows per
+/// workgroup.
+pub(super) fn mv_wgs(rows: usize, cpu: bool) -> u32 {
+    static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("FOXEDGE_VK_MV_TEAMS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|t| (1..=8).contains(t) && t.is_power_of_two())
+    });
+    let teams = fixed.unwrap_or_else(|| {
+        if cpu {
+            8
+        } else {
+            1 << (rows / 512).clamp(2, 8).ilog2()
+        }
+    });
+    MV_TPR * teams
+}
 
 /// How a matrix-vector product reads its input (`xin.glsl`).
 #[derive(Debug, Clone, Copy)]
@@ -45,24 +67,76 @@ pub(crate) enum XIn<'a> {
     Norm(&'a Subbuffer<[u32]>, f64),
     /// `act(g) * u` of the `2K` inputs `[g | u]`.
     Glu(Act),
+    /// The attention output before o_proj (`attn_post.comp` of one token): the `K` inputs
+    /// (heads of `head_dim`) GroupRMSNorm-ed with this weight and eps when `norm` is given,
+    /// times `act(g)` of the gate logits in the projections row `p` when `gate` is.
+    Post {
+        norm: Option<(&'a Subbuffer<[u32]>, f64)>,
+        gate: Option<Act>,
+        p: &'a Subbuffer<[u32]>,
+        head_dim: usize,
+    },
 }
 
 impl XIn<'_> {
-    /// Specialization constants 8 (`XIN`) and 9 (eps, f32 bits).
-    pub(super) fn spec(&self) -> [u32; 2] {
-        match *self {
-            XIn::Plain => [0, 0],
-            XIn::Norm(_, eps) => [1, (eps as f32).to_bits()],
-            XIn::Glu(Act::Silu) => [2, 0],
-            XIn::Glu(Act::Sigmoid) => [3, 0],
-        }
+    /// Specialization constants 8 (`XIN`), 9 (eps, f32 bits), 11 and 12 (XIN 4's head dim
+    /// and mode; otherwise the head dim is the row length `cols`, so that the per-head
+    /// array holds one float).
+    pub(super) fn spec(&self, cols: usize) -> [(u32, u32); 4] {
+        let eps = |e: f64| (e as f32).to_bits();
+        let k = cols as u32;
+        let [code, e, hd, mode] = match *self {
+            XIn::Plain => [0, 0, k, 0],
+            XIn::Norm(_, e) => [1, eps(e), k, 0],
+            XIn::Glu(Act::Silu) => [2, 0, k, 0],
+            XIn::Glu(Act::Sigmoid) => [3, 0, k, 0],
+            XIn::Post {
+                norm,
+                gate,
+                head_dim,
+                ..
+            } => {
+                let g = match gate {
+                    None => 0,
+                    Some(Act::Sigmoid) => 2,
+                    Some(Act::Silu) => 4,
+                };
+                let (n, e) = norm.map_or((0, 0), |(_, e)| (1, eps(e)));
+                [4, e, head_dim as u32, n | g]
+            }
+        };
+        [(8, code), (9, e), (11, hd), (12, mode)]
     }
 
     /// The norm weight (binding 3).
     pub(super) fn weight(&self) -> Option<&Subbuffer<[u32]>> {
         match self {
             XIn::Norm(w, _) => Some(w),
+            XIn::Post {
+                norm: Some((w, _)), ..
+            } => Some(w),
             _ => None,
+        }
+    }
+
+    /// The projections row (binding 4).
+    pub(super) fn gates(&self) -> Option<&Subbuffer<[u32]>> {
+        match self {
+            XIn::Post { p, .. } => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether the whole input must be staged at once (XIN 4).
+    pub(super) fn whole(&self) -> bool {
+        matches!(self, XIn::Post { .. })
+    }
+
+    /// Floats of `xin.glsl`'s per-head array (`xhr`) for rows of `cols`.
+    pub(super) fn heads(&self, cols: usize) -> usize {
+        match *self {
+            XIn::Post { head_dim, .. } => cols / head_dim.max(1),
+            _ => 1,
         }
     }
 }
@@ -176,29 +250,24 @@ impl<'c> Rec<'c> {
         y_off: usize,
         acc: bool,
     ) -> Result<()> {
-        let [code, eps] = xin.spec();
+        let wgs = self.mv_threads(m);
+        let tile = self.xin_tile(m.cols, wgs, xin.heads(m.cols))?;
+        if xin.whole() && tile as usize != m.cols / 4 {
+            return Err(Error::Unsupported(
+                "the attention output's transform needs the whole row in shared memory".into(),
+            ));
+        }
+        let mut spec = vec![(0, wgs), (1, m.cols as u32), (10, tile)];
+        spec.extend(xin.spec(m.cols));
         let (pipe, rows_per_group) = if m.format >= 3 {
             let (name, spv) = MVQ[usize::from(m.format == 4)];
-            let spec = [
-                (0, 16 * self.block_lanes(m.cols)),
-                (1, m.cols as u32),
-                (2, u32::from(acc)),
-                (8, code),
-                (9, eps),
-            ];
+            spec.push((2, u32::from(acc)));
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m.format as usize;
-            let spec = [
-                (0, MV_WGS),
-                (1, m.cols as u32),
-                (2, MV_TPR),
-                (3, u32::from(acc)),
-                (8, code),
-                (9, eps),
-            ];
+            spec.extend([(2, MV_TPR), (3, u32::from(acc))]);
             let pipe = self.ctx.pipeline(MV_NAMES[f], MV[f], &spec)?;
-            (pipe, (MV_WGS / MV_TPR) as usize)
+            (pipe, (wgs / MV_TPR) as usize)
         };
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
@@ -208,6 +277,7 @@ impl<'c> Rec<'c> {
             x_off4: u32,
         }
         let nw = xin.weight().unwrap_or(x).clone();
+        let pg = xin.gates().unwrap_or(x).clone();
         for (w, r0, rows) in &m.chunks {
             self.run(
                 &pipe,
@@ -216,6 +286,7 @@ impl<'c> Rec<'c> {
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
                     WriteDescriptorSet::buffer(3, nw.clone()),
+                    WriteDescriptorSet::buffer(4, pg.clone()),
                 ],
                 P {
                     rows: *rows as u32,
@@ -226,6 +297,42 @@ impl<'c> Rec<'c> {
             )?;
         }
         Ok(())
+    }
+
+    /// Threads per workgroup of [`Rec::matvec`] on `m`.
+    fn mv_threads(&self, m: &Mat) -> u32 {
+        if m.format >= 3 {
+            16 * self.block_lanes(m.cols)
+        } else {
+            mv_wgs(m.chunks.iter().map(|c| c.2).sum(), self.on_cpu())
+        }
+    }
+
+    /// Whether the device is a CPU (lavapipe).
+    pub(super) fn on_cpu(&self) -> bool {
+        self.ctx.info.device_type == "Cpu"
+    }
+
+    /// Whether [`Rec::matvec`] on `m` stages its whole input at once with heads of
+    /// `head_dim` (as [`XIn::Post`] needs).
+    pub(super) fn stages_whole(&self, m: &Mat, head_dim: usize) -> bool {
+        self.xin_tile(m.cols, self.mv_threads(m), m.cols / head_dim.max(1))
+            .is_ok_and(|t| t as usize == m.cols / 4)
+    }
+
+    /// Input vec4 per tile of `xin.glsl` for rows of `cols` weights and `wgs` threads: all
+    /// of them when they fit in shared memory beside the kernel's reductions (`red`, `xss`:
+    /// `wgs` floats each; `lv`: 16) and the per-head array (`heads` floats), else the most
+    /// that fit, a multiple of 8 (whole Q8 / Q4 blocks and float row words).
+    pub(super) fn xin_tile(&self, cols: usize, wgs: u32, heads: usize) -> Result<u32> {
+        let fixed = 8 * wgs as usize + 64 + 4 * heads;
+        let room = (self.ctx.info.max_shared_memory as usize).saturating_sub(fixed) / 16 / 8 * 8;
+        if room == 0 {
+            return Err(Error::Unsupported(
+                "too little shared memory for the decode products".into(),
+            ));
+        }
+        Ok((cols / 4).min(room) as u32)
     }
 
     /// Threads per row of `mvq.glsl` for rows of `cols` weights: a power of two, at most

@@ -1,12 +1,12 @@
-//! Decode's projections of one normed row in one dispatch (`mvn.glsl`; `mvq.glsl` with
-//! MULTI for Q8 / Q4): the matrices that read the same input (q, k, v, the k/v shift
+//! Decode's projections of one normed row in one dispatch (`mv.glsl` and `mvq.glsl` with
+//! MULTI): the matrices that read the same input (q, k, v, the k/v shift
 //! projections, the forget and output gates) write their slices of one output row, each
 //! output the sum the single-matrix kernel (`mv.glsl`, `mvq.glsl`) makes, in the same
 //! order.
 
-use super::ops::{MV_TPR, MV_WGS, Rec, XIn};
+use super::ops::{MV_TPR, Rec, XIn, mv_wgs};
 use super::weights::Mat;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use vulkano::buffer::{BufferContents, Subbuffer};
 use vulkano::descriptor_set::WriteDescriptorSet;
 
@@ -21,7 +21,7 @@ static MVNQ: [(&str, &[u8]); 2] = [
     ("mvn_q8", include_bytes!("../../shaders/mvn_q8.spv")),
     ("mvn_q4", include_bytes!("../../shaders/mvn_q4.spv")),
 ];
-/// Weight bindings per dispatch (`SLOTS` in `mvn.glsl`).
+/// Weight bindings per dispatch (`SLOTS` in `mv.glsl` and `mvq.glsl`).
 const SLOTS: usize = 8;
 
 impl Rec<'_> {
@@ -48,25 +48,34 @@ impl Rec<'_> {
             }
             return Ok(());
         }
-        let [code, eps] = xin.spec();
+        let rows: usize = mats
+            .iter()
+            .flat_map(|(m, _)| m.chunks.iter().map(|c| c.2))
+            .sum();
+        let wgs = if m0.format >= 3 {
+            16 * self.block_lanes(m0.cols)
+        } else {
+            mv_wgs(rows, self.on_cpu())
+        };
+        let tile = self.xin_tile(m0.cols, wgs, xin.heads(m0.cols))?;
+        if xin.whole() && tile as usize != m0.cols / 4 {
+            return Err(Error::Unsupported(
+                "the attention output's transform needs the whole row in shared memory".into(),
+            ));
+        }
+        let mut spec = vec![(0, wgs), (1, m0.cols as u32), (10, tile)];
+        spec.extend(xin.spec(m0.cols));
         let (pipe, teams) = if m0.format >= 3 {
             let (name, spv) = MVNQ[usize::from(m0.format == 4)];
-            let wgs = 16 * self.block_lanes(m0.cols);
-            let spec = [(0, wgs), (1, m0.cols as u32), (8, code), (9, eps)];
             (self.ctx.pipeline(name, spv, &spec)?, 16)
         } else {
             let f = m0.format as usize;
-            let spec = [
-                (0, MV_WGS),
-                (1, m0.cols as u32),
-                (2, MV_TPR),
-                (8, code),
-                (9, eps),
-            ];
+            spec.push((2, MV_TPR));
             let pipe = self.ctx.pipeline(MVN_NAMES[f], MVN[f], &spec)?;
-            (pipe, (MV_WGS / MV_TPR) as usize)
+            (pipe, (wgs / MV_TPR) as usize)
         };
         let nw = xin.weight().unwrap_or(x);
+        let pg = xin.gates().unwrap_or(x);
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
         struct P {
@@ -107,6 +116,7 @@ impl Rec<'_> {
                     WriteDescriptorSet::buffer(1, x.clone()),
                     WriteDescriptorSet::buffer(2, y.clone()),
                     WriteDescriptorSet::buffer(3, nw.clone()),
+                    WriteDescriptorSet::buffer(4, pg.clone()),
                 ],
                 p,
                 [groups as u32, 1, 1],

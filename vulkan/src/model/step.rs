@@ -261,9 +261,9 @@ pub struct DeviceStream {
     flag: Subbuffer<[u32]>,
     /// The fence of replayed steps' submissions, reset and reused.
     fence: Option<Arc<vulkano::sync::fence::Fence>>,
-    /// The decode pipeline of one-token steps, for the context's subgroup setting it was
-    /// made with.
-    kernel: Option<(bool, crate::decode::Kernel)>,
+    /// The decode pipeline of one-token steps, for the context's subgroup setting and the
+    /// head buffers per dispatch it was made with.
+    kernel: Option<(bool, usize, crate::decode::Kernel)>,
     /// A step readback's words, kept for the next step ([`Self::recycle`]).
     spare: Vec<u32>,
     /// Test hook: the submission (counted over runs) that reports a lost device.
@@ -525,20 +525,23 @@ impl DeviceStream {
         Ok(())
     }
 
-    /// The decode pipeline of one-token steps, made once per subgroup setting of the context.
-    fn step_kernel(&mut self) -> Result<crate::decode::Kernel> {
+    /// The decode pipeline of one-token steps binding `slots` head buffers, made once per
+    /// subgroup setting of the context and slot count.
+    fn step_kernel(&mut self, slots: usize) -> Result<crate::decode::Kernel> {
         let ctx = &self.model.ctx;
         let nosg = ctx
             .decode_no_subgroups
             .load(std::sync::atomic::Ordering::Relaxed);
-        if let Some((f, k)) = &self.kernel
+        if let Some((f, n, k)) = &self.kernel
             && *f == nosg
+            && *n == slots
         {
             return Ok(k.clone());
         }
         let hd = self.model.shape.head_dim;
-        let k = crate::decode::kernel(ctx, &crate::DecodeTuning::default(), hd, false)?;
-        self.kernel = Some((nosg, k.clone()));
+        let tuning = crate::DecodeTuning::default();
+        let k = crate::decode::kernel_slots(ctx, &tuning, hd, false, slots)?;
+        self.kernel = Some((nosg, slots, k.clone()));
         Ok(k)
     }
 
@@ -862,7 +865,9 @@ impl DeviceStream {
     }
 
     /// Records the rest of layer `l` after its attention (in `s.o`, head-major): output norm
-    /// and gate, output projection into the residual, the MLP into the residual.
+    /// and gate, output projection into the residual, the MLP into the residual (one token:
+    /// the norm and gate fused into the projection's input reads where it stages its whole
+    /// input, `XIn::Post`).
     fn record_post(&self, rec: &mut Rec<'_>, l: usize, n: usize) -> Result<()> {
         let sh = self.model.shape;
         let lw = &self.model.layers[l];
@@ -871,19 +876,31 @@ impl DeviceStream {
             .scratch
             .as_ref()
             .ok_or_else(|| internal("no scratch"))?;
-        let spec = [
-            sh.heads as u32,
-            sh.head_dim as u32,
-            u32::from(sh.output_norm),
-            match sh.output_gate {
-                None => 0,
-                Some(Act::Sigmoid) => 1,
-                Some(Act::Silu) => 2,
-            },
-        ];
-        rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
-        rec.tag = if n == 1 { "mv_o" } else { "mm_o" };
-        rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        if n == 1 && rec.stages_whole(&lw.o, sh.head_dim) {
+            // The output norm and gate fused into o_proj's input reads.
+            rec.tag = "mv_o";
+            let xin = XIn::Post {
+                norm: sh.output_norm.then_some((&lw.output_norm, sh.norm_eps)),
+                gate: sh.output_gate,
+                p: &s.p,
+                head_dim: sh.head_dim,
+            };
+            rec.matvec(&lw.o, xin, &s.o, 0, &s.h, 0, true)?;
+        } else {
+            let spec = [
+                sh.heads as u32,
+                sh.head_dim as u32,
+                u32::from(sh.output_norm),
+                match sh.output_gate {
+                    None => 0,
+                    Some(Act::Sigmoid) => 1,
+                    Some(Act::Silu) => 2,
+                },
+            ];
+            rec.attn_post(spec, n, [&s.o, &s.p, &lw.output_norm, &s.op], sh.norm_eps)?;
+            rec.tag = if n == 1 { "mv_o" } else { "mm_o" };
+            rec.linear(&lw.o, n, &s.op, &s.h, 0, d, true)?;
+        }
         if n == 1 {
             // The MLP norm and the gated activation fused into the products' input reads.
             rec.tag = "mv_gate_up";

@@ -1,7 +1,8 @@
 //! The decode products with their input transform fused in (`xin.glsl` in `mv.glsl`,
-//! `mvn.glsl`, `mvq.glsl`): RMSNorm and the gated activation, against an f64 reference, on
-//! fresh random inputs in every weight format (f16 / bf16 weights and Q8 / Q4 blocks taken
-//! at their stored values).
+//! `mvq.glsl`, single and MULTI): RMSNorm and the gated activation, against an f64
+//! reference, on fresh random inputs in every weight format (f16 / bf16 weights and Q8 / Q4
+//! blocks taken at their stored values), with rows long enough for the input to be staged
+//! in several tiles (8192 floats: more than 32 KiB of shared memory).
 //!
 //! Tolerance: |y - ref| <= (2K + 64) 2^-24 (sum_i |w_i x'_i| + |y0|), x' the f64 input
 //! after the transform. The product alone stays within (K + 8) 2^-24 of that sum
@@ -170,7 +171,7 @@ fn fused_norm_and_activation_products_match_f64() {
     };
     let mut r = StdRng::seed_from_u64(42);
     for fmt in FORMATS {
-        for (rows, k) in [(16, 32), (37, 96), (70, 768), (21, 1536)] {
+        for (rows, k) in [(16, 32), (37, 96), (70, 768), (21, 1536), (9, 8192)] {
             // A small binding limit splits the matrix into several chunks.
             let limit = if rows > 30 { 16 * k } else { 1 << 24 };
             let (m, w) = matrix(&ctx, fmt, (rows, k), limit, &mut r);
@@ -209,8 +210,8 @@ fn fused_norm_and_activation_products_match_f64() {
     }
 }
 
-/// Several matrices of one normed input in one dispatch (decode's projections): `mvn.glsl`
-/// for the float formats, `mvq.glsl` with MULTI for Q8 / Q4.
+/// Several matrices of one normed input in one dispatch (decode's projections): `mv.glsl`
+/// with MULTI for the float formats, `mvq.glsl` with MULTI for Q8 / Q4.
 #[test]
 fn fused_norm_projections_match_f64() {
     let Some(ctx) = device("fused_norm_projections") else {
@@ -248,5 +249,73 @@ fn fused_norm_projections_match_f64() {
         }
         let spans: Vec<(usize, usize)> = shapes.iter().map(|&(n, o)| (o, n)).collect();
         untouched(&got, &y0, &spans, fmt);
+    }
+}
+
+/// The attention output's norm and gate fused into o_proj (`XIn::Post`, `xin.glsl` XIN 4)
+/// against the f64 `attn_post` (GroupRMSNorm per head, then `act(g)`), every format, every
+/// norm / gate combination, heads of 64 and of 32.
+#[test]
+fn fused_attention_output_products_match_f64() {
+    let Some(ctx) = device("fused_attention_output_products") else {
+        return;
+    };
+    let mut r = StdRng::seed_from_u64(44);
+    for fmt in FORMATS {
+        for (rows, k, hd) in [(40, 256, 64), (19, 96, 32)] {
+            let nh = k / hd;
+            let (m, w) = matrix(&ctx, fmt, (rows, k), 1 << 24, &mut r);
+            for (norm, gate) in [
+                (true, Some(Act::Sigmoid)),
+                (true, Some(Act::Silu)),
+                (true, None),
+                (false, Some(Act::Sigmoid)),
+                (false, None),
+            ] {
+                let o: Vec<f32> = (0..k).map(|_| r.gen_range(-3.0f32..3.0)).collect();
+                let p: Vec<f32> = (0..4 * k + 3 * nh)
+                    .map(|_| r.gen_range(-3.0f32..3.0))
+                    .collect();
+                let nw: Vec<f32> = (0..k).map(|_| r.gen_range(-2.0f32..2.0)).collect();
+                let eps = 1e-5;
+                let y0: Vec<f32> = (0..rows).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+                let bufs = ctx
+                    .upload(&[&words(&o), &words(&nw), &words(&y0), &words(&p)])
+                    .expect("upload");
+                let xin = XIn::Post {
+                    norm: norm.then_some((&bufs[1], eps)),
+                    gate,
+                    p: &bufs[3],
+                    head_dim: hd,
+                };
+                run(&ctx, |rec| {
+                    assert!(rec.stages_whole(&m, hd));
+                    rec.matvec(&m, xin, &bufs[0], 0, &bufs[2], 0, true)
+                        .expect("records")
+                });
+                let got = download(&ctx, &bufs[2]);
+                let sig = |g: f64| 1.0 / (1.0 + (-g).exp());
+                let xt: Vec<f64> = (0..k)
+                    .map(|i| {
+                        let h = i / hd;
+                        let mut v = f64::from(o[i]);
+                        if norm {
+                            let ss: f64 = (h * hd..(h + 1) * hd)
+                                .map(|j| f64::from(o[j]) * f64::from(o[j]))
+                                .sum();
+                            v *= f64::from(nw[i]) / (ss / hd as f64 + eps).sqrt();
+                        }
+                        let g = f64::from(p[3 * k + 3 * nh + i]);
+                        match gate {
+                            Some(Act::Sigmoid) => v * sig(g),
+                            Some(Act::Silu) => v * g * sig(g),
+                            None => v,
+                        }
+                    })
+                    .collect();
+                let what = format!("{fmt} {rows}x{k} hd {hd} norm {norm} gate {gate:?}");
+                check(&got, &y0, &w, &xt, (rows, 0), true, &what);
+            }
+        }
     }
 }

@@ -152,15 +152,15 @@ fn a_profiled_step_times_every_command_and_changes_nothing() {
     let n = tokens.len() as u64;
     let nl = model.shape.layers as u64;
     // Per layer: the normed projections, one head group's head_step (attention inputs,
-    // gates, row operations, ACP) and decode, attn_post, o, the normed gate_up, down of the
-    // gated activation; and once: the embedding, the normed LM head. No norm, activation,
-    // gate or row-operation dispatch of its own, and no copy inside the layers.
+    // gates, row operations, ACP) and decode, o of the normed and gated attention output,
+    // the normed gate_up, down of the gated activation; and once: the embedding, the normed
+    // LM head. No norm, activation, gate or row-operation dispatch of its own, and no copy
+    // inside the layers.
     for (kind, per_step) in [
         ("embed", 1),
         ("mv_pre", nl),
         ("head_step", nl),
         ("decode", nl),
-        ("attn_post", nl),
         ("mv_o", nl),
         ("mv_gate_up", nl),
         ("mv_down", nl),
@@ -174,6 +174,7 @@ fn a_profiled_step_times_every_command_and_changes_nothing() {
     // non-finite flag.
     assert_eq!(p.kind("copy").map(|k| k.1), Some(5 * n));
     for kind in [
+        "attn_post",
         "rmsnorm",
         "swiglu",
         "attn_pre",

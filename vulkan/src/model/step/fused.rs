@@ -13,8 +13,9 @@
 //! - ACP's block decisions by foxedge-core's rule from the rows' `c`, with the host's
 //!   `delta` or one from the step's own q/k norms.
 //!
-//! The three run in one dispatch per group of [`HPD`] heads (`head_step.comp`), before the
-//! group's attention.
+//! The three run in one dispatch per group of heads (`head_step.comp`), before the group's
+//! attention (one dispatch too): all the layer's heads where the device binds that many
+//! buffers ([`DeviceStream::step_slots`]).
 //!
 //! The host waits once, then reads every layer's gates, new K/V rows and shift state (its
 //! bookkeeping and shadow cache), the device's ACP counts, and the token or logits.
@@ -238,7 +239,8 @@ impl Bufs {
     }
 }
 
-/// Per group of [`HPD`] heads of a layer: host-data ranges and the decode split.
+/// Per group of [`DeviceStream::step_slots`] heads of a layer: host-data ranges and the
+/// decode split.
 struct Group {
     h0: usize,
     h1: usize,
@@ -408,7 +410,8 @@ impl DeviceStream {
         // model's shape only (bound at fixed views by the recorded step), then the row
         // operations, eviction thresholds and ACP tables (one view; the fixed part holds
         // indices into it).
-        let qstride = (2 * HPD).div_ceil(align) * align / 2;
+        let slots = self.step_slots();
+        let qstride = (2 * slots).div_ceil(align) * align / 2;
         // ACP flags and decode partials are laid out by the heads' capacities (at least
         // their live rows and the token's), so their buffers change only when a head grows.
         let max_blocks = self
@@ -531,8 +534,8 @@ impl DeviceStream {
                 * BLOCK;
             let mut groups = Vec::new();
             let mut rc = vec![0u32; 12 * nh];
-            for h0 in (0..nh).step_by(HPD) {
-                let h1 = (h0 + HPD).min(nh);
+            for h0 in (0..nh).step_by(slots) {
+                let h1 = (h0 + slots).min(nh);
                 let mut info = Vec::new();
                 let mut par = Vec::new();
                 let mut qinfo = Vec::new();
@@ -623,8 +626,8 @@ impl DeviceStream {
             kept: nl * nh * max_blocks,
             parts: parts_max,
         };
-        self.fused_bufs(need, qstride * nh.div_ceil(HPD) * 2)?;
-        let kernel = self.step_kernel()?;
+        self.fused_bufs(need, qstride * nh.div_ceil(slots) * 2, slots)?;
+        let kernel = self.step_kernel(slots)?;
         let key = Key {
             out: match &out {
                 Output::Nothing => 0,
@@ -741,7 +744,8 @@ impl DeviceStream {
         let (nh, hd, nl) = (sh.heads, sh.head_dim, sh.layers);
         let at = self.step_layout();
         let align = storage_align(ctx);
-        let qstride = (2 * HPD).div_ceil(align) * align / 2;
+        let slots = self.step_slots();
+        let qstride = (2 * slots).div_ceil(align) * align / 2;
         let b = self
             .fused
             .as_ref()
@@ -749,7 +753,7 @@ impl DeviceStream {
         let up = b.upd.clone();
         let mut rec = super::Rec::reusable(ctx)?;
         if self.profiling {
-            let groups = nh.div_ceil(HPD) as u32;
+            let groups = nh.div_ceil(slots) as u32;
             rec.profile(256 + nl as u32 * (64 + 8 * groups))?;
         }
         rec.b.fill_buffer(self.flag.clone(), 0)?;
@@ -769,7 +773,8 @@ impl DeviceStream {
             .ok_or_else(|| internal("no scratch"))?;
         rec.embed(&model.embeddings, &view(&up, ids_at), 1, &s.h)?;
         let spec = self.attn_spec();
-        let spec: Vec<(u32, u32)> = (0u32..).zip(spec).collect();
+        let mut spec: Vec<(u32, u32)> = (0u32..).zip(spec).collect();
+        spec.push((5, slots as u32));
         let head_pipe = ctx.pipeline("head_step", HEAD_STEP, &spec)?;
         #[derive(BufferContents, Clone, Copy)]
         #[repr(C)]
@@ -799,13 +804,13 @@ impl DeviceStream {
             }
             let lw = &model.layers[l];
             for (gi, g) in la.groups.iter().enumerate() {
-                let slots = self.head_slots(l, g.h0, g.h1)?;
-                let qc = view(&b.qc, (gi * qstride * 2, 2 * HPD));
+                let bound = self.head_slots(l, g.h0, g.h1, slots)?;
+                let qc = view(&b.qc, (gi * qstride * 2, 2 * slots));
                 rec.tag = "head_step";
                 rec.run(
                     &head_pipe,
                     vec![
-                        WriteDescriptorSet::buffer_array(0, 0, slots.clone()),
+                        WriteDescriptorSet::buffer_array(0, 0, bound.clone()),
                         WriteDescriptorSet::buffer(1, s.p.clone()),
                         WriteDescriptorSet::buffer(2, self.shift[l].clone()),
                         WriteDescriptorSet::buffer(3, lw.qk_norm.clone()),
@@ -840,7 +845,7 @@ impl DeviceStream {
                     &kernel.pipe,
                     vec![
                         WriteDescriptorSet::buffer(0, view(&s.q, (g.h0 * hd, q_views))),
-                        WriteDescriptorSet::buffer_array(1, 0, slots),
+                        WriteDescriptorSet::buffer_array(1, 0, bound),
                         WriteDescriptorSet::buffer(2, view(&up, g.qinfo)),
                         WriteDescriptorSet::buffer(3, qc),
                         WriteDescriptorSet::buffer(4, b.kept.clone()),
@@ -899,9 +904,40 @@ impl DeviceStream {
         StepLayout::new(sh.hidden, sh.heads, sh.layers, align, self.shift_stride)
     }
 
-    /// The cache buffers of heads `h0..h1` of layer `l`, padded to [`HPD`] with the last.
-    fn head_slots(&self, l: usize, h0: usize, h1: usize) -> Result<Vec<Subbuffer<[u32]>>> {
-        (0..HPD)
+    /// Heads per `head_step.comp` / decode dispatch of a step: all of a layer's where the
+    /// device binds that many storage buffers in one set (each kernel binds at most 15
+    /// besides the heads), at least [`HPD`] (what the decode kernel always binds);
+    /// `FOXEDGE_VK_STEP_SLOTS` caps it (at least 1).
+    pub(super) fn step_slots(&self) -> usize {
+        static CAP: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let cap = *CAP.get_or_init(|| {
+            std::env::var("FOXEDGE_VK_STEP_SLOTS")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&c| c > 0)
+        });
+        let props = self.model.ctx.device.physical_device().properties();
+        let most = props
+            .max_per_stage_descriptor_storage_buffers
+            .min(props.max_descriptor_set_storage_buffers) as usize;
+        let fit = most.saturating_sub(15).max(HPD);
+        self.model
+            .shape
+            .heads
+            .min(fit)
+            .min(cap.unwrap_or(usize::MAX))
+            .max(1)
+    }
+
+    /// The cache buffers of heads `h0..h1` of layer `l`, padded to `slots` with the last.
+    fn head_slots(
+        &self,
+        l: usize,
+        h0: usize,
+        h1: usize,
+        slots: usize,
+    ) -> Result<Vec<Subbuffer<[u32]>>> {
+        (0..slots)
             .map(|i| {
                 let h = (h0 + i).min(h1 - 1);
                 self.heads[l][h].as_ref().map(|b| b.buf.clone())
@@ -911,7 +947,7 @@ impl DeviceStream {
     }
 
     /// Makes [`Self::fused`] hold at least `need` (grown by half again when it grows).
-    fn fused_bufs(&mut self, need: Need, qc_words: usize) -> Result<()> {
+    fn fused_bufs(&mut self, need: Need, qc_words: usize, slots: usize) -> Result<()> {
         if self.fused.as_ref().is_some_and(|b| b.fits(&need)) {
             return Ok(());
         }
@@ -932,7 +968,7 @@ impl DeviceStream {
             dev: ctx.device_buffer(self.step_layout().dev)?,
             ml: ctx.device_buffer(2 * parts)?,
             po: ctx.device_buffer(sh.head_dim * parts)?,
-            counters: ctx.device_buffer(HPD)?,
+            counters: ctx.device_buffer(slots)?,
         });
         Ok(())
     }
