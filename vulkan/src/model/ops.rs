@@ -32,6 +32,8 @@ static SWIGLU: &[u8] = include_bytes!("../../shaders/swiglu.spv");
 static CACHE_OPS: &[u8] = include_bytes!("../../shaders/cache_ops.spv");
 static ARGMAX: &[u8] = include_bytes!("../../shaders/argmax.spv");
 
+/// Columns of a head's rows per `cache_ops.comp` workgroup (`COLS`).
+const CACHE_OPS_COLS: usize = 8;
 /// Threads per row of the matrix-vector kernel.
 pub(super) const MV_TPR: u32 = 32;
 /// Threads per workgroup of `mv.glsl` for a dispatch of `rows` rows: `MV_TPR` a row, 2 to
@@ -515,7 +517,8 @@ impl<'c> Rec<'c> {
         )
     }
 
-    /// `cache_ops.comp` on up to 8 head buffers: (heads, k, v, ops, ranges).
+    /// `cache_ops.comp` on up to 8 head buffers: (heads, k, v, ops, ranges), one workgroup
+    /// per head and [`CACHE_OPS_COLS`] columns.
     #[allow(clippy::too_many_arguments)]
     pub fn cache_ops(
         &mut self,
@@ -546,7 +549,7 @@ impl<'c> Rec<'c> {
                 WriteDescriptorSet::buffer(4, ranges.clone()),
             ],
             n as u32,
-            [slots, 1, 1],
+            [slots, hd.max(4).div_ceil(CACHE_OPS_COLS) as u32, 1],
         )
     }
 

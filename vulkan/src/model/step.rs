@@ -11,6 +11,7 @@
 mod cont;
 mod fused;
 mod gates;
+mod levels;
 
 pub use cont::ContinuePlan;
 pub use fused::{StepAcp, StepEvict, StepHead, StepOutput};
@@ -1086,7 +1087,8 @@ impl DeviceStream {
         Ok(hb)
     }
 
-    /// Records the row operations of every head (`steps[h].ops`), one workgroup per head.
+    /// Records the row operations of every head (`steps[h].ops`), one workgroup per head,
+    /// in dependency levels ([`levels`]).
     fn apply_ops(
         &mut self,
         rec: &mut Rec<'_>,
@@ -1123,9 +1125,7 @@ impl DeviceStream {
             }
             let hb = self.ensure_head(rec, l, h, need)?;
             let first = words.len() / 8;
-            for op in &st.ops {
-                op_words(op, &mut words)?;
-            }
+            levels::leveled_words(&st.ops, &mut words)?;
             ranges.extend([first as u32, st.ops.len() as u32, h as u32, hb.cap as u32]);
             heads.push((h, hb));
         }
