@@ -75,14 +75,22 @@ pub(super) struct Device {
 struct LnTable(Vec<f64>);
 
 impl LnTable {
-    fn get(&mut self, n: usize) -> f64 {
+    /// Tabulates `ln n` up to `n` at least (doubling).
+    fn grow(&mut self, n: usize) {
         if n >= self.0.len() {
             let from = self.0.len();
             let to = n.max(2 * from);
             self.0
                 .extend((from..=to).map(foxedge_core::threshold::ln_keys));
         }
-        self.0[n]
+    }
+
+    /// `ln n`: from the table where grown that far, else computed (the same bits).
+    fn at(&self, n: usize) -> f64 {
+        match self.0.get(n) {
+            Some(&x) => x,
+            None => foxedge_core::threshold::ln_keys(n),
+        }
     }
 }
 
@@ -389,272 +397,406 @@ struct Keeper<'s> {
 impl Keeper<'_> {
     /// Layer `g.layer`'s gates in, its plan out (and the session's state advanced).
     fn plan(&mut self, g: &Gates<'_>) -> Result<LayerPlan> {
-        let info = self.sess.model.info();
-        let (nh, hd, d) = (info.heads, info.head_dim, info.hidden);
-        let n = g.tokens;
         let l = g.layer;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let ln_eps = self.sess.opts.ln_eps;
-        let certified = self.sess.certified[l];
-        let u = self.sess.u[l].clone();
-        let state = &mut self.sess.layers[l];
-        let mut rebased = rebase_heads(state)?;
-        if let Some(u) = self.unsent_metas.get(l) {
-            for (r, &x) in rebased.iter_mut().zip(u) {
-                *r |= x;
-            }
-        }
-        let mut c_rows = vec![0.0f64; n * nh];
-        for r in 0..n {
-            for h in 0..nh {
-                c_rows[r * nh + h] = state.gates[h].push(g.log_f[r * nh + h])?;
-            }
-        }
-        let kn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h) + 1]);
-        let qn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h)]);
-        if !certified {
-            for h in 0..nh {
-                for r in 0..n {
-                    state.k_norm_max[h] = state.k_norm_max[h].max(kn(h, r));
-                }
-            }
-        }
-        state.k_shift.copy_from_slice(&g.shift[..d]);
-        state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
-        let (gk, gv) = (g.k, g.v);
-        let row = |h: usize, r: usize| {
-            let at = (h * n + r) * hd;
-            (&gk[at..at + hd], &gv[at..at + hd])
+        let s = &mut *self.sess;
+        let info = s.model.info();
+        let cx = LayerCx {
+            heads: info.heads,
+            head_dim: info.head_dim,
+            hidden: info.hidden,
+            ln_eps: s.opts.ln_eps,
+            certified: s.certified[l],
+            u: &s.u[l],
+            pos0: self.pos0,
+            fresh: self.fresh,
+            scores: self.scores,
+            acp_on_device: self.acp_on_device,
+            unsent: self.unsent_metas.get(l).map(Vec::as_slice),
         };
-        let mut score_row = vec![0.0f32; nh];
-        let pos0 = self.pos0;
-        let scores = self.scores;
-        // The CPU's `append`: evictions (their moves into `moves[h]`), then the new row.
-        let mut log: Vec<(usize, Eviction)> = Vec::new();
-        let continuation = !self.fresh && n > 1 && !self.acp_on_device;
-        let mut evicted: Vec<Vec<Evicted>> = (0..nh).map(|_| Vec::new()).collect();
-        let mut append =
-            |state: &mut LayerState, r: usize, moves: &mut Vec<Vec<RowOp>>| -> Result<()> {
-                let sc = scores.map(|sc| {
-                    score_row.fill(sc[r]);
-                    &score_row[..]
-                });
-                let heads = &mut state.heads;
-                let mut failed = None;
-                state
-                    .policy
-                    .append(pos0 + r as u64, &c_rows[r * nh..(r + 1) * nh], sc, |ev| {
-                        log.push((r, ev));
-                        if continuation && ev.position < pos0 && failed.is_none() {
-                            let hc = &heads[ev.head];
-                            let slot = ev.slot as usize;
-                            match (row_f32(hc, slot, hd), hc.c.get(slot)) {
-                                (Ok((k, v)), Some(&c)) => evicted[ev.head].push(Evicted {
-                                    k,
-                                    v,
-                                    c,
-                                    end: r as u32,
-                                }),
-                                (Err(e), _) => failed = Some(e),
-                                (_, None) => {
-                                    failed = Some(Error::Internal("evicted an empty slot".into()))
-                                }
-                            }
-                        }
-                        if let Some((from, to)) = ev.moved() {
-                            moves[ev.head].push(RowOp::Move { from, to });
-                        }
-                        if failed.is_none()
-                            && let Err(e) = heads[ev.head].apply(&ev, hd)
-                        {
-                            failed = Some(e);
-                        }
-                    })?;
-                if let Some(e) = failed {
-                    return Err(e);
-                }
-                for (h, hc) in heads.iter_mut().enumerate() {
-                    let c = c_rows[r * nh + h];
-                    let pos = pos0 + r as u64;
-                    let (k, v) = row(h, r);
-                    hc.push(k, v, c, pos)?;
-                    moves[h].push(RowOp::Put {
-                        token: r as u32,
-                        slot: (hc.len() - 1) as u32,
-                        c,
-                        pos,
-                    });
-                }
-                state.peak_live = state.peak_live.max(state.policy.live_total());
-                Ok(())
-            };
-        if self.fresh && n > 1 {
-            let mut delta = Vec::with_capacity(nh);
-            for (h, &uh) in u.iter().enumerate().take(nh) {
-                delta.push(match (ln_eps, certified) {
-                    (None, _) => None,
-                    (Some(e), true) => Some(foxedge_core::threshold::threshold(uh, n, e)?),
-                    (Some(e), false) => {
-                        let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
-                        let km = (0..n).map(|r| kn(h, r)).fold(0.0, f64::max);
-                        let uu = foxedge_core::threshold::bound_from_norms(qm, km, scale)?;
-                        Some(foxedge_core::threshold::threshold(uu, n, e)?)
-                    }
-                });
-            }
-            let mut scratch = vec![Vec::new(); nh];
-            for r in 0..n {
-                append(state, r, &mut scratch)?;
-            }
-            // The surviving rows, each from its token of the chunk.
-            let ops = state
-                .heads
-                .iter()
-                .map(|hc| {
-                    (0..hc.len())
-                        .map(|s| RowOp::Put {
-                            token: (hc.pos[s] - pos0) as u32,
-                            slot: s as u32,
-                            c: hc.c[s],
-                            pos: hc.pos[s],
-                        })
-                        .collect()
-                })
-                .collect();
-            let mut c = vec![0.0f64; nh * n];
-            for h in 0..nh {
-                for r in 0..n {
-                    c[h * n + r] = c_rows[r * nh + h];
-                }
-            }
-            return Ok(LayerPlan::Chunk { c, delta, ops });
-        }
-        if continuation {
-            // A continuation: the chunk attends the cache as it is now, then its rows (and
-            // the evictions made while appending them) join the cache.
-            let live: Vec<usize> = state.heads.iter().map(HeadCache::len).collect();
-            let cache_c: Vec<Vec<f64>> = state.heads.iter().map(|hc| hc.c.clone()).collect();
-            let pre: Vec<Vec<RowOp>> = (0..nh)
-                .map(|h| {
-                    if rebased[h] {
-                        meta_ops(&state.heads[h])
-                    } else {
-                        Vec::new()
-                    }
-                })
-                .collect();
-            let mut delta = Vec::with_capacity(nh);
-            for h in 0..nh {
-                let big_n = live[h] + n;
-                delta.push(match (ln_eps, certified) {
-                    (None, _) => None,
-                    (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], big_n, e)?),
-                    (Some(e), false) => {
-                        let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
-                        let uu = foxedge_core::threshold::bound_from_norms(
-                            qm,
-                            state.k_norm_max[h],
-                            scale,
-                        )?;
-                        Some(foxedge_core::threshold::threshold(uu, big_n, e)?)
-                    }
-                });
-            }
-            let mut ops = vec![Vec::new(); nh];
-            for r in 0..n {
-                append(state, r, &mut ops)?;
-            }
-            let (ends, key_end) = if log.is_empty() {
-                (vec![Vec::new(); nh], vec![n as u32; n * nh])
-            } else {
-                let (cache_end, key_end) = super::forward::chunk_ends(&live, &log, n)?;
-                let ends = cache_end
-                    .into_iter()
-                    .enumerate()
-                    .map(|(h, mut e)| {
-                        e.extend((0..n).map(|r| key_end[r * nh + h]));
-                        e
-                    })
-                    .collect();
-                (ends, key_end)
-            };
+        let (plan, replay) = plan_layer(&cx, &mut s.layers[l], g)?;
+        if let Some(r) = replay {
             if self.replays.len() <= l {
                 self.replays.resize_with(l + 1, || None);
             }
-            self.replays[l] = Some(Replay {
-                evicted,
-                q_c: c_rows.clone(),
-                key_end,
-            });
-            let mut c = vec![0.0f64; nh * n];
-            let (mut kept, mut stats) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
-            for h in 0..nh {
-                for r in 0..n {
-                    c[h * n + r] = c_rows[r * nh + h];
-                }
-                let e = (!ends[h].is_empty()).then_some(&ends[h][..]);
-                let (k, st) = vm::continue_blocks(&cache_c[h], &c[h * n..(h + 1) * n], delta[h], e);
-                kept.push(k);
-                stats.push(st);
-            }
-            return Ok(LayerPlan::Continue(ContinuePlan {
-                c,
-                pre,
-                live,
-                kept,
-                stats,
-                ends,
-                ops,
-            }));
+            self.replays[l] = Some(r);
         }
-        let mut steps = Vec::with_capacity(n);
-        for r in 0..n {
-            let mut ops: Vec<Vec<RowOp>> = (0..nh)
-                .map(|h| {
-                    if r == 0 && rebased[h] {
-                        meta_ops(&state.heads[h])
-                    } else {
-                        Vec::new()
+        Ok(plan)
+    }
+}
+
+/// What a layer's bookkeeping reads besides the layer's own state.
+struct LayerCx<'a> {
+    heads: usize,
+    head_dim: usize,
+    hidden: usize,
+    ln_eps: Option<f64>,
+    certified: bool,
+    /// The layer's logit bound per head.
+    u: &'a [f64],
+    pos0: u64,
+    fresh: bool,
+    scores: Option<&'a [f32]>,
+    acp_on_device: bool,
+    /// Heads re-based before this run without the device's rows.
+    unsent: Option<&'a [bool]>,
+}
+
+/// One layer's bookkeeping of a device run ([`Keeper::plan`]): the layer's gates in, its
+/// plan out, the layer's state advanced; a continuation's [`Replay`] too. Touches no other
+/// layer, so a one-token step keeps the books of its layers in parallel.
+fn plan_layer(
+    cx: &LayerCx<'_>,
+    state: &mut LayerState,
+    g: &Gates<'_>,
+) -> Result<(LayerPlan, Option<Replay>)> {
+    let (nh, hd, d) = (cx.heads, cx.head_dim, cx.hidden);
+    let n = g.tokens;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let ln_eps = cx.ln_eps;
+    let certified = cx.certified;
+    let u = cx.u;
+    let mut rebased = rebase_heads(state)?;
+    if let Some(u) = cx.unsent {
+        for (r, &x) in rebased.iter_mut().zip(u) {
+            *r |= x;
+        }
+    }
+    let mut c_rows = vec![0.0f64; n * nh];
+    for r in 0..n {
+        for h in 0..nh {
+            c_rows[r * nh + h] = state.gates[h].push(g.log_f[r * nh + h])?;
+        }
+    }
+    let kn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h) + 1]);
+    let qn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h)]);
+    if !certified {
+        for h in 0..nh {
+            for r in 0..n {
+                state.k_norm_max[h] = state.k_norm_max[h].max(kn(h, r));
+            }
+        }
+    }
+    state.k_shift.copy_from_slice(&g.shift[..d]);
+    state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
+    let (gk, gv) = (g.k, g.v);
+    let row = |h: usize, r: usize| {
+        let at = (h * n + r) * hd;
+        (&gk[at..at + hd], &gv[at..at + hd])
+    };
+    let mut score_row = vec![0.0f32; nh];
+    let pos0 = cx.pos0;
+    let scores = cx.scores;
+    // The CPU's `append`: evictions (their moves into `moves[h]`), then the new row.
+    let mut log: Vec<(usize, Eviction)> = Vec::new();
+    let continuation = !cx.fresh && n > 1 && !cx.acp_on_device;
+    let mut evicted: Vec<Vec<Evicted>> = (0..nh).map(|_| Vec::new()).collect();
+    let mut append = |state: &mut LayerState,
+                      r: usize,
+                      moves: &mut Vec<Vec<RowOp>>|
+     -> Result<()> {
+        let sc = scores.map(|sc| {
+            score_row.fill(sc[r]);
+            &score_row[..]
+        });
+        let heads = &mut state.heads;
+        let mut failed = None;
+        state
+            .policy
+            .append(pos0 + r as u64, &c_rows[r * nh..(r + 1) * nh], sc, |ev| {
+                log.push((r, ev));
+                if continuation && ev.position < pos0 && failed.is_none() {
+                    let hc = &heads[ev.head];
+                    let slot = ev.slot as usize;
+                    match (row_f32(hc, slot, hd), hc.c.get(slot)) {
+                        (Ok((k, v)), Some(&c)) => evicted[ev.head].push(Evicted {
+                            k,
+                            v,
+                            c,
+                            end: r as u32,
+                        }),
+                        (Err(e), _) => failed = Some(e),
+                        (_, None) => failed = Some(Error::Internal("evicted an empty slot".into())),
                     }
+                }
+                if let Some((from, to)) = ev.moved() {
+                    moves[ev.head].push(RowOp::Move { from, to });
+                }
+                if failed.is_none()
+                    && let Err(e) = heads[ev.head].apply(&ev, hd)
+                {
+                    failed = Some(e);
+                }
+            })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for (h, hc) in heads.iter_mut().enumerate() {
+            let c = c_rows[r * nh + h];
+            let pos = pos0 + r as u64;
+            let (k, v) = row(h, r);
+            hc.push(k, v, c, pos)?;
+            moves[h].push(RowOp::Put {
+                token: r as u32,
+                slot: (hc.len() - 1) as u32,
+                c,
+                pos,
+            });
+        }
+        state.peak_live = state.peak_live.max(state.policy.live_total());
+        Ok(())
+    };
+    if cx.fresh && n > 1 {
+        let mut delta = Vec::with_capacity(nh);
+        for (h, &uh) in u.iter().enumerate().take(nh) {
+            delta.push(match (ln_eps, certified) {
+                (None, _) => None,
+                (Some(e), true) => Some(foxedge_core::threshold::threshold(uh, n, e)?),
+                (Some(e), false) => {
+                    let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
+                    let km = (0..n).map(|r| kn(h, r)).fold(0.0, f64::max);
+                    let uu = foxedge_core::threshold::bound_from_norms(qm, km, scale)?;
+                    Some(foxedge_core::threshold::threshold(uu, n, e)?)
+                }
+            });
+        }
+        let mut scratch = vec![Vec::new(); nh];
+        for r in 0..n {
+            append(state, r, &mut scratch)?;
+        }
+        // The surviving rows, each from its token of the chunk.
+        let ops = state
+            .heads
+            .iter()
+            .map(|hc| {
+                (0..hc.len())
+                    .map(|s| RowOp::Put {
+                        token: (hc.pos[s] - pos0) as u32,
+                        slot: s as u32,
+                        c: hc.c[s],
+                        pos: hc.pos[s],
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut c = vec![0.0f64; nh * n];
+        for h in 0..nh {
+            for r in 0..n {
+                c[h * n + r] = c_rows[r * nh + h];
+            }
+        }
+        return Ok((LayerPlan::Chunk { c, delta, ops }, None));
+    }
+    if continuation {
+        // A continuation: the chunk attends the cache as it is now, then its rows (and
+        // the evictions made while appending them) join the cache.
+        let live: Vec<usize> = state.heads.iter().map(HeadCache::len).collect();
+        let cache_c: Vec<Vec<f64>> = state.heads.iter().map(|hc| hc.c.clone()).collect();
+        let pre: Vec<Vec<RowOp>> = (0..nh)
+            .map(|h| {
+                if rebased[h] {
+                    meta_ops(&state.heads[h])
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let mut delta = Vec::with_capacity(nh);
+        for h in 0..nh {
+            let big_n = live[h] + n;
+            delta.push(match (ln_eps, certified) {
+                (None, _) => None,
+                (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], big_n, e)?),
+                (Some(e), false) => {
+                    let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
+                    let uu =
+                        foxedge_core::threshold::bound_from_norms(qm, state.k_norm_max[h], scale)?;
+                    Some(foxedge_core::threshold::threshold(uu, big_n, e)?)
+                }
+            });
+        }
+        let mut ops = vec![Vec::new(); nh];
+        for r in 0..n {
+            append(state, r, &mut ops)?;
+        }
+        let (ends, key_end) = if log.is_empty() {
+            (vec![Vec::new(); nh], vec![n as u32; n * nh])
+        } else {
+            let (cache_end, key_end) = super::forward::chunk_ends(&live, &log, n)?;
+            let ends = cache_end
+                .into_iter()
+                .enumerate()
+                .map(|(h, mut e)| {
+                    e.extend((0..n).map(|r| key_end[r * nh + h]));
+                    e
                 })
                 .collect();
-            append(state, r, &mut ops)?;
-            let mut heads = Vec::with_capacity(nh);
-            for (h, ops) in ops.into_iter().enumerate() {
-                let hc = &state.heads[h];
-                let live = hc.len();
-                let delta = match (ln_eps, certified) {
-                    (None, _) => None,
-                    // The step decided ACP on the device from its plan's thresholds.
-                    (Some(_), true) if self.acp_on_device => None,
-                    (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], live, e)?),
-                    (Some(e), false) => {
-                        let uu = foxedge_core::threshold::bound_from_norms(
-                            qn(h, r),
-                            state.k_norm_max[h],
-                            scale,
-                        )?;
-                        Some(foxedge_core::threshold::threshold(uu, live, e)?)
-                    }
-                };
-                let c_t = c_rows[r * nh + h];
-                let (kept, stats) = if self.acp_on_device {
-                    (Vec::new(), Default::default())
-                } else {
-                    vm::decode_blocks(&hc.c, c_t, delta, BLOCK)
-                };
-                heads.push(HeadStep {
-                    ops,
-                    live,
-                    c_t,
-                    kept,
-                    stats,
-                });
+            (ends, key_end)
+        };
+        let replay = Replay {
+            evicted,
+            q_c: c_rows.clone(),
+            key_end,
+        };
+        let mut c = vec![0.0f64; nh * n];
+        let (mut kept, mut stats) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
+        for h in 0..nh {
+            for r in 0..n {
+                c[h * n + r] = c_rows[r * nh + h];
             }
-            steps.push(TokenPlan { heads });
+            let e = (!ends[h].is_empty()).then_some(&ends[h][..]);
+            let (k, st) = vm::continue_blocks(&cache_c[h], &c[h * n..(h + 1) * n], delta[h], e);
+            kept.push(k);
+            stats.push(st);
         }
-        Ok(LayerPlan::Tokens(steps))
+        let plan = LayerPlan::Continue(ContinuePlan {
+            c,
+            pre,
+            live,
+            kept,
+            stats,
+            ends,
+            ops,
+        });
+        return Ok((plan, Some(replay)));
     }
+    let mut steps = Vec::with_capacity(n);
+    for r in 0..n {
+        let mut ops: Vec<Vec<RowOp>> = (0..nh)
+            .map(|h| {
+                if r == 0 && rebased[h] {
+                    meta_ops(&state.heads[h])
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        append(state, r, &mut ops)?;
+        let mut heads = Vec::with_capacity(nh);
+        for (h, ops) in ops.into_iter().enumerate() {
+            let hc = &state.heads[h];
+            let live = hc.len();
+            let delta = match (ln_eps, certified) {
+                (None, _) => None,
+                // The step decided ACP on the device from its plan's thresholds.
+                (Some(_), true) if cx.acp_on_device => None,
+                (Some(e), true) => Some(foxedge_core::threshold::threshold(u[h], live, e)?),
+                (Some(e), false) => {
+                    let uu = foxedge_core::threshold::bound_from_norms(
+                        qn(h, r),
+                        state.k_norm_max[h],
+                        scale,
+                    )?;
+                    Some(foxedge_core::threshold::threshold(uu, live, e)?)
+                }
+            };
+            let c_t = c_rows[r * nh + h];
+            let (kept, stats) = if cx.acp_on_device {
+                (Vec::new(), Default::default())
+            } else {
+                vm::decode_blocks(&hc.c, c_t, delta, BLOCK)
+            };
+            heads.push(HeadStep {
+                ops,
+                live,
+                c_t,
+                kept,
+                stats,
+            });
+        }
+        steps.push(TokenPlan { heads });
+    }
+    Ok((LayerPlan::Tokens(steps), None))
+}
+
+/// A layer's part of a one-token step's plan: which heads it re-based, and its heads'
+/// plans (None: the per-layer path runs the token).
+type LayerStepPlan = (Vec<bool>, Option<Vec<StepHead>>);
+
+/// What a one-token step's plan of a layer reads besides the layer's state.
+struct StepCx<'a> {
+    certified: bool,
+    /// The layer's logit bound per head.
+    u: &'a [f64],
+    ln: &'a LnTable,
+    ln_eps: Option<f64>,
+    /// Most live rows a head keeps (the budget).
+    limit: usize,
+    scale: f64,
+    /// The token's position.
+    pos: u64,
+}
+
+/// Layer plan of a one-token step ([`Session::step_plan`]): per head the evictions its
+/// policy may make, their swap-delete moves and the ACP threshold for each count; None
+/// where the policy cannot list them (the per-layer path runs the token).
+fn step_plan_layer(
+    cx: &StepCx<'_>,
+    state: &LayerState,
+    rebased: &[bool],
+) -> Result<Option<Vec<StepHead>>> {
+    let mut cand = Vec::new();
+    let mut slots: Vec<u32> = Vec::new();
+    let mut heads = Vec::with_capacity(state.heads.len());
+    for (h, hc) in state.heads.iter().enumerate() {
+        let live = hc.len();
+        let k_max = (live + 1).saturating_sub(cx.limit) + STEP_EVICTIONS;
+        if cand.len() < k_max {
+            cand.resize(k_max, foxedge_core::retention::Candidate::default());
+        }
+        let Some(n) = state.policy.next_evictions(h, &mut cand[..k_max])? else {
+            return Ok(None);
+        };
+        // The swap-deletes of evicting the candidates in order.
+        slots.clear();
+        slots.extend(cand[..n].iter().map(|c| c.slot));
+        let mut evict = Vec::with_capacity(n);
+        let mut last = live;
+        for i in 0..n {
+            last -= 1;
+            let at = slots[i];
+            let moved = (at as usize != last).then_some((last as u32, at));
+            for s in &mut slots[i + 1..] {
+                if *s as usize == last {
+                    *s = at;
+                }
+            }
+            evict.push(StepEvict {
+                moved,
+                at_or_below: cand[i].evict_at_or_below,
+            });
+        }
+        let acp = match (cx.ln_eps, cx.certified) {
+            (None, _) => StepAcp::Dense,
+            (Some(e), true) => StepAcp::Delta(
+                (0..=n)
+                    .map(|k| {
+                        let ln_n = cx.ln.at(live - k + 1);
+                        foxedge_core::threshold::threshold_ln(cx.u[h], ln_n, e)
+                    })
+                    .collect::<std::result::Result<_, _>>()?,
+            ),
+            (Some(e), false) => {
+                // Without a certificate only the budget evicts: all n, always.
+                if evict.iter().any(|x| x.at_or_below != f64::INFINITY) {
+                    return Ok(None);
+                }
+                StepAcp::Norms {
+                    base: e - ((live - n + 1) as f64).ln(),
+                    k_norm_max: state.k_norm_max[h],
+                    scale: cx.scale,
+                }
+            }
+        };
+        heads.push(StepHead {
+            ops: if rebased[h] { meta_ops(hc) } else { Vec::new() },
+            live,
+            evict,
+            c_prev: state.gates[h].current(),
+            pos: cx.pos,
+            acp,
+        });
+    }
+    Ok(Some(heads))
 }
 
 impl Session {
@@ -777,87 +919,58 @@ impl Session {
     /// evictions at this token are not known that way (`next_evictions`): the per-layer
     /// path runs it.
     fn step_plan(&mut self) -> Result<Option<Vec<Vec<StepHead>>>> {
-        let info = self.model.info();
-        let scale = 1.0 / (info.head_dim as f64).sqrt();
+        use rayon::prelude::*;
+        let scale = 1.0 / (self.model.info().head_dim as f64).sqrt();
         let pos = self.stats.tokens;
         let ln_eps = self.opts.ln_eps;
         let limit = self.policy_cfg.head_limit();
         let Some(dev) = self.device.as_mut() else {
             return Err(Error::Internal("a step plan without a device".into()));
         };
-        let mut plan = Vec::with_capacity(info.layers);
-        let mut cand = Vec::new();
-        let mut slots: Vec<u32> = Vec::new();
-        // Heads re-based here: their metas go with the step, or with the run that replaces it.
-        let mut rebased_all: Vec<Vec<bool>> = Vec::with_capacity(info.layers);
-        for l in 0..info.layers {
-            let certified = self.certified[l];
-            let state = &mut self.layers[l];
-            rebased_all.push(rebase_heads(state)?);
-            let rebased = &rebased_all[l];
-            let mut heads = Vec::with_capacity(info.heads);
-            for (h, hc) in state.heads.iter().enumerate() {
-                let live = hc.len();
-                let k_max = (live + 1).saturating_sub(limit) + STEP_EVICTIONS;
-                if cand.len() < k_max {
-                    cand.resize(k_max, foxedge_core::retention::Candidate::default());
-                }
-                let Some(n) = state.policy.next_evictions(h, &mut cand[..k_max])? else {
-                    dev.unsent_metas = rebased_all;
-                    return Ok(None);
-                };
-                // The swap-deletes of evicting the candidates in order.
-                slots.clear();
-                slots.extend(cand[..n].iter().map(|c| c.slot));
-                let mut evict = Vec::with_capacity(n);
-                let mut last = live;
-                for i in 0..n {
-                    last -= 1;
-                    let at = slots[i];
-                    let moved = (at as usize != last).then_some((last as u32, at));
-                    for s in &mut slots[i + 1..] {
-                        if *s as usize == last {
-                            *s = at;
-                        }
-                    }
-                    evict.push(StepEvict {
-                        moved,
-                        at_or_below: cand[i].evict_at_or_below,
-                    });
-                }
-                let acp = match (ln_eps, certified) {
-                    (None, _) => StepAcp::Dense,
-                    (Some(e), true) => StepAcp::Delta(
-                        (0..=n)
-                            .map(|k| {
-                                let ln_n = dev.ln.get(live - k + 1);
-                                foxedge_core::threshold::threshold_ln(self.u[l][h], ln_n, e)
-                            })
-                            .collect::<std::result::Result<_, _>>()?,
-                    ),
-                    (Some(e), false) => {
-                        // Without a certificate only the budget evicts: all n, always.
-                        if evict.iter().any(|x| x.at_or_below != f64::INFINITY) {
-                            dev.unsent_metas = rebased_all;
-                            return Ok(None);
-                        }
-                        StepAcp::Norms {
-                            base: e - ((live - n + 1) as f64).ln(),
-                            k_norm_max: state.k_norm_max[h],
-                            scale,
-                        }
-                    }
-                };
-                heads.push(StepHead {
-                    ops: if rebased[h] { meta_ops(hc) } else { Vec::new() },
-                    live,
-                    evict,
-                    c_prev: state.gates[h].current(),
+        let most = self
+            .layers
+            .iter()
+            .flat_map(|s| &s.heads)
+            .map(HeadCache::len)
+            .max();
+        dev.ln.grow(most.unwrap_or(0) + 1);
+        let ln = &dev.ln;
+        let (u, certified) = (&self.u, &self.certified);
+        // Layers are independent: planned in parallel.
+        let per_layer: Vec<Result<LayerStepPlan>> = self
+            .layers
+            .par_iter_mut()
+            .enumerate()
+            .map(|(l, state)| {
+                let rebased = rebase_heads(state)?;
+                let cx = StepCx {
+                    certified: certified[l],
+                    u: &u[l],
+                    ln,
+                    ln_eps,
+                    limit,
+                    scale,
                     pos,
-                    acp,
-                });
+                };
+                let heads = step_plan_layer(&cx, state, &rebased)?;
+                Ok((rebased, heads))
+            })
+            .collect();
+        let mut plan = Vec::with_capacity(per_layer.len());
+        let mut rebased_all = Vec::with_capacity(per_layer.len());
+        let mut whole = true;
+        for r in per_layer {
+            let (rebased, heads) = r?;
+            rebased_all.push(rebased);
+            match heads {
+                Some(h) => plan.push(h),
+                None => whole = false,
             }
-            plan.push(heads);
+        }
+        if !whole {
+            // Heads re-based here: their metas go with the run that replaces the step.
+            dev.unsent_metas = rebased_all;
+            return Ok(None);
         }
         Ok(Some(plan))
     }
@@ -900,40 +1013,63 @@ impl Session {
                 return self.cpu_finish(&[id], scores, logits, false, (0, &[]), &shift_before);
             }
         };
-        let pos0 = self.stats.tokens;
-        let mut keeper = Keeper {
-            sess: self,
-            pos0,
-            fresh: false,
-            scores,
-            acp_on_device: true,
-            replays: Vec::new(),
-            unsent_metas: Vec::new(),
+        if plan.len() != self.layers.len() {
+            return Err(Error::Internal("a step plan without every layer".into()));
+        }
+        // The books of each layer from its gates, layers in parallel; per layer the heads
+        // whose operations the device made differently from the policy.
+        let per_layer: Vec<Result<Vec<usize>>> = {
+            use rayon::prelude::*;
+            let info = self.model.info();
+            let (u, certified, ln_eps) = (&self.u, &self.certified, self.opts.ln_eps);
+            let pos0 = self.stats.tokens;
+            let got = &got;
+            self.layers
+                .par_iter_mut()
+                .zip(plan.par_iter())
+                .enumerate()
+                .map(|(l, (state, heads))| {
+                    let cx = LayerCx {
+                        heads: info.heads,
+                        head_dim: info.head_dim,
+                        hidden: info.hidden,
+                        ln_eps,
+                        certified: certified[l],
+                        u: &u[l],
+                        pos0,
+                        fresh: false,
+                        scores,
+                        acp_on_device: true,
+                        unsent: None,
+                    };
+                    let (made, _) = plan_layer(&cx, state, &got.gates(l))?;
+                    let LayerPlan::Tokens(steps) = made else {
+                        return Err(Error::Internal("a one-token step planned a chunk".into()));
+                    };
+                    let [step] = &steps[..] else {
+                        return Err(Error::Internal("a one-token step planned several".into()));
+                    };
+                    let differ = (step.heads.iter().zip(heads).enumerate())
+                        .filter(|(h, (hs, sp))| !same_ops(&hs.ops, sp, got.evicted(l, *h)))
+                        .map(|(h, _)| h)
+                        .collect();
+                    // The device's c_t is the f64 sum to its double-float precision.
+                    for (h, g) in state.gates.iter().enumerate() {
+                        let (dev_c, host_c) = (got.c_t(l, h), g.current());
+                        if (dev_c - host_c).abs() > C_T_TOLERANCE * (1.0 + host_c.abs()) {
+                            return Err(Error::Internal(format!(
+                                "layer {l} head {h}: the device's c_t {dev_c} is not the \
+                                 host's {host_c}"
+                            )));
+                        }
+                    }
+                    Ok(differ)
+                })
+                .collect()
         };
-        // Heads whose operations the device made differently from the policy.
         let mut differ = Vec::new();
-        for (l, heads) in plan.iter().enumerate() {
-            let made = keeper.plan(&got.gates(l))?;
-            let LayerPlan::Tokens(steps) = made else {
-                return Err(Error::Internal("a one-token step planned a chunk".into()));
-            };
-            if steps.len() != 1 {
-                return Err(Error::Internal("a one-token step planned several".into()));
-            }
-            for (h, (hs, sp)) in steps[0].heads.iter().zip(heads).enumerate() {
-                if !same_ops(&hs.ops, sp, got.evicted(l, h)) {
-                    differ.push((l, h));
-                }
-            }
-            // The device's c_t is the f64 sum to its double-float precision (2^-48 relative).
-            for (h, g) in keeper.sess.layers[l].gates.iter().enumerate() {
-                let (dev_c, host_c) = (got.c_t(l, h), g.current());
-                if (dev_c - host_c).abs() > C_T_TOLERANCE * (1.0 + host_c.abs()) {
-                    return Err(Error::Internal(format!(
-                        "layer {l} head {h}: the device's c_t {dev_c} is not the host's {host_c}"
-                    )));
-                }
-            }
+        for (l, heads) in per_layer.into_iter().enumerate() {
+            differ.extend(heads?.into_iter().map(|h| (l, h)));
         }
         dev.stream.recycle(got);
         for st in &rs.attention {

@@ -39,6 +39,10 @@ pub const DEVICE_ENV: &str = "FOXEDGE_VULKAN_DEVICE";
 /// cores a poll would take).
 pub const SPIN_ENV: &str = "FOXEDGE_VULKAN_SPIN_US";
 
+/// Environment variable: `0` keeps a replayed submission from sleeping before it polls its
+/// fence ([`Context::submit_untracked`]).
+pub const NAP_ENV: &str = "FOXEDGE_VULKAN_NAP";
+
 /// Environment variable: `simultaneous` records command buffers that are submitted many
 /// times (the decode step) with `SIMULTANEOUS_USE` instead of none of the usage flags.
 pub const CB_USAGE_ENV: &str = "FOXEDGE_VK_CB_USAGE";
@@ -649,10 +653,17 @@ impl Context {
     /// the host or in another submission): vulkano does not know they are in use. It
     /// returns once the device has finished, so a caller that submits from one thread and
     /// touches those buffers only between its calls meets this.
+    ///
+    /// `expect` is how long the device is expected to take (the last wait of the same
+    /// command buffer; zero when unknown): where the context polls ([`SPIN_ENV`]), the thread
+    /// first sleeps through three quarters of it, less 300 µs, then polls for the rest plus
+    /// the spin time, so that it is running when the fence signals without spinning a
+    /// whole step (`FOXEDGE_VULKAN_NAP=0`: no sleep).
     pub unsafe fn submit_untracked(
         &self,
         cb: Arc<PrimaryAutoCommandBuffer>,
         fence: &mut Option<Arc<Fence>>,
+        expect: std::time::Duration,
     ) -> Result<[std::time::Duration; 2]> {
         let t1 = std::time::Instant::now();
         let f = match fence.take() {
@@ -672,7 +683,17 @@ impl Context {
         let t2 = std::time::Instant::now();
         let spin = self.spin_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
         if spin > 0 {
-            let until = t2 + std::time::Duration::from_nanos(spin);
+            static NAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let nap = if *NAP.get_or_init(|| std::env::var(NAP_ENV).is_ok_and(|v| v.trim() == "0"))
+            {
+                std::time::Duration::ZERO
+            } else {
+                (expect * 3 / 4).saturating_sub(std::time::Duration::from_micros(300))
+            };
+            if !nap.is_zero() {
+                std::thread::sleep(nap);
+            }
+            let until = t2 + nap + expect / 4 + std::time::Duration::from_nanos(spin);
             while !f.is_signaled()? && std::time::Instant::now() < until {
                 std::hint::spin_loop();
             }

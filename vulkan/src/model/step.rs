@@ -262,6 +262,8 @@ pub struct DeviceStream {
     flag: Subbuffer<[u32]>,
     /// The fence of replayed steps' submissions, reset and reused.
     fence: Option<Arc<vulkano::sync::fence::Fence>>,
+    /// How long the last replayed step's wait took (the next one's expected wait).
+    step_wait: std::time::Duration,
     /// The decode pipeline of one-token steps, for the context's subgroup setting and the
     /// head buffers per dispatch it was made with.
     kernel: Option<(bool, usize, crate::decode::Kernel)>,
@@ -395,6 +397,7 @@ impl DeviceStream {
             replay: None,
             flag,
             fence: None,
+            step_wait: std::time::Duration::ZERO,
             kernel: None,
             spare: Vec::new(),
             fail_at: None,
@@ -513,7 +516,13 @@ impl DeviceStream {
         let [submit, wait] = if untracked {
             // SAFETY: a stream submits from one thread and waits for each submission; the
             // host touches the buffers of a replayed step only between its submissions.
-            unsafe { self.model.ctx.submit_untracked(cb, &mut self.fence) }?
+            let r = unsafe {
+                self.model
+                    .ctx
+                    .submit_untracked(cb, &mut self.fence, self.step_wait)
+            }?;
+            self.step_wait = r[1];
+            r
         } else {
             self.model.ctx.submit_built(cb)?
         };

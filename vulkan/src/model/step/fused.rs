@@ -364,8 +364,11 @@ impl DeviceStream {
         };
 
         // Cache heads large enough for the token's row, grown in a submission of their own:
-        // the recorded step binds the heads' buffers.
-        let mut grow: Option<super::Rec<'_>> = None;
+        // the recorded step binds the heads' buffers, so each growth re-records the step.
+        // Where one head must grow, every head within an eighth of its capacity grows with
+        // it (heads fill at similar rates: one re-recording instead of one per head).
+        let mut needs = Vec::with_capacity(nl * nh);
+        let mut any = false;
         for (l, heads) in plan.iter().enumerate() {
             for (h, st) in heads.iter().enumerate() {
                 let mut need = st.live + 1;
@@ -383,14 +386,23 @@ impl DeviceStream {
                 if need > u32::MAX as usize / 4 {
                     return Err(Error::Unsupported("cache head too large".into()));
                 }
-                if self.heads[l][h].as_ref().is_some_and(|b| b.cap >= need) {
+                any |= self.heads[l][h].as_ref().is_none_or(|b| b.cap < need);
+                needs.push(need);
+            }
+        }
+        let mut grow: Option<super::Rec<'_>> = None;
+        if any {
+            for (i, &need) in needs.iter().enumerate() {
+                let (l, h) = (i / nh, i % nh);
+                let cap = self.heads[l][h].as_ref().map_or(0, |b| b.cap);
+                if cap >= need && need + cap / 8 <= cap {
                     continue;
                 }
                 let rec = match &mut grow {
                     Some(r) => r,
                     None => grow.insert(super::Rec::new(&ctx)?),
                 };
-                self.ensure_head(rec, l, h, need)?;
+                self.ensure_head(rec, l, h, need.max(cap + 1))?;
             }
         }
         if let Some(grow) = grow {
