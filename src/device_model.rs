@@ -559,10 +559,7 @@ fn plan_layer(
                 }
             });
         }
-        let mut scratch = vec![Vec::new(); nh];
-        for r in 0..n {
-            append(state, r, &mut scratch)?;
-        }
+        keep_fresh_chunk(state, g, &c_rows, pos0, scores, hd)?;
         // The surviving rows, each from its token of the chunk.
         let ops = state
             .heads
@@ -711,6 +708,65 @@ fn plan_layer(
 /// A layer's part of a one-token step's plan: which heads it re-based, and its heads'
 /// plans (None: the per-layer path runs the token).
 type LayerStepPlan = (Vec<bool>, Option<Vec<StepHead>>);
+
+/// The CPU's `append` of a fresh chunk's `n` rows (a stream's first): the retention policy
+/// over the tokens in order, noting each head's evictions, then each head's host rows
+/// (its evictions at a token, then the token's row), heads in parallel. The same rows as
+/// appending token by token: a fresh chunk reads no evicted row, and heads do not share
+/// rows.
+fn keep_fresh_chunk(
+    state: &mut LayerState,
+    g: &Gates<'_>,
+    c_rows: &[f64],
+    pos0: u64,
+    scores: Option<&[f32]>,
+    hd: usize,
+) -> Result<()> {
+    use rayon::prelude::*;
+    let (n, nh) = (g.tokens, state.heads.len());
+    let mut evs: Vec<Vec<(usize, Eviction)>> = vec![Vec::new(); nh];
+    let mut score_row = vec![0.0f32; nh];
+    let mut bad_head = false;
+    for r in 0..n {
+        let sc = scores.map(|sc| {
+            score_row.fill(sc[r]);
+            &score_row[..]
+        });
+        state.policy.append(
+            pos0 + r as u64,
+            &c_rows[r * nh..(r + 1) * nh],
+            sc,
+            |ev| match evs.get_mut(ev.head) {
+                Some(e) => e.push((r, ev)),
+                None => bad_head = true,
+            },
+        )?;
+        state.peak_live = state.peak_live.max(state.policy.live_total());
+    }
+    if bad_head {
+        return Err(Error::Internal(
+            "an eviction of a head the layer lacks".into(),
+        ));
+    }
+    let (gk, gv) = (g.k, g.v);
+    state
+        .heads
+        .par_iter_mut()
+        .zip(&evs)
+        .enumerate()
+        .try_for_each(|(h, (hc, evs))| -> Result<()> {
+            let mut evs = evs.iter().peekable();
+            for r in 0..n {
+                while let Some((_, ev)) = evs.next_if(|(at, _)| *at == r) {
+                    hc.apply(ev, hd)?;
+                }
+                let at = (h * n + r) * hd;
+                let c = c_rows[r * nh + h];
+                hc.push(&gk[at..at + hd], &gv[at..at + hd], c, pos0 + r as u64)?;
+            }
+            Ok(())
+        })
+}
 
 /// What a one-token step's plan of a layer reads besides the layer's state.
 struct StepCx<'a> {
