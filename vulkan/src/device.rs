@@ -655,10 +655,10 @@ impl Context {
     /// touches those buffers only between its calls meets this.
     ///
     /// `expect` is how long the device is expected to take (the last wait of the same
-    /// command buffer; zero when unknown): where the context polls ([`SPIN_ENV`]), the thread
-    /// first sleeps through three quarters of it, less 300 µs, then polls for the rest plus
-    /// the spin time, so that it is running when the fence signals without spinning a
-    /// whole step (`FOXEDGE_VULKAN_NAP=0`: no sleep).
+    /// command buffer; zero when unknown): where the context polls ([`SPIN_ENV`]), the
+    /// thread first sleeps through three quarters of it, less 300 µs (at most 20 ms), then
+    /// polls for the rest plus the spin time, so that it is running when the fence signals
+    /// without spinning through a whole step (`FOXEDGE_VULKAN_NAP=0`: no sleep).
     pub unsafe fn submit_untracked(
         &self,
         cb: Arc<PrimaryAutoCommandBuffer>,
@@ -688,7 +688,9 @@ impl Context {
             {
                 std::time::Duration::ZERO
             } else {
-                (expect * 3 / 4).saturating_sub(std::time::Duration::from_micros(300))
+                (expect * 3 / 4)
+                    .saturating_sub(std::time::Duration::from_micros(300))
+                    .min(std::time::Duration::from_millis(20))
             };
             if !nap.is_zero() {
                 std::thread::sleep(nap);
