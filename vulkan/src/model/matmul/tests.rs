@@ -83,19 +83,28 @@ fn check(
     }
 }
 
-const KERNELS: [MmKernel; 4] = [
-    MmKernel::Tile64,
+const SIMT: [MmKernel; 3] = [
     MmKernel::Simt { tm: 8, tn: 8 },
     MmKernel::Simt { tm: 8, tn: 4 },
     MmKernel::Simt { tm: 4, tn: 4 },
 ];
 
 #[test]
-fn every_kernel_matches_the_f64_product_in_every_format() {
-    let Some(ctx) = device("matmul_kernels") else {
+fn the_64x64_kernel_matches_the_f64_product_in_every_format() {
+    matches_the_f64_product("matmul_tile64", &[MmKernel::Tile64], 11);
+}
+
+#[test]
+fn the_register_tiled_kernel_matches_the_f64_product_in_every_format() {
+    matches_the_f64_product("matmul_simt", &SIMT, 13);
+}
+
+/// `kernels` against the f64 product in every format, shape and token count.
+fn matches_the_f64_product(name: &str, kernels: &[MmKernel], seed: u64) {
+    let Some(ctx) = device(name) else {
         return;
     };
-    let mut r = StdRng::seed_from_u64(11);
+    let mut r = StdRng::seed_from_u64(seed);
     for fmt in FORMATS {
         let block = fmt.starts_with('q');
         // (rows, K): K ragged against the 16-deep slice where the format allows it.
@@ -123,7 +132,7 @@ fn every_kernel_matches_the_f64_product_in_every_format() {
                 let x: Vec<f32> = (0..n * k).map(|_| r.gen_range(-2.0f32..2.0)).collect();
                 let (y_off, ldy) = (3, rows + 5);
                 let y0: Vec<f32> = (0..n * ldy).map(|_| r.gen_range(-1.0f32..1.0)).collect();
-                for kernel in KERNELS {
+                for &kernel in kernels {
                     let bufs = ctx.upload(&[&words(&x), &words(&y0)]).expect("upload");
                     let mut rec = Rec::new(&ctx).expect("recorder");
                     rec.matmul_with(kernel, &m, n, &bufs[0], &bufs[1], y_off, ldy, acc)
