@@ -28,7 +28,9 @@
 //! attends (evictions before the token's attention, as on the CPU). Afterwards the session
 //! runs its policy on the gates read back and checks it made the device's operations; a
 //! head where it made others (evictions past the listed candidates) is loaded from the
-//! host's rows.
+//! host's rows. Layers keep their books independently, so a token's plan and books run
+//! in parallel over layers on the session's pool; a fresh chunk's host rows are kept per
+//! head in parallel after its policy has run over the chunk's tokens.
 //!
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
