@@ -45,9 +45,9 @@ use crate::ops;
 use foxedge_core::contract::Acp;
 use foxedge_core::retention::Eviction;
 use foxedge_vulkan::model::{
-    self as vm, Act, ContinuePlan, DeviceModel, DeviceStream, Gates, HeadStep, LayerPlan,
-    ModelOptions, ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict, StepHead,
-    TokenPlan,
+    self as vm, Act, ContinuePlan, DeviceModel, DeviceStream, Gates, HeadStep, LayerGates,
+    LayerPlan, ModelOptions, ModelShape, ModelWeights, Output, QkNorm, RowOp, StepAcp, StepEvict,
+    StepHead, TokenPlan,
 };
 use half::f16;
 use std::sync::{Mutex, OnceLock, Weak};
@@ -177,6 +177,14 @@ fn budget_from_env() -> Result<ModelOptions> {
                 ))
             }),
     }
+}
+
+/// The device run's error for a plan callback whose books failed (the books' own error is
+/// kept beside it).
+fn books_failed() -> foxedge_vulkan::Error {
+    foxedge_vulkan::Error::Input(foxedge_core::Error::BadArgument(
+        "the session's bookkeeping failed",
+    ))
 }
 
 /// A device failure as a facade error: [`Error::OutOfMemory`] or
@@ -379,40 +387,48 @@ impl Session {
             .iter()
             .map(|l| (l.k_shift.clone(), l.v_shift.clone()))
             .collect();
-        let pos0 = self.stats.tokens;
-        let mut keeper = Keeper {
-            sess: self,
-            pos0,
-            fresh,
-            scores,
-            acp_on_device: false,
-            replays: Vec::new(),
-            unsent_metas,
-        };
-        let mut layers_done = 0usize;
-        let mut own_err: Option<Error> = None;
         let out = match logits.as_deref_mut() {
             None => Output::Nothing,
             Some(l) if all_rows => Output::All(l),
             Some(l) => Output::Last(l),
         };
-        let res = dev.stream.run(
-            ids,
-            &mut |g: &Gates<'_>| match keeper.plan(g) {
-                Ok(p) => {
-                    layers_done = g.layer + 1;
-                    Ok(p)
-                }
-                Err(e) => {
-                    own_err = Some(e);
-                    Err(foxedge_vulkan::Error::Input(
-                        foxedge_core::Error::BadArgument("the session's bookkeeping failed"),
-                    ))
-                }
-            },
-            out,
-        );
-        let replays = std::mem::take(&mut keeper.replays);
+        let (res, layers_done, own_err, replays) = if fresh && n > 1 {
+            let (res, done, err) = self.run_fresh(&mut dev, ids, scores, out);
+            (res, done, err, Vec::new())
+        } else {
+            let pos0 = self.stats.tokens;
+            let mut keeper = Keeper {
+                sess: self,
+                pos0,
+                fresh,
+                scores,
+                acp_on_device: false,
+                replays: Vec::new(),
+                unsent_metas,
+            };
+            let mut layers_done = 0usize;
+            let mut own_err: Option<Error> = None;
+            let res = dev.stream.run(
+                ids,
+                &mut |g: &Gates<'_>| match keeper.plan(g) {
+                    Ok(p) => {
+                        layers_done = g.layer + 1;
+                        Ok(p)
+                    }
+                    Err(e) => {
+                        own_err = Some(e);
+                        Err(books_failed())
+                    }
+                },
+                out,
+            );
+            (
+                res,
+                layers_done,
+                own_err,
+                std::mem::take(&mut keeper.replays),
+            )
+        };
         if let Some(e) = own_err {
             self.device = Some(dev);
             return Err(e);
@@ -445,6 +461,90 @@ impl Session {
                 self.cpu_finish(ids, scores, logits, all_rows, done, &shift_before)
             }
         }
+    }
+
+    /// A fresh chunk's run with its books deferred: per layer the session takes the gates
+    /// and plans the attention at once ([`books::fresh_plan`]: every row stored in its
+    /// token's slot), then keeps the rest of the layer's books on a thread of its own while
+    /// the device runs on ([`books::fresh_rows`]); after the last layer the device moves the
+    /// rows the policy kept into its slots. Returns the run's result, the layers whose
+    /// books were kept (all joined before it returns) and the books' own error.
+    fn run_fresh(
+        &mut self,
+        dev: &mut Device,
+        ids: &[u32],
+        scores: Option<&[f32]>,
+        out: Output<'_>,
+    ) -> (
+        std::result::Result<foxedge_vulkan::model::RunStats, foxedge_vulkan::Error>,
+        usize,
+        Option<Error>,
+    ) {
+        use std::cell::{Cell, RefCell};
+        let info = self.model.info();
+        let (u, certified, ln_eps) = (&self.u, &self.certified, self.opts.ln_eps);
+        let pos0 = self.stats.tokens;
+        let hd = info.head_dim;
+        let mut states: Vec<Option<&mut LayerState>> = self.layers.iter_mut().map(Some).collect();
+        let done = Cell::new(0usize);
+        let own_err: RefCell<Option<Error>> = RefCell::new(None);
+        let res = std::thread::scope(|s| {
+            type Job<'s> = std::thread::ScopedJoinHandle<'s, Result<Vec<Vec<RowOp>>>>;
+            let jobs: RefCell<Vec<Job<'_>>> = RefCell::new(Vec::new());
+            let fail = |e: Error| {
+                own_err.borrow_mut().get_or_insert(e);
+                books_failed()
+            };
+            let join = |j: Job<'_>| match j.join() {
+                Ok(r) => r,
+                Err(_) => Err(Error::Internal("a layer's books panicked".into())),
+            };
+            let mut plan = |g: &Gates<'_>, lg: &LayerGates| {
+                let l = g.layer;
+                let Some(state) = states.get_mut(l).and_then(Option::take) else {
+                    return Err(fail(Error::Internal("a layer planned twice".into())));
+                };
+                let cx = LayerCx {
+                    heads: info.heads,
+                    head_dim: info.head_dim,
+                    hidden: info.hidden,
+                    ln_eps,
+                    certified: certified[l],
+                    u: &u[l],
+                    pos0,
+                    fresh: true,
+                    scores,
+                    acp_on_device: false,
+                    unsent: None,
+                };
+                let (p, c_rows) = books::fresh_plan(&cx, state, g).map_err(fail)?;
+                // Layers in parallel, each on a thread of its own and no pool: the caller's
+                // thread (a pool worker) waits for them.
+                let lg = lg.clone();
+                jobs.borrow_mut().push(s.spawn(move || {
+                    lg.with(|g| books::fresh_rows(state, g, &c_rows, pos0, scores, hd))
+                        .map_err(device_error)?
+                }));
+                done.set(l + 1);
+                Ok(p)
+            };
+            let mut finish = || {
+                let mut all = Vec::new();
+                for j in jobs.borrow_mut().drain(..) {
+                    all.push(join(j).map_err(fail)?);
+                }
+                Ok(all)
+            };
+            let res = dev.stream.run_deferred(ids, &mut plan, &mut finish, out);
+            // A run that failed part-way: the books it started end before the CPU takes over.
+            for j in jobs.borrow_mut().drain(..) {
+                if let Err(e) = join(j) {
+                    own_err.borrow_mut().get_or_insert(e);
+                }
+            }
+            res
+        });
+        (res, done.get(), own_err.into_inner())
     }
 
     /// What the host decides for a one-token step before its gates: re-bases (their metas),

@@ -127,35 +127,14 @@ pub(super) fn plan_layer(
     state: &mut LayerState,
     g: &Gates<'_>,
 ) -> Result<(LayerPlan, Option<Replay>)> {
-    let (nh, hd, d) = (cx.heads, cx.head_dim, cx.hidden);
+    let (nh, hd) = (cx.heads, cx.head_dim);
     let n = g.tokens;
     let scale = 1.0 / (hd as f64).sqrt();
     let ln_eps = cx.ln_eps;
     let certified = cx.certified;
     let u = cx.u;
-    let mut rebased = rebase_heads(state)?;
-    if let Some(u) = cx.unsent {
-        for (r, &x) in rebased.iter_mut().zip(u) {
-            *r |= x;
-        }
-    }
-    let mut c_rows = vec![0.0f64; n * nh];
-    for r in 0..n {
-        for h in 0..nh {
-            c_rows[r * nh + h] = state.gates[h].push(g.log_f[r * nh + h])?;
-        }
-    }
-    let kn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h) + 1]);
+    let (rebased, c_rows) = take_gates(cx, state, g)?;
     let qn = |h: usize, r: usize| f64::from(g.norms[2 * (r * nh + h)]);
-    if !certified {
-        for h in 0..nh {
-            for r in 0..n {
-                state.k_norm_max[h] = state.k_norm_max[h].max(kn(h, r));
-            }
-        }
-    }
-    state.k_shift.copy_from_slice(&g.shift[..d]);
-    state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
     let (gk, gv) = (g.k, g.v);
     let row = |h: usize, r: usize| {
         let at = (h * n + r) * hd;
@@ -224,20 +203,8 @@ pub(super) fn plan_layer(
         Ok(())
     };
     if cx.fresh && n > 1 {
-        let mut delta = Vec::with_capacity(nh);
-        for (h, &uh) in u.iter().enumerate().take(nh) {
-            delta.push(match (ln_eps, certified) {
-                (None, _) => None,
-                (Some(e), true) => Some(foxedge_core::threshold::threshold(uh, n, e)?),
-                (Some(e), false) => {
-                    let qm = (0..n).map(|r| qn(h, r)).fold(0.0, f64::max);
-                    let km = (0..n).map(|r| kn(h, r)).fold(0.0, f64::max);
-                    let uu = foxedge_core::threshold::bound_from_norms(qm, km, scale)?;
-                    Some(foxedge_core::threshold::threshold(uu, n, e)?)
-                }
-            });
-        }
-        keep_fresh_chunk(state, g, &c_rows, pos0, scores, hd)?;
+        let delta = fresh_delta(cx, g)?;
+        keep_fresh_chunk(state, g, &c_rows, pos0, scores, hd, true)?;
         // The surviving rows, each from its token of the chunk.
         let ops = state
             .heads
@@ -253,12 +220,7 @@ pub(super) fn plan_layer(
                     .collect()
             })
             .collect();
-        let mut c = vec![0.0f64; nh * n];
-        for h in 0..nh {
-            for r in 0..n {
-                c[h * n + r] = c_rows[r * nh + h];
-            }
-        }
+        let c = head_major(&c_rows, nh, n);
         return Ok((LayerPlan::Chunk { c, delta, ops }, None));
     }
     if continuation {
@@ -387,9 +349,141 @@ pub(super) fn plan_layer(
 /// plans (None: the per-layer path runs the token).
 pub(super) type LayerStepPlan = (Vec<bool>, Option<Vec<StepHead>>);
 
+/// The layer's gates into its state: re-bases (with the heads `cx.unsent` names), each
+/// head's cumulative gates (`[n][H]` `c` in f64, returned), the key-norm maxima of a layer
+/// without a certificate and the token-shift state.
+fn take_gates(
+    cx: &LayerCx<'_>,
+    state: &mut LayerState,
+    g: &Gates<'_>,
+) -> Result<(Vec<bool>, Vec<f64>)> {
+    let (nh, d, n) = (cx.heads, cx.hidden, g.tokens);
+    let mut rebased = rebase_heads(state)?;
+    if let Some(u) = cx.unsent {
+        for (r, &x) in rebased.iter_mut().zip(u) {
+            *r |= x;
+        }
+    }
+    let mut c_rows = vec![0.0f64; n * nh];
+    for r in 0..n {
+        for h in 0..nh {
+            c_rows[r * nh + h] = state.gates[h].push(g.log_f[r * nh + h])?;
+        }
+    }
+    if !cx.certified {
+        for h in 0..nh {
+            for r in 0..n {
+                let kn = f64::from(g.norms[2 * (r * nh + h) + 1]);
+                state.k_norm_max[h] = state.k_norm_max[h].max(kn);
+            }
+        }
+    }
+    state.k_shift.copy_from_slice(&g.shift[..d]);
+    state.v_shift.copy_from_slice(&g.shift[d..2 * d]);
+    Ok((rebased, c_rows))
+}
+
+/// ACP thresholds of a fresh chunk's heads (`None`: dense): from the layer's bound where
+/// it is a certificate, else from the chunk's largest query and key norms.
+fn fresh_delta(cx: &LayerCx<'_>, g: &Gates<'_>) -> Result<Vec<Option<f64>>> {
+    let (nh, n) = (cx.heads, g.tokens);
+    let scale = 1.0 / (cx.head_dim as f64).sqrt();
+    let norm = |h: usize, r: usize, i: usize| f64::from(g.norms[2 * (r * nh + h) + i]);
+    (0..nh)
+        .map(|h| {
+            Ok(match (cx.ln_eps, cx.certified) {
+                (None, _) => None,
+                (Some(e), true) => Some(foxedge_core::threshold::threshold(cx.u[h], n, e)?),
+                (Some(e), false) => {
+                    let qm = (0..n).map(|r| norm(h, r, 0)).fold(0.0, f64::max);
+                    let km = (0..n).map(|r| norm(h, r, 1)).fold(0.0, f64::max);
+                    let uu = foxedge_core::threshold::bound_from_norms(qm, km, scale)?;
+                    Some(foxedge_core::threshold::threshold(uu, n, e)?)
+                }
+            })
+        })
+        .collect()
+}
+
+/// `[n][H]` values as `[H][n]`.
+fn head_major(c_rows: &[f64], nh: usize, n: usize) -> Vec<f64> {
+    let mut c = vec![0.0f64; nh * n];
+    for h in 0..nh {
+        for r in 0..n {
+            c[h * n + r] = c_rows[r * nh + h];
+        }
+    }
+    c
+}
+
+/// The part of a fresh chunk's books its attention needs, for [`Session::device_chunk`]'s
+/// deferred books: the gates taken, and a plan that stores every row of the chunk in the
+/// slot of its token (the policy's evictions are not known yet). Returns the `[n][H]` `c`
+/// for [`fresh_rows`].
+pub(super) fn fresh_plan(
+    cx: &LayerCx<'_>,
+    state: &mut LayerState,
+    g: &Gates<'_>,
+) -> Result<(LayerPlan, Vec<f64>)> {
+    let (nh, n) = (cx.heads, g.tokens);
+    let (_, c_rows) = take_gates(cx, state, g)?;
+    let delta = fresh_delta(cx, g)?;
+    let c = head_major(&c_rows, nh, n);
+    let ops = (0..nh)
+        .map(|h| {
+            (0..n)
+                .map(|r| RowOp::Put {
+                    token: r as u32,
+                    slot: r as u32,
+                    c: c_rows[r * nh + h],
+                    pos: cx.pos0 + r as u64,
+                })
+                .collect()
+        })
+        .collect();
+    Ok((LayerPlan::Chunk { c, delta, ops }, c_rows))
+}
+
+/// The rest of a fresh chunk's books after [`fresh_plan`] (while the device runs on): the
+/// policy over the chunk and the host rows ([`keep_fresh_chunk`]); returns per head the
+/// moves that compact the device's rows (stored in their tokens' slots) into the policy's
+/// slots. Each survivor's token is at or after its slot, so moves in order of slot never
+/// read a row an earlier move wrote.
+pub(super) fn fresh_rows(
+    state: &mut LayerState,
+    g: &Gates<'_>,
+    c_rows: &[f64],
+    pos0: u64,
+    scores: Option<&[f32]>,
+    hd: usize,
+) -> Result<Vec<Vec<RowOp>>> {
+    keep_fresh_chunk(state, g, c_rows, pos0, scores, hd, false)?;
+    state
+        .heads
+        .iter()
+        .map(|hc| {
+            let mut ops = Vec::new();
+            for (s, &p) in hc.pos.iter().enumerate() {
+                let t = p
+                    .checked_sub(pos0)
+                    .filter(|&t| t >= s as u64 && t < g.tokens as u64)
+                    .ok_or_else(|| Error::Internal("a fresh chunk's row out of place".into()))?;
+                if t != s as u64 {
+                    ops.push(RowOp::Move {
+                        from: t as u32,
+                        to: s as u32,
+                    });
+                }
+            }
+            Ok(ops)
+        })
+        .collect()
+}
+
 /// The CPU's `append` of a fresh chunk's `n` rows (a stream's first): the retention policy
 /// over the tokens in order, noting each head's evictions, then each head's host rows
-/// (its evictions at a token, then the token's row), heads in parallel. The same rows as
+/// (its evictions at a token, then the token's row), heads in parallel where `parallel`
+/// (on the calling pool). The same rows as
 /// appending token by token: a fresh chunk reads no evicted row, and heads do not share
 /// rows.
 pub(super) fn keep_fresh_chunk(
@@ -399,10 +493,12 @@ pub(super) fn keep_fresh_chunk(
     pos0: u64,
     scores: Option<&[f32]>,
     hd: usize,
+    parallel: bool,
 ) -> Result<()> {
     use rayon::prelude::*;
     let (n, nh) = (g.tokens, state.heads.len());
-    let mut evs: Vec<Vec<(usize, Eviction)>> = vec![Vec::new(); nh];
+    type Evs = Vec<(usize, Eviction)>;
+    let mut evs: Vec<Evs> = vec![Vec::new(); nh];
     let mut score_row = vec![0.0f32; nh];
     let mut bad_head = false;
     for r in 0..n {
@@ -427,23 +523,28 @@ pub(super) fn keep_fresh_chunk(
         ));
     }
     let (gk, gv) = (g.k, g.v);
-    state
-        .heads
-        .par_iter_mut()
-        .zip(&evs)
-        .enumerate()
-        .try_for_each(|(h, (hc, evs))| -> Result<()> {
-            let mut evs = evs.iter().peekable();
-            for r in 0..n {
-                while let Some((_, ev)) = evs.next_if(|(at, _)| *at == r) {
-                    hc.apply(ev, hd)?;
-                }
-                let at = (h * n + r) * hd;
-                let c = c_rows[r * nh + h];
-                hc.push(&gk[at..at + hd], &gv[at..at + hd], c, pos0 + r as u64)?;
+    let head = |(h, (hc, evs)): (usize, (&mut HeadCache, &Evs))| {
+        let mut evs = evs.iter().peekable();
+        for r in 0..n {
+            while let Some((_, ev)) = evs.next_if(|(at, _)| *at == r) {
+                hc.apply(ev, hd)?;
             }
-            Ok(())
-        })
+            let at = (h * n + r) * hd;
+            let c = c_rows[r * nh + h];
+            hc.push(&gk[at..at + hd], &gv[at..at + hd], c, pos0 + r as u64)?;
+        }
+        Ok(())
+    };
+    if parallel {
+        (state.heads.par_iter_mut().zip(&evs).enumerate()).try_for_each(head)
+    } else {
+        state
+            .heads
+            .iter_mut()
+            .zip(&evs)
+            .enumerate()
+            .try_for_each(head)
+    }
 }
 
 /// What a one-token step's plan of a layer reads besides the layer's state.

@@ -39,8 +39,8 @@ mod step;
 mod weights;
 
 pub use step::{
-    ContinuePlan, DeviceStream, Gates, HeadStep, HostTimes, LayerPlan, Output, RowOp, RunStats,
-    StepAcp, StepEvict, StepHead, StepOutput, TokenPlan,
+    ContinuePlan, DeviceStream, Gates, HeadStep, HostTimes, LayerGates, LayerPlan, OpsAfter,
+    Output, RowOp, RunStats, StepAcp, StepEvict, StepHead, StepOutput, TokenPlan,
 };
 pub use weights::DeviceModel;
 

@@ -97,6 +97,29 @@ pub enum LayerPlan {
     Continue(ContinuePlan),
 }
 
+/// Row operations per layer and head that [`DeviceStream::run_deferred`] applies after the
+/// last layer.
+pub type OpsAfter = Vec<Vec<Vec<RowOp>>>;
+
+/// A layer's readback of a [`DeviceStream::run_deferred`]: its own host buffer, which the
+/// run never writes again, so a caller may read its [`Gates`] after the run has moved on
+/// (from another thread too).
+#[derive(Clone, Debug)]
+pub struct LayerGates {
+    buf: Subbuffer<[u32]>,
+    gl: GateLayout,
+    layer: usize,
+    n: usize,
+}
+
+impl LayerGates {
+    /// `f` on the layer's gates.
+    pub fn with<R>(&self, f: impl FnOnce(&Gates<'_>) -> R) -> Result<R> {
+        let w = self.buf.read().map_err(|e| Error::Vulkan(e.to_string()))?;
+        Ok(f(&self.gl.read(&w, self.layer, self.n, 0, self.gl.words)))
+    }
+}
+
 /// What a layer's gates gave, for the plan callback.
 #[derive(Debug, Clone, Copy)]
 pub struct Gates<'a> {
@@ -622,6 +645,32 @@ impl DeviceStream {
         plan: &mut dyn FnMut(&Gates<'_>) -> Result<LayerPlan>,
         out: Output<'_>,
     ) -> Result<RunStats> {
+        self.run_with(tokens, &mut |g, _| plan(g), None, out)
+    }
+
+    /// [`Self::run`] for a caller that finishes a layer's books while the device runs on:
+    /// `plan` also gets the layer's readback ([`LayerGates`], a buffer of its own that
+    /// nothing overwrites), and after the last layer `finish` returns, per layer and head,
+    /// row operations that the device applies before the final norm (a fresh chunk's
+    /// compaction: its plan stored every row, the caller's policy later said which stay
+    /// where).
+    pub fn run_deferred(
+        &mut self,
+        tokens: &[u32],
+        plan: &mut dyn FnMut(&Gates<'_>, &LayerGates) -> Result<LayerPlan>,
+        finish: &mut dyn FnMut() -> Result<OpsAfter>,
+        out: Output<'_>,
+    ) -> Result<RunStats> {
+        self.run_with(tokens, plan, Some(finish), out)
+    }
+
+    fn run_with(
+        &mut self,
+        tokens: &[u32],
+        plan: &mut dyn FnMut(&Gates<'_>, &LayerGates) -> Result<LayerPlan>,
+        finish: Option<&mut dyn FnMut() -> Result<OpsAfter>>,
+        out: Output<'_>,
+    ) -> Result<RunStats> {
         let model = self.model.clone();
         let sh = model.shape;
         let ctx = model.ctx.clone();
@@ -667,7 +716,8 @@ impl DeviceStream {
             .ok_or_else(|| internal("no scratch"))?
             .gl;
         let rb_words = gl.words + 2 * sh.hidden;
-        let rb = ctx.host_buffer(rb_words, false)?;
+        let deferred = finish.is_some();
+        let mut rb = ctx.host_buffer(rb_words, false)?;
 
         let mut rec = self.run_rec(&ctx)?;
         rec.b.fill_buffer(self.flag.clone(), 0)?;
@@ -691,6 +741,9 @@ impl DeviceStream {
                     .ok_or_else(|| internal("no scratch"))?;
                 [s.k.clone(), s.v.clone(), s.lf.clone(), s.nrm.clone()]
             };
+            if deferred && l > 0 {
+                rb = ctx.host_buffer(rb_words, false)?;
+            }
             self.record_pre(&mut rec, l, n, &gv)?;
             self.record_gates_out(&mut rec, l, &rb)?;
             self.submit(rec, &mut stats)?;
@@ -698,8 +751,14 @@ impl DeviceStream {
 
             let planning = std::time::Instant::now();
             let layer_plan = {
+                let lg = LayerGates {
+                    buf: rb.clone(),
+                    gl,
+                    layer: l,
+                    n,
+                };
                 let w = rb.read().map_err(|e| Error::Vulkan(e.to_string()))?;
-                plan(&gl.read(&w, l, n, 0, gl.words))?
+                plan(&gl.read(&w, l, n, 0, gl.words), &lg)?
             };
             let t = HostTimes {
                 plan: planning.elapsed(),
@@ -712,6 +771,46 @@ impl DeviceStream {
             let st = self.attend(&mut rec, l, n, &layer_plan, &mut stats)?;
             stats.attention.push(st);
             self.record_post(&mut rec, l, n)?;
+        }
+        if let Some(finish) = finish {
+            let planning = std::time::Instant::now();
+            let extra = finish()?;
+            let t = HostTimes {
+                plan: planning.elapsed(),
+                ..HostTimes::default()
+            };
+            stats.host.add(&t);
+            self.times.add(&t);
+            if extra.len() > sh.layers || extra.iter().any(|x| x.len() > sh.heads) {
+                return Err(foxedge_core::Error::BadLength {
+                    what: "row operations after a run (per layer, per head)",
+                    expected: sh.layers * sh.heads,
+                    got: extra.iter().map(Vec::len).sum(),
+                }
+                .into());
+            }
+            for (l, heads) in extra.into_iter().enumerate() {
+                if heads.iter().all(Vec::is_empty) {
+                    continue;
+                }
+                if heads
+                    .iter()
+                    .flatten()
+                    .any(|op| matches!(op, RowOp::Put { .. }))
+                {
+                    return Err(Error::Input(foxedge_core::Error::BadArgument(
+                        "rows applied after a run only move or re-stamp rows (no Put)",
+                    )));
+                }
+                let steps: Vec<HeadStep> = heads
+                    .into_iter()
+                    .map(|ops| HeadStep {
+                        ops,
+                        ..HeadStep::default()
+                    })
+                    .collect();
+                self.apply_ops(&mut rec, l, n, &steps, &mut stats)?;
+            }
         }
         let rows = out_rows(&out, n);
         let logits = ctx.device_buffer((rows * v).max(1))?;
