@@ -29,8 +29,10 @@
 //! runs its policy on the gates read back and checks it made the device's operations; a
 //! head where it made others (evictions past the listed candidates) is loaded from the
 //! host's rows. Layers keep their books independently, so a token's plan and books run
-//! in parallel over layers on the session's pool; a fresh chunk's host rows are kept per
-//! head in parallel after its policy has run over the chunk's tokens.
+//! in parallel over layers on the session's pool. A stream's first chunk needs only its
+//! gates before its attention: the device stores every row in its token's slot and runs
+//! on while a thread per layer keeps the policy's books; after the last layer the device
+//! moves the rows the policy kept into its slots.
 //!
 //! A model whose weights exceed the device budget, or a device without what the kernels
 //! need, leaves the session on the CPU from the start.
@@ -210,7 +212,7 @@ fn device_error(e: foxedge_vulkan::Error) -> Error {
 /// budget, a device without the kernels' features, and `auto` on a device that is not a GPU.
 ///
 /// `auto` takes a discrete or integrated GPU ([`auto_runs_on`]): on the H200 the whole model
-/// there prefills 9-16x and decodes 1.9-10x as fast as the 16-thread CPU backend (125M and
+/// there prefills 9-27x and decodes 1.9-10x as fast as the 16-thread CPU backend (125M and
 /// 760M shapes, f32 / Q8 / Q4 weights, BENCHMARKS.md). A CPU implementation (lavapipe)
 /// shares the cores the CPU kernels use and loses to them, and a virtual GPU is unmeasured.
 pub(super) fn open(model: &Arc<Model>, kind: BackendKind) -> Option<Device> {
