@@ -507,17 +507,8 @@ impl Session {
                     return Err(fail(Error::Internal("a layer planned twice".into())));
                 };
                 let cx = LayerCx {
-                    heads: info.heads,
-                    head_dim: info.head_dim,
-                    hidden: info.hidden,
-                    ln_eps,
-                    certified: certified[l],
-                    u: &u[l],
-                    pos0,
                     fresh: true,
-                    scores,
-                    acp_on_device: false,
-                    unsent: None,
+                    ..LayerCx::new(&info, ln_eps, (u, certified), l, pos0, scores)
                 };
                 let (p, c_rows) = books::fresh_plan(&cx, state, g).map_err(fail)?;
                 // Layers in parallel, each on a thread of its own and no pool: the caller's
@@ -667,17 +658,8 @@ impl Session {
                 .enumerate()
                 .map(|(l, (state, heads))| {
                     let cx = LayerCx {
-                        heads: info.heads,
-                        head_dim: info.head_dim,
-                        hidden: info.hidden,
-                        ln_eps,
-                        certified: certified[l],
-                        u: &u[l],
-                        pos0,
-                        fresh: false,
-                        scores,
                         acp_on_device: true,
-                        unsent: None,
+                        ..LayerCx::new(&info, ln_eps, (u, certified), l, pos0, scores)
                     };
                     let (made, _) = plan_layer(&cx, state, &got.gates(l))?;
                     let LayerPlan::Tokens(steps) = made else {

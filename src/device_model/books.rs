@@ -79,17 +79,17 @@ impl Keeper<'_> {
         let s = &mut *self.sess;
         let info = s.model.info();
         let cx = LayerCx {
-            heads: info.heads,
-            head_dim: info.head_dim,
-            hidden: info.hidden,
-            ln_eps: s.opts.ln_eps,
-            certified: s.certified[l],
-            u: &s.u[l],
-            pos0: self.pos0,
             fresh: self.fresh,
-            scores: self.scores,
             acp_on_device: self.acp_on_device,
             unsent: self.unsent_metas.get(l).map(Vec::as_slice),
+            ..LayerCx::new(
+                &info,
+                s.opts.ln_eps,
+                (&s.u, &s.certified),
+                l,
+                self.pos0,
+                self.scores,
+            )
         };
         let (plan, replay) = plan_layer(&cx, &mut s.layers[l], g)?;
         if let Some(r) = replay {
@@ -117,6 +117,34 @@ pub(super) struct LayerCx<'a> {
     pub(super) acp_on_device: bool,
     /// Heads re-based before this run without the device's rows.
     pub(super) unsent: Option<&'a [bool]>,
+}
+
+impl<'a> LayerCx<'a> {
+    /// Layer `l`'s context in a run from `pos0` of a session with these bounds `u`,
+    /// certificates and `ln ε`: a chunk of a stream with a cache whose ACP the host decides
+    /// (set `fresh`, `acp_on_device`, `unsent` where they differ).
+    pub(super) fn new(
+        info: &crate::model::ModelInfo,
+        ln_eps: Option<f64>,
+        (u, certified): (&'a [Vec<f64>], &[bool]),
+        l: usize,
+        pos0: u64,
+        scores: Option<&'a [f32]>,
+    ) -> Self {
+        LayerCx {
+            heads: info.heads,
+            head_dim: info.head_dim,
+            hidden: info.hidden,
+            ln_eps,
+            certified: certified[l],
+            u: &u[l],
+            pos0,
+            fresh: false,
+            scores,
+            acp_on_device: false,
+            unsent: None,
+        }
+    }
 }
 
 /// One layer's bookkeeping of a device run ([`Keeper::plan`]): the layer's gates in, its
@@ -203,25 +231,10 @@ pub(super) fn plan_layer(
         Ok(())
     };
     if cx.fresh && n > 1 {
-        let delta = fresh_delta(cx, g)?;
-        keep_fresh_chunk(state, g, &c_rows, pos0, scores, hd, true)?;
-        // The surviving rows, each from its token of the chunk.
-        let ops = state
-            .heads
-            .iter()
-            .map(|hc| {
-                (0..hc.len())
-                    .map(|s| RowOp::Put {
-                        token: (hc.pos[s] - pos0) as u32,
-                        slot: s as u32,
-                        c: hc.c[s],
-                        pos: hc.pos[s],
-                    })
-                    .collect()
-            })
-            .collect();
-        let c = head_major(&c_rows, nh, n);
-        return Ok((LayerPlan::Chunk { c, delta, ops }, None));
+        // A stream's first chunk keeps its books beside the device (`fresh_plan`).
+        return Err(Error::Internal(
+            "a fresh chunk's books go through fresh_plan".into(),
+        ));
     }
     if continuation {
         // A continuation: the chunk attends the cache as it is now, then its rows (and
@@ -457,7 +470,7 @@ pub(super) fn fresh_rows(
     scores: Option<&[f32]>,
     hd: usize,
 ) -> Result<Vec<Vec<RowOp>>> {
-    keep_fresh_chunk(state, g, c_rows, pos0, scores, hd, false)?;
+    keep_fresh_chunk(state, g, c_rows, pos0, scores, hd)?;
     state
         .heads
         .iter()
@@ -482,8 +495,7 @@ pub(super) fn fresh_rows(
 
 /// The CPU's `append` of a fresh chunk's `n` rows (a stream's first): the retention policy
 /// over the tokens in order, noting each head's evictions, then each head's host rows
-/// (its evictions at a token, then the token's row), heads in parallel where `parallel`
-/// (on the calling pool). The same rows as
+/// (its evictions at a token, then the token's row), head by head. The same rows as
 /// appending token by token: a fresh chunk reads no evicted row, and heads do not share
 /// rows.
 pub(super) fn keep_fresh_chunk(
@@ -493,12 +505,9 @@ pub(super) fn keep_fresh_chunk(
     pos0: u64,
     scores: Option<&[f32]>,
     hd: usize,
-    parallel: bool,
 ) -> Result<()> {
-    use rayon::prelude::*;
     let (n, nh) = (g.tokens, state.heads.len());
-    type Evs = Vec<(usize, Eviction)>;
-    let mut evs: Vec<Evs> = vec![Vec::new(); nh];
+    let mut evs: Vec<Vec<(usize, Eviction)>> = vec![Vec::new(); nh];
     let mut score_row = vec![0.0f32; nh];
     let mut bad_head = false;
     for r in 0..n {
@@ -523,7 +532,7 @@ pub(super) fn keep_fresh_chunk(
         ));
     }
     let (gk, gv) = (g.k, g.v);
-    let head = |(h, (hc, evs)): (usize, (&mut HeadCache, &Evs))| {
+    for (h, (hc, evs)) in state.heads.iter_mut().zip(&evs).enumerate() {
         let mut evs = evs.iter().peekable();
         for r in 0..n {
             while let Some((_, ev)) = evs.next_if(|(at, _)| *at == r) {
@@ -533,18 +542,8 @@ pub(super) fn keep_fresh_chunk(
             let c = c_rows[r * nh + h];
             hc.push(&gk[at..at + hd], &gv[at..at + hd], c, pos0 + r as u64)?;
         }
-        Ok(())
-    };
-    if parallel {
-        (state.heads.par_iter_mut().zip(&evs).enumerate()).try_for_each(head)
-    } else {
-        state
-            .heads
-            .iter_mut()
-            .zip(&evs)
-            .enumerate()
-            .try_for_each(head)
     }
+    Ok(())
 }
 
 /// What a one-token step's plan of a layer reads besides the layer's state.
